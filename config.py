@@ -1,0 +1,136 @@
+"""floe's one flat config: every flag of train.py, its default, and its checks.
+
+Every field is a kebab-case flag (`--icepop-beta 2.0`). A bad value stops the program
+before any heavy work with one line naming the flag and what is allowed, exit status 2.
+
+Simplifications:
+1. One dataclass, no nesting: a fork reads every knob in one screen, and tyro turns it
+   into flags with no glue.
+2. A value that can be derived is not a flag (the stage's learning rate, the device, the
+   compile choice), so `Config.resolve()` fills those in and the resolved config is what
+   gets printed and saved to `config.json`.
+
+    python train.py --help
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+
+class ConfigError(Exception):
+    """A flag value that is out of range; the message names the flag."""
+
+
+@dataclass
+class Config:
+    # --- run
+    stage: Literal["rl", "sft"] = "rl"  # rl: policy gradient from --model; sft: supervised warm-up
+    model: str = "checkpoints/reverse-tiny"  # a local HF directory (config.json, model.safetensors, tokenizer.json)
+    out_dir: str = "runs/latest"  # config.json, metrics.jsonl and checkpoints go here
+    steps: int = 40  # optimizer steps (rl: one rollout batch each)
+    seed: int = 0  # seeds prompts, sampling and init
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
+    compile: Literal["auto", "on", "off"] = "auto"  # torch.compile of the trainer forward; auto: on for cuda, off on cpu (measured faster, README)
+    save_every: int = 0  # steps between checkpoints; 0: only at the end
+    eval_every: int = 10  # steps between held-out evals (also at step 0 and the end); 0: no eval
+    eval_prompts: int = 64  # held-out prompts per eval (greedy? no: sampled at --temperature, one each)
+    wandb_project: str = ""  # log to wandb when given (WANDB_MODE=offline works); nothing is sent otherwise
+
+    # --- task and batch
+    prompts_per_step: int = 16  # distinct prompts per rl step (sft: sequences per step)
+    group_size: int = 8  # completions per prompt; advantages are centered within a group
+    adv_std_norm: bool = False  # also divide advantages by the group's reward std
+    max_new_tokens: int = 24  # completion budget per sample
+    micro_batch_tokens: int = 2048  # fixed token budget of one packed micro-batch
+    min_words: int = 1  # reverse-text: words per prompt, at least
+    max_words: int = 3  # reverse-text: words per prompt, at most
+
+    # --- optimizer
+    lr: float = 0.0  # 0: the stage's default (rl 2e-4, sft 3e-3)
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # max global grad norm; 0: off
+    epochs: int = 1  # optimizer passes over each rollout batch (>1: ppo/cispo's pi_old is a no-grad pass)
+
+    # --- sampling (the engine)
+    engine: Literal["auto", "torch", "vllm"] = "auto"  # auto: vllm when it imports, else the built-in torch engine
+    engine_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"  # the engine's weights; the trainer keeps fp32
+    temperature: float = 1.0  # sampling temperature; the trainer scores at the same temperature
+    top_p: float = 1.0  # nucleus sampling; 1: off
+    top_k: int = 0  # top-k sampling; 0: off
+
+    # --- the loss (loss.py; DESIGN.md "The loss")
+    loss: Literal["reinforce", "icepop", "ipo", "ppo", "cispo"] = "icepop"
+    icepop_alpha: float = 0.5  # icepop: keep tokens with alpha <= p/q <= beta
+    icepop_beta: float = 5.0  # icepop: upper bound, the paper's value
+    icepop: bool = False  # ppo/cispo: also apply the IcePop mask on pi_old/q
+    ipo_eps: float = 0.2  # ipo: keep tokens with |p - q| <= eps
+    max_importance_ratio: float = 5.0  # ipo: cap on p/q
+    clip_low: float = 0.2  # ppo/cispo: lower clip on p/pi_old (1 - clip_low)
+    clip_high: float = 0.28  # ppo/cispo: upper clip (1 + clip_high)
+    adv_tau: float = 1.0  # plain multiplier on the advantage
+    score_centering_k: int = 16  # draws per token for centering under untruncated sampling
+    kl_coeff: float = 0.0  # sampler KL coefficient beta; 0: off
+    kl_estimator: Literal["exact", "k1"] = "exact"  # exact: sum over the support; k1: log q(a) - log p(a)
+    kl_staleness: Literal["none", "inv_sqrt"] = "none"  # scale beta by 1/sqrt(1 + age) with inv_sqrt
+    loss_agg: Literal["token", "sequence"] = "token"  # normalization over the global batch
+    bad_evidence: Literal["error", "drop"] = "error"  # sampler evidence that fails validation
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 1, "--steps", f"must be >= 1, got {self.steps}")
+        _check(self.temperature > 0, "--temperature", f"must be > 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, "--top-p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, "--top-k", f"must be >= 0 (0: off), got {self.top_k}")
+        _check(0 <= self.icepop_alpha < self.icepop_beta, "--icepop-alpha/--icepop-beta",
+               f"need 0 <= alpha < beta, got alpha={self.icepop_alpha} beta={self.icepop_beta}")
+        _check(self.ipo_eps > 0, "--ipo-eps", f"must be > 0, got {self.ipo_eps}")
+        _check(self.max_importance_ratio >= 1, "--max-importance-ratio", f"must be >= 1, got {self.max_importance_ratio}")
+        _check(0 <= self.clip_low < 1, "--clip-low", f"must be in [0, 1), got {self.clip_low}")
+        _check(self.clip_high >= 0, "--clip-high", f"must be >= 0, got {self.clip_high}")
+        _check(self.score_centering_k >= 1, "--score-centering-k", f"must be >= 1, got {self.score_centering_k}")
+        _check(self.kl_coeff >= 0, "--kl-coeff", f"must be >= 0, got {self.kl_coeff}")
+        _check(self.prompts_per_step >= 1, "--prompts-per-step", f"must be >= 1, got {self.prompts_per_step}")
+        _check(self.group_size >= 1, "--group-size", f"must be >= 1, got {self.group_size}")
+        _check(self.max_new_tokens >= 1, "--max-new-tokens", f"must be >= 1, got {self.max_new_tokens}")
+        _check(self.micro_batch_tokens >= 64, "--micro-batch-tokens", f"must be >= 64, got {self.micro_batch_tokens}")
+        _check(1 <= self.min_words <= self.max_words, "--min-words/--max-words",
+               f"need 1 <= min <= max, got {self.min_words}, {self.max_words}")
+        _check(self.lr >= 0, "--lr", f"must be >= 0 (0: the stage's default), got {self.lr}")
+        _check(self.grad_clip >= 0, "--grad-clip", f"must be >= 0 (0: off), got {self.grad_clip}")
+        _check(self.epochs >= 1, "--epochs", f"must be >= 1, got {self.epochs}")
+        _check(self.save_every >= 0, "--save-every", f"must be >= 0, got {self.save_every}")
+        _check(self.eval_every >= 0, "--eval-every", f"must be >= 0 (0: no eval), got {self.eval_every}")
+        _check(self.eval_prompts >= 1, "--eval-prompts", f"must be >= 1, got {self.eval_prompts}")
+        _check(self.adv_tau > 0, "--adv-tau", f"must be > 0, got {self.adv_tau}")
+
+    def resolve(self, cuda_available: bool) -> Config:
+        """Fill in the derived values: device, compile, learning rate."""
+        device = self.device if self.device != "auto" else ("cuda" if cuda_available else "cpu")
+        if device == "cuda" and not cuda_available:
+            raise ConfigError("--device cuda: no CUDA device is available (use --device cpu)")
+        compile_ = self.compile if self.compile != "auto" else ("on" if device == "cuda" else "off")
+        lr = self.lr or (2e-4 if self.stage == "rl" else 3e-3)
+        return dataclasses.replace(self, device=device, compile=compile_, lr=lr)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+
+def _check(ok: bool, flag: str, what: str) -> None:
+    if not ok:
+        raise ConfigError(f"{flag} {what}")
+
+
+def parse(args: list[str] | None = None) -> Config:
+    """Flags -> Config. A bad value prints one line and exits with status 2."""
+    import tyro
+
+    try:
+        return tyro.cli(Config, args=args)
+    except ConfigError as e:
+        print(f"floe: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,379 @@
+"""The RL loss: one policy-gradient estimator with five weightings, score centering, a
+sampler KL, global normalization, metrics, and the sampler-evidence checks run before it.
+
+For a trained token t with sampled token a, advantage A_t (times --adv-tau), trainer
+log-prob log p (current weights, sampling temperature) and sampler log-prob log q:
+
+    loss_t = -A_t * ( w(a)*log p(a) - sum_{v in S_t} sg[u_v*w(v)]*log p(v) ) + beta_t*KL_t
+
+w is detached and set by --loss: reinforce 1; icepop 1[alpha <= p/q <= beta]*p/q; ipo
+1[|p - q| <= eps]*min(p/q, cap); cispo sg(clip(p/pi_old))*M(k). ppo keeps its surrogate
+-M(k)*min(rho*A, clip(rho)*A), rho = p/pi_old, whose gradient is -M*A*rho*grad log p where
+the clip is inactive. M(k) is IcePop's mask on k = pi_old/q (with --icepop): k inside
+[alpha, beta] keeps weight k, outside 0. The sum over S_t is score centering (reinforce,
+icepop, ipo only): it removes E_q[w*grad log p], the part of the update that only pulls the
+trainer toward the sampler's numerics. u_v = q_v on a replayed (top-p/top-k) row, 1/K on a
+row of K draws. DESIGN.md "The loss" is the spec; tests/test_loss.py checks every path
+against a dense fp64 reference written from the formula above.
+
+Simplifications and decisions:
+1. Everything is in log space. Masks are decided on log r = log p - log q and the weight
+   is exp(log r) only where the mask keeps it (exp(-inf) = 0 elsewhere), so a ratio that
+   overflows contributes exactly 0 to the loss and its gradient, never inf*0 = NaN.
+2. Positions outside the loss (prompt, padding, dropped samples) read the trainer's own
+   log-prob as their evidence: ratio 1, weight finite, coefficient 0. Whatever garbage the
+   records hold there cannot reach a gradient.
+3. Metrics clamp log r to +-20 (e^20 ~ 5e8), metrics only: k3 and mask_tv stay finite
+   however far apart p and q are. Every metric is a (sum, count) pair over loss tokens
+   (the loss metric counts sequences under --loss-agg sequence), summed over micro-batches
+   and ranks and divided once.
+4. KL exact falls back to k1 on a token whose support row is empty, and everywhere when
+   the micro-batch has no support. Age is clamped at 0; `step` may be a 0-d tensor.
+5. Under --loss-agg sequence a sequence is a document of the micro-batch (packing never
+   splits a sample). Every weight and mask applies in both modes.
+6. Denominators count this process's micro-batches with one host sync, before the loop;
+   under torchrun the caller sums them over ranks. A zero count divides by 1 (loss 0).
+7. ppo has no dual clip: rho compares the trainer with itself and stays near 1.
+8. Evidence checks read the loss tokens and their support rows only (what the loss uses).
+   An empty replayed row fails (it cannot hold its sampled token); an empty draws row is
+   fine (no centering). Broken offsets are a packing bug, not sampler evidence: they raise
+   even under --bad-evidence drop. Dropping a sample also zeroes its out-of-range ids in
+   place, since the head still gathers every row.
+
+    python -m pytest -q tests/test_loss.py      # CPU, seconds
+    python train.py --loss icepop --icepop-beta 2.0                                 # 1 CPU or GPU
+    torchrun --nproc_per_node 8 train.py --model <HF dir> --loss ppo --icepop     # N GPUs
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from config import Config
+from data import MicroBatch, TokenSupport
+
+Metrics = dict[str, tuple[Tensor, Tensor]]
+CENTERED = ("reinforce", "icepop", "ipo")  # the weightings that get score centering
+METRIC_CLAMP = 20.0  # |log r| cap for metrics only
+
+
+@dataclass
+class Denominators:
+    tokens: int  # loss tokens in the global batch, masked-by-weight tokens included
+    seqs: int  # sequences with >= 1 loss token in the global batch
+
+
+def denominators(micro_batches: list[MicroBatch]) -> Denominators:
+    """Counted from loss_mask, so samples dropped by validate_evidence leave both counts."""
+    if not micro_batches:
+        return Denominators(0, 0)
+    counts = []
+    for mb in micro_batches:
+        f = mb.loss_mask.long()
+        per_doc = torch.zeros_like(f).index_add_(0, mb.doc_ids, f)
+        counts.append(torch.stack([f.sum(), (per_doc > 0).sum()]))
+    tokens, seqs = torch.stack(counts).sum(0).tolist()  # the one host sync, before the loop
+    return Denominators(int(tokens), int(seqs))
+
+
+# ----------------------------------------------------------------------------- weights
+
+def _icepop(log_ratio: Tensor, cfg: Config) -> tuple[Tensor, Tensor, Tensor]:
+    """IcePop's M: weight r inside [alpha, beta] (inclusive), 0 outside; (w, low, high)."""
+    low = log_ratio < (math.log(cfg.icepop_alpha) if cfg.icepop_alpha > 0 else -math.inf)
+    high = log_ratio > math.log(cfg.icepop_beta)
+    return torch.where(low | high, -math.inf, log_ratio).exp(), low, high
+
+
+def _weight(logp: Tensor, logq: Tensor, cfg: Config) -> tuple[Tensor, Tensor, Tensor]:
+    """w for reinforce/icepop/ipo from detached log-probs; (w, masked low, masked high)."""
+    log_r = logp - logq
+    if cfg.loss == "icepop":
+        return _icepop(log_r, cfg)
+    if cfg.loss == "ipo":
+        drop = (logp.exp() - logq.exp()).abs() > cfg.ipo_eps
+        capped = log_r.clamp(max=math.log(cfg.max_importance_ratio))
+        low = drop & (logp < logq)
+        return torch.where(drop, -math.inf, capped).exp(), low, drop & ~low
+    none = torch.zeros_like(log_r, dtype=torch.bool)
+    return torch.ones_like(log_r), none, none
+
+
+# ----------------------------------------------------------------------------- support rows
+
+@dataclass
+class _Rows:
+    """The support entries of one micro-batch, each tied to its token."""
+
+    row: Tensor  # int64 [nnz] token of each entry
+    counts: Tensor  # int64 [T] entries per row
+    u: Tensor  # [nnz] q_v (replayed) or 1/K (draws); 0 on rows outside the loss
+    logp: Tensor  # [nnz] trainer log-prob, detached
+    logq: Tensor  # [nnz] sampler log-prob; the trainer's own outside the loss
+
+
+def _entry_rows(offsets: Tensor, nnz: int) -> Tensor:
+    """Row of each entry without a host sync; cummax keeps it defined on broken offsets."""
+    mono = torch.cummax(offsets, 0).values
+    at = torch.arange(nnz, device=offsets.device)
+    return (torch.searchsorted(mono, at, right=True) - 1).clamp(0, offsets.numel() - 2)
+
+
+def _rows(sup: TokenSupport, support_logp: Tensor, mask: Tensor) -> _Rows:
+    row = _entry_rows(sup.offsets, support_logp.numel())
+    counts = sup.offsets[1:] - sup.offsets[:-1]
+    live = mask[row]
+    logp = support_logp.detach()
+    logq = torch.where(live, sup.logq.to(logp.dtype), logp)
+    u = torch.where(sup.replayed[row], logq.exp(), 1.0 / counts[row].clamp(min=1).to(logp.dtype))
+    return _Rows(row, counts, torch.where(live, u, 0.0), logp, logq)
+
+
+def _row_sum(x: Tensor, rows: _Rows) -> Tensor:
+    return torch.zeros(rows.counts.numel(), dtype=x.dtype, device=x.device).index_add(0, rows.row, x)
+
+
+# ----------------------------------------------------------------------------- metrics
+
+def _stat(values: Tensor, on: Tensor) -> tuple[Tensor, Tensor]:
+    """(sum over the tokens `on`, their count); where, not a product, keeps an inf elsewhere out."""
+    v = values.detach()
+    return torch.where(on, v, 0.0).sum(), on.sum().to(v.dtype)
+
+
+def _masked_stats(name: str, low: Tensor, high: Tensor, mask: Tensor, dtype: torch.dtype) -> Metrics:
+    """Fractions of loss tokens a mask removed; the count is every loss token, never 1 - mean."""
+    out = {f"{name}/masked_fraction": _stat((low | high).to(dtype), mask)}
+    if name == "icepop":
+        out["icepop/masked_fraction/low"] = _stat(low.to(dtype), mask)
+        out["icepop/masked_fraction/high"] = _stat(high.to(dtype), mask)
+    return out
+
+
+def _mismatch_stats(log_r: Tensor, entropy: Tensor, mask: Tensor) -> Metrics:
+    lr = log_r.clamp(-METRIC_CLAMP, METRIC_CLAMP)
+    return {"entropy": _stat(entropy.to(lr.dtype), mask),
+            "mismatch/kl": _stat(lr.exp() - 1 - lr, mask),  # k3, on sampled tokens
+            "mismatch/abs_logratio": _stat(lr.abs(), mask)}
+
+
+def _centering_stats(rows: _Rows, w: Tensor, mask: Tensor) -> Metrics:
+    r = (rows.logp - rows.logq).clamp(-METRIC_CLAMP, METRIC_CLAMP).exp()
+    centered = mask & (rows.counts > 0)
+    return {"score_centering/support_mass": _stat(_row_sum(rows.u * r, rows), centered),
+            "score_centering/mask_tv": _stat(0.5 * _row_sum(rows.u * (r - w).abs(), rows), centered)}
+
+
+# ----------------------------------------------------------------------------- the loss terms
+
+def _centered_term(logp: Tensor, logq: Tensor, adv: Tensor, rows: _Rows | None, support_logp: Tensor,
+                   cfg: Config, mask: Tensor, metrics: Metrics) -> Tensor:
+    """reinforce/icepop/ipo: -A*(w(a)*log p(a) - sum_v sg[u_v*w(v)]*log p(v))."""
+    w, low, high = _weight(logp.detach(), logq, cfg)
+    if cfg.loss != "reinforce":
+        metrics.update(_masked_stats(cfg.loss, low, high, mask, logp.dtype))
+    score = w * logp
+    if rows is not None:
+        wv, _, _ = _weight(rows.logp, rows.logq, cfg)
+        score = score - _row_sum((rows.u * wv).detach() * support_logp, rows)
+        metrics.update(_centering_stats(rows, wv, mask))
+    return -adv * score
+
+
+def _clipped_term(logp: Tensor, logq: Tensor, adv: Tensor, old_logp: Tensor | None,
+                  cfg: Config, mask: Tensor, metrics: Metrics) -> Tensor:
+    """ppo/cispo: the clip on rho = p/pi_old, times M(k), k = pi_old/q, with --icepop."""
+    lp = logp.detach()
+    old = lp if old_logp is None else torch.where(mask, old_logp.detach().to(lp.dtype), lp)
+    log_rho = lp - old
+    lo, hi = math.log1p(-cfg.clip_low), math.log1p(cfg.clip_high)
+    m = torch.ones_like(lp)
+    if cfg.icepop:
+        m, low, high = _icepop(old - logq, cfg)
+        metrics.update(_masked_stats("icepop", low, high, mask, lp.dtype))
+    clipped_rho = log_rho.clamp(lo, hi).exp()
+    if cfg.loss == "cispo":
+        clipped = (log_rho < lo) | (log_rho > hi)
+        term = -adv * (m * clipped_rho) * logp
+    else:
+        # min(rho*A, clip(rho)*A) picks the constant only on the side the update pushes out
+        clipped = ((adv > 0) & (log_rho > hi)) | ((adv < 0) & (log_rho < lo))
+        live = ~clipped & (m > 0)
+        rho = torch.where(live, logp - old, 0.0).exp()  # no exp of a masked ratio, even in backward
+        term = -m * adv * torch.where(clipped, clipped_rho, rho)
+    metrics["ppo/clip_fraction"] = _stat(clipped.to(lp.dtype), mask)
+    return term
+
+
+def _kl_term(logp: Tensor, logq: Tensor, rows: _Rows | None, support_logp: Tensor, mb: MicroBatch,
+             cfg: Config, step: int | Tensor, mask: Tensor, metrics: Metrics) -> Tensor:
+    """beta_t * KL_t(q||p): exact over the support row, or k1 on the sampled token."""
+    kl = logq - logp
+    if cfg.kl_estimator == "exact" and rows is not None:
+        exact = _row_sum(rows.u * (rows.logq - support_logp), rows)
+        kl = torch.where(rows.counts > 0, exact, kl)
+    age = (step - mb.versions).clamp(min=0).to(logp.dtype)
+    scale = (1 + age).rsqrt() if cfg.kl_staleness == "inv_sqrt" else torch.ones_like(age)
+    beta = cfg.kl_coeff * scale
+    metrics["kl"] = _stat(kl, mask)
+    metrics["kl/beta"] = _stat(beta, mask)
+    metrics["kl/age0"] = _stat(kl, mask & (age == 0))
+    return beta * kl
+
+
+def _normalization(mb: MicroBatch, cfg: Config, denom: Denominators, dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
+    """Per-token coefficient of the global loss; (coef, this micro-batch's count, global count)."""
+    f = mb.loss_mask.to(dtype)
+    if cfg.loss_agg == "token":
+        d = max(denom.tokens, 1)
+        return f / d, f.sum(), d
+    d = max(denom.seqs, 1)
+    per_doc = torch.zeros_like(f).index_add_(0, mb.doc_ids, f)
+    return f / (per_doc[mb.doc_ids].clamp(min=1) * d), (per_doc > 0).sum().to(dtype), d
+
+
+def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch, cfg: Config,
+            denom: Denominators, step: int | Tensor, old_logp: Tensor | None = None) -> tuple[Tensor, Metrics]:
+    """This micro-batch's share of the global loss, and its (sum, count) metrics; no host sync.
+
+    logp [T] and support_logp [nnz] carry grad (renormalized over the row where replayed);
+    entropy [T] is a metric; old_logp [T] is pi_old for ppo/cispo (None: sg(logp))."""
+    mask, lp = mb.loss_mask, logp.detach()
+    adv = torch.where(mask, mb.advantages.to(lp.dtype), 0.0) * cfg.adv_tau
+    logq = torch.where(mask, mb.logq.to(lp.dtype), lp)
+    metrics = _mismatch_stats(lp - logq, entropy, mask)
+    needs_rows = cfg.loss in CENTERED or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")
+    rows = _rows(mb.support, support_logp, mask) if mb.support is not None and needs_rows else None
+    if cfg.loss in CENTERED:
+        per_token = _centered_term(logp, logq, adv, rows, support_logp, cfg, mask, metrics)
+    else:
+        per_token = _clipped_term(logp, logq, adv, old_logp, cfg, mask, metrics)
+    if cfg.kl_coeff > 0:
+        per_token = per_token + _kl_term(logp, logq, rows, support_logp, mb, cfg, step, mask, metrics)
+    coef, count, d = _normalization(mb, cfg, denom, lp.dtype)
+    loss = (coef * torch.where(mask, per_token, 0.0)).sum()
+    metrics["loss"] = (loss.detach() * d, count)
+    return loss, metrics
+
+
+def sft_loss(logp: Tensor, mb: MicroBatch, denom: Denominators) -> tuple[Tensor, Metrics]:
+    """Supervised warm-up: mean negative log-likelihood over the global batch's loss tokens."""
+    nll = torch.where(mb.loss_mask, -logp, 0.0)
+    loss = nll.sum() / max(denom.tokens, 1)
+    return loss, {"loss": (nll.detach().sum(), mb.loss_mask.sum().to(logp.dtype))}
+
+
+def accumulate(total: Metrics, metrics: Metrics) -> None:
+    """Add (sum, count) pairs into `total` on the device; no sync."""
+    for k, (s, c) in metrics.items():
+        s0, c0 = total.get(k, (0.0, 0.0))
+        total[k] = (s0 + s.detach(), c0 + c)
+
+
+def reduce_metrics(total: Metrics) -> dict[str, float]:
+    """{name: sum / count}, one host sync; names with a zero count are left out."""
+    if not total:
+        return {}
+    pairs = torch.stack([torch.stack([s.double(), c.double()]) for s, c in total.values()]).tolist()
+    return {k: s / c for k, (s, c) in zip(total, pairs) if c != 0}
+
+
+# ----------------------------------------------------------------------------- evidence
+
+CHECKS = ("support offsets are not non-decreasing from 0 to nnz",  # structural: always raises
+          "label not in [0, V)", "support id not in [0, V)", "logq is not finite (NaN or inf)", "logq > 0",
+          "support logq is not finite (NaN or inf)", "support logq > 0", "replayed row lacks its sampled token",
+          "replayed q does not sum to 1 (tolerance 1e-3)", "draws row size != --score-centering-k")
+
+
+def _evidence_fails(mb: MicroBatch, vocab_size: int, k: int) -> tuple[Tensor, Tensor | None]:
+    """[len(CHECKS), T] bool, one row per check, and each support entry's row."""
+    mask, labels, logq = mb.loss_mask, mb.labels, mb.logq
+    T = mask.numel()
+    no = torch.zeros_like(mask)
+    out = [no, (labels < 0) | (labels >= vocab_size), no, ~torch.isfinite(logq), logq > 0] + [no] * 5
+    sup, row = mb.support, None
+    if sup is not None:
+        if sup.offsets.numel() != T + 1:
+            raise ValueError(f"bad sampler evidence: support has {sup.offsets.numel() - 1} rows for {T} tokens")
+        off, ids, slq = sup.offsets, sup.ids.long(), sup.logq
+        counts = off[1:] - off[:-1]
+        row = _entry_rows(off, ids.numel())
+
+        def any_in_row(bad: Tensor) -> Tensor:
+            return torch.zeros(T, dtype=torch.int64, device=mask.device).index_add_(0, row, bad.long()) > 0
+
+        ends = torch.zeros_like(mask)
+        ends[0], ends[-1] = off[0] != 0, off[-1] != ids.numel()
+        qsum = torch.zeros(T, dtype=torch.float64, device=mask.device).index_add_(0, row, slq.double().exp())
+        out[0] = (counts < 0) | ends
+        out[2] = any_in_row((ids < 0) | (ids >= vocab_size))
+        out[5], out[6] = any_in_row(~torch.isfinite(slq)), any_in_row(slq > 0)
+        out[7] = sup.replayed & ~any_in_row(ids == labels[row])
+        out[8] = sup.replayed & (counts > 0) & ~((qsum - 1).abs() <= 1e-3)
+        out[9] = ~sup.replayed & (counts > 0) & (counts != k)
+    fails = torch.stack(out)
+    fails[1:] &= mask  # only what the loss reads; offsets are checked on every row
+    return fails, row
+
+
+def _token_index(mb: MicroBatch) -> Tensor:
+    """k for the k-th completion token of its sample: position minus its document's first loss position."""
+    T = mb.loss_mask.numel()
+    pos = torch.arange(T, device=mb.loss_mask.device)
+    first = torch.full_like(pos, T).scatter_reduce(0, mb.doc_ids, torch.where(mb.loss_mask, pos, T), "amin")
+    return pos - first[mb.doc_ids]
+
+
+def _drop(mb: MicroBatch, bad: Tensor, row: Tensor | None, vocab_size: int) -> None:
+    """Untrain every token of the bad samples; zero their out-of-range ids so the head can gather."""
+    gone = (mb.sample_idx >= 0) & bad[mb.sample_idx.clamp(min=0)]
+    mb.loss_mask &= ~gone
+    mb.labels.masked_fill_(gone & ((mb.labels < 0) | (mb.labels >= vocab_size)), 0)
+    if row is not None:
+        ids = mb.support.ids
+        ids.masked_fill_(gone[row] & ((ids < 0) | (ids >= vocab_size)), 0)
+
+
+def validate_evidence(micro_batches: list[MicroBatch], vocab_size: int, cfg: Config) -> Metrics:
+    """Check the sampler evidence of the step on the device; one host sync at the end.
+
+    --bad-evidence error raises ValueError naming the sample, its token and the check;
+    drop untrains the bad samples in place (call before denominators) and counts them."""
+    if not micro_batches:
+        return {}
+    dev = micro_batches[0].loss_mask.device
+    space = max((max(mb.samples) + 1 for mb in micro_batches if mb.samples), default=1)
+    bad = torch.zeros(space, dtype=torch.int64, device=dev)  # failures per sample index
+    firsts, rows = [], []
+    for mb in micro_batches:
+        fails, row = _evidence_fails(mb, vocab_size, cfg.score_centering_k)
+        T = fails.shape[1]
+        pos = torch.where(fails, torch.arange(T, device=dev), T).amin(dim=1)  # first failure of each check; T: none
+        at = pos.clamp(max=T - 1)
+        firsts.append(torch.stack([pos, mb.sample_idx[at], _token_index(mb)[at]]))
+        hit = fails[1:].any(0) & (mb.sample_idx >= 0)
+        bad.index_add_(0, mb.sample_idx.clamp(min=0), hit.long())
+        rows.append(row)
+    if cfg.bad_evidence == "drop":
+        for mb, row in zip(micro_batches, rows):
+            _drop(mb, bad > 0, row, vocab_size)
+    counts = torch.stack([mb.loss_mask.sum() for mb in micro_batches])
+    host = torch.cat([torch.stack(firsts).flatten(), (bad > 0).long(), counts]).tolist()  # the one sync
+    C, M = len(CHECKS), len(micro_batches)
+    first = [[host[(i * 3 + j) * C:(i * 3 + j + 1) * C] for j in range(3)] for i in range(M)]
+    n_bad = sum(host[3 * C * M:-M])
+    for i, (pos, sample, token) in enumerate(first):
+        T = micro_batches[i].loss_mask.numel()
+        c = next((c for c in range(C) if pos[c] < T), None)
+        if c is not None and (cfg.bad_evidence == "error" or c == 0):
+            raise ValueError(f"bad sampler evidence: sample {sample[c]}, token {token[c]}: {CHECKS[c]} "
+                             f"(micro-batch {i}, position {pos[c]})")
+    for mb, n in zip(micro_batches, host[-M:]):
+        mb.num_loss_tokens = int(n)
+    dropped = torch.tensor([n_bad, sum(len(mb.samples) for mb in micro_batches)], dtype=torch.float64, device=dev)
+    return {"bad_evidence/dropped": (dropped[0], dropped[1])}

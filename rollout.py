@@ -1,0 +1,159 @@
+"""Rollouts: the `Engine` contract, the built-in `TorchEngine`, and group advantages.
+
+An engine turns prompts into completions and reports, for every completion token, the
+sampler evidence the loss needs: the sampled id, its log-prob `logq` under the
+distribution it was really drawn from (after temperature and top-k/top-p, renormalized
+over the kept set), and the policy version of the weights that drew it.
+
+Simplifications:
+1. `TorchEngine` keeps its own copy of the model in `--engine-dtype` (bf16 by default)
+   while the trainer keeps fp32 master weights: the same training-inference mismatch a
+   real inference engine has, visible even on a CPU. `load_weights` casts in place.
+2. Decoding is gpt-fast's shape: prompts are prefilled once (right-padded, one batch),
+   the static KV cache is copied n times for the group, and one compiled-friendly step
+   decodes every row at its own position. Finished rows keep decoding into a masked
+   tail instead of shrinking the batch, so shapes never change.
+3. Sampling is the exponential-race form of categorical sampling
+   (argmax(p / Exp(1)) is a draw from p), so it needs no host sync; whether all rows
+   have stopped is checked only every 8 tokens.
+4. Advantages are group-centered: A = r - mean(group), optionally / std(group). A group
+   whose rewards are all equal gets A = 0 and trains nothing.
+
+    python bench/engine.py   # rollout tokens/s (to come with the vLLM engine)
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from data import TokenSupport
+from model import KVCache, Qwen3
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class Sampling:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    max_new_tokens: int = 32
+    greedy: bool = False  # argmax decoding (eval); logq is then 0
+
+
+@dataclass
+class Completion:
+    ids: list[int]  # the stop token included when there was one
+    logq: list[float]
+    versions: list[int]
+    finish_reason: str  # "stop" | "length"
+    support: TokenSupport | None = None
+
+
+class Engine(Protocol):
+    version: int
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> list[Completion]:
+        """len(prompts) * n completions, prompt by prompt (a prompt's n are adjacent)."""
+        ...
+
+    def load_weights(self, model: Qwen3, version: int) -> None:
+        """Take the trainer's current weights; later tokens carry `version`."""
+        ...
+
+
+def truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """-inf outside the top-k, then outside the smallest top-p nucleus of what is left
+    (vLLM's order). logits (B, V) already divided by the temperature."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+        drop = mass_before >= top_p  # keeps the smallest prefix whose mass reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
+def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (B, V) fp32 -> sampled ids (B,), their log-prob under the sampler (B,)."""
+    if s.greedy:
+        tok = logits.argmax(-1)
+        return tok, torch.zeros_like(tok, dtype=torch.float32)
+    logprobs = truncate(logits / s.temperature, s.top_k, s.top_p).log_softmax(-1)
+    race = torch.empty_like(logprobs).exponential_(1.0, generator=gen)
+    tok = (logprobs - race.log()).argmax(-1)  # argmax p / Exp(1): a draw from p
+    return tok, logprobs.gather(1, tok[:, None])[:, 0]
+
+
+class TorchEngine:
+    def __init__(self, model: Qwen3, dtype: str, stop_ids: list[int], seed: int = 0, compile_step: bool = False):
+        self.model = copy.deepcopy(model).to(DTYPES[dtype]).eval().requires_grad_(False)
+        self.device = next(model.parameters()).device
+        self.stop_ids = torch.tensor(stop_ids, device=self.device)
+        self.gen = torch.Generator(device=self.device).manual_seed(seed)
+        self.version = 0
+        self.step = torch.compile(self._step) if compile_step else self._step
+
+    @torch.no_grad()
+    def load_weights(self, model: Qwen3, version: int) -> None:
+        src = model.state_dict()
+        for k, v in self.model.state_dict().items():
+            v.copy_(src[k])
+        self.version = version
+
+    def _step(self, tok, pos, cache):
+        h = self.model.forward_cached(tok[:, None], pos[:, None], cache)[:, 0]  # (B, H)
+        return (h @ self.model.head_weight.T).float()  # (B, V)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> list[Completion]:
+        G, dev, T_new = len(prompts), self.device, sampling.max_new_tokens
+        lens = torch.tensor([len(p) for p in prompts], device=dev)
+        P = max(len(p) for p in prompts)
+        tokens = torch.zeros(G, P, dtype=torch.long, device=dev)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.tensor(p)
+        positions = torch.arange(P, device=dev).expand(G, P)
+        cache = KVCache(self.model.args, G, P + T_new, next(self.model.parameters()).dtype, dev)
+        h = self.model.forward_cached(tokens, positions, cache)[torch.arange(G, device=dev), lens - 1]  # (G, H)
+        logits = (h @ self.model.head_weight.T).float().repeat_interleave(n, 0)  # (B, V)
+        cache, pos = cache.repeat(n), (lens - 1).repeat_interleave(n)
+        B = G * n
+        out_ids = torch.zeros(B, T_new, dtype=torch.long, device=dev)
+        out_logq = torch.zeros(B, T_new, device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        for t in range(T_new):
+            tok, logq = sample(logits, sampling, self.gen)
+            out_ids[:, t], out_logq[:, t] = tok, logq
+            done |= torch.isin(tok, self.stop_ids)
+            if t == T_new - 1 or (t % 8 == 7 and bool(done.all())):
+                break
+            pos = pos + 1
+            logits = self.step(tok, pos, cache)
+        return self._completions(out_ids[:, : t + 1].tolist(), out_logq[:, : t + 1].tolist())
+
+    def _completions(self, ids: list[list[int]], logq: list[list[float]]) -> list[Completion]:
+        stops = set(self.stop_ids.tolist())
+        out = []
+        for row_ids, row_logq in zip(ids, logq):
+            end = next((i + 1 for i, t in enumerate(row_ids) if t in stops), None)
+            reason = "length" if end is None else "stop"
+            end = end or len(row_ids)
+            out.append(Completion(row_ids[:end], row_logq[:end], [self.version] * end, reason))
+        return out
+
+
+def group_advantages(rewards: list[float], group_size: int, std_norm: bool = False) -> list[float]:
+    """A = r - mean(group) (/ std(group) with std_norm); groups are consecutive."""
+    r = torch.tensor(rewards, dtype=torch.float64).view(-1, group_size)
+    a = r - r.mean(dim=1, keepdim=True)
+    if std_norm:
+        a = a / (r.std(dim=1, keepdim=True, unbiased=False) + 1e-6)
+    return a.flatten().tolist()

@@ -1,0 +1,754 @@
+"""loss.py against a dense fp64 reference written from DESIGN.md's formula, plus properties
+(Monte Carlo centering, micro-batch invariance, overflow, peer-bug regressions) and the
+sampler-evidence checks. CPU, tiny shapes, fixed seeds."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import loss as L
+from config import Config
+from data import MicroBatch, TokenSupport
+
+F64 = torch.float64
+V = 7  # vocabulary
+K = 4  # draws per row
+TEMP = 0.7
+STEP = 5
+aten = torch.ops.aten
+
+
+def cfg_for(loss: str, **kw) -> Config:
+    """Bounds tight enough that every mask triggers on the random data below."""
+    base = dict(loss=loss, icepop_alpha=0.5, icepop_beta=2.0, ipo_eps=0.1, max_importance_ratio=1.5,
+                clip_low=0.1, clip_high=0.15, adv_tau=1.3, score_centering_k=K)
+    return Config(**{**base, **kw})
+
+
+# ----------------------------------------------------------------------------- building batches
+
+@dataclass
+class Doc:
+    """One sample as the reference sees it: n = P + C - 1 positions, the last C trained."""
+
+    logits: torch.Tensor  # [n, V] fp64 leaf
+    labels: torch.Tensor  # int64 [n]
+    mask: torch.Tensor  # bool [n]
+    adv: float
+    logq: torch.Tensor  # float32 [n]
+    versions: torch.Tensor  # int64 [n]
+    rows: list  # per position: (ids, float32 logq values)
+    replayed: list  # per position
+    sample: int
+    old_noise: torch.Tensor  # fp64 [n]: pi_old = trainer log-prob + this
+
+
+def make_doc(g: torch.Generator, sample: int, P: int, C: int, kind: str, noise: float = 1.5) -> Doc:
+    n = P + C - 1
+    logits = torch.randn(n, V, generator=g, dtype=F64) * 1.5
+    labels = torch.randint(V, (n,), generator=g)
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[P - 1:] = True
+    logq = torch.zeros(n, dtype=torch.float32)
+    rows, replayed = [([], [])] * n, [False] * n
+    for i in range(P - 1, n):
+        s = torch.log_softmax(logits[i] / TEMP, -1) + noise * torch.randn(V, generator=g, dtype=F64)
+        if kind == "replayed":  # top-k truncation, shuffled order
+            k = int(torch.randint(2, V + 1, (1,), generator=g))
+            keep = torch.topk(s, k).indices[torch.randperm(k, generator=g)]
+            lq = torch.log_softmax(s[keep], -1).float()
+            j = int(torch.multinomial(lq.double().exp(), 1, generator=g))
+            labels[i], logq[i] = keep[j], lq[j]
+            rows[i], replayed[i] = (keep.tolist(), lq.tolist()), True
+        else:
+            lq = torch.log_softmax(s, -1).float()
+            a = int(torch.multinomial(lq.double().exp(), 1, generator=g))
+            draws = torch.multinomial(lq.double().exp(), K, replacement=True, generator=g)
+            labels[i], logq[i] = a, lq[a]
+            rows[i] = (draws.tolist(), lq[draws].tolist())
+    adv = float(torch.randn(1, generator=g))
+    versions = torch.randint(STEP - 3, STEP + 2, (n,), generator=g)
+    return Doc(logits.requires_grad_(), labels, mask, adv, logq, versions, rows, replayed, sample,
+               0.3 * torch.randn(n, generator=g, dtype=F64))
+
+
+def make_docs(kind: str, seed: int | None = None, shapes=((3, 5), (2, 4), (3, 0), (4, 3), (2, 1))) -> list[Doc]:
+    g = torch.Generator().manual_seed(zlib.crc32(kind.encode()) if seed is None else seed)
+    return [make_doc(g, s, P, C, kind) for s, (P, C) in enumerate(shapes)]
+
+
+def assemble(docs: list[Doc], T: int, with_support: bool = True) -> tuple[MicroBatch, torch.Tensor, torch.Tensor]:
+    """Pack docs into one [T] micro-batch the way data.pack lays it out; (mb, logits [T, V], old noise)."""
+    ns = [d.labels.numel() for d in docs]
+    pad = T - sum(ns)
+    assert pad >= 0
+
+    def cat(parts, fill, dtype):
+        return torch.cat([p.to(dtype) for p in parts] + [torch.full((pad,), fill, dtype=dtype)])
+
+    doc_ids = cat([torch.full((n,), j) for j, n in enumerate(ns)], len(docs), torch.int64)
+    positions = torch.cat([torch.arange(n) for n in ns] + [torch.arange(pad)])
+    mask = cat([d.mask for d in docs], False, torch.bool)
+    adv = cat([torch.where(d.mask, d.adv, 0.0) for d in docs], 0, torch.float32)
+    support = None
+    if with_support:
+        rows = [r for d in docs for r in d.rows] + [([], [])] * pad
+        lengths = np.array([len(r[0]) for r in rows], dtype=np.int64)
+        host = np.concatenate([[0], np.cumsum(lengths)])
+        support = TokenSupport(torch.tensor([i for r in rows for i in r[0]], dtype=torch.int32),
+                               torch.from_numpy(host.copy()),
+                               torch.tensor([q for r in rows for q in r[1]], dtype=torch.float32),
+                               torch.tensor([f for d in docs for f in d.replayed] + [False] * pad), host)
+    mb = MicroBatch(tokens=torch.zeros(T, dtype=torch.int64), positions=positions, doc_ids=doc_ids,
+                    labels=cat([d.labels for d in docs], 0, torch.int64), loss_mask=mask, advantages=adv,
+                    logq=cat([d.logq for d in docs], 0, torch.float32),
+                    versions=cat([d.versions for d in docs], 0, torch.int64),
+                    sample_idx=cat([torch.full((n,), d.sample) for d, n in zip(docs, ns)], -1, torch.int64),
+                    support=support, num_loss_tokens=int(mask.sum()), num_docs=len(docs),
+                    samples=[d.sample for d in docs])
+    logits = torch.cat([d.logits for d in docs] + [torch.zeros(pad, V, dtype=F64)])
+    return mb, logits, torch.cat([d.old_noise for d in docs] + [torch.zeros(pad, dtype=F64)])
+
+
+def head(logits: torch.Tensor, mb: MicroBatch, temperature: float = TEMP):
+    """The fused head's contract by gathers: (logp [T], support_logp [nnz], entropy [T])."""
+    lsm = torch.log_softmax(logits / temperature, -1)
+    entropy = -(lsm.exp() * lsm).sum(-1).detach()
+    logp = lsm.gather(1, mb.labels[:, None])[:, 0]
+    if mb.support is None:
+        return logp, lsm.new_zeros(0), entropy
+    sup, T = mb.support, logits.shape[0]
+    counts = sup.offsets[1:] - sup.offsets[:-1]
+    row = torch.repeat_interleave(torch.arange(T), counts)
+    slsm = lsm[row, sup.ids.long()]
+    top = torch.full((T,), -math.inf, dtype=lsm.dtype).scatter_reduce(0, row, slsm.detach(), "amax")
+    top = torch.where(counts > 0, top, 0.0)  # a stable log-sum-exp per row: log p may be -1000
+    mass = torch.zeros(T, dtype=lsm.dtype).index_add(0, row, (slsm - top[row]).exp())
+    lse = top + torch.where(counts > 0, mass, 1.0).log()
+    logp = torch.where(sup.replayed & (counts > 0), logp - lse, logp)
+    return logp, torch.where(sup.replayed[row], slsm - lse[row], slsm), entropy
+
+
+def grads(loss: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """d loss / d leaf; zeros for a leaf the loss never reads (a sample with no loss tokens)."""
+    gs = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(gs, leaves)]
+
+
+def run_loss(mbs, logits_list, cfg, old_list=None, denom=None, step=STEP):
+    """Sum rl_loss over micro-batches as train.py does; (loss, reduced metrics)."""
+    denom = denom or L.denominators(mbs)
+    total, metrics = 0.0, {}
+    for i, (mb, logits) in enumerate(zip(mbs, logits_list)):
+        logp, slogp, ent = head(logits, mb)
+        old = None if old_list is None else logp.detach() + old_list[i]
+        loss, m = L.rl_loss(logp, slogp, ent, mb, cfg, denom, step, old_logp=old)
+        total = total + loss
+        L.accumulate(metrics, m)
+    return total, L.reduce_metrics(metrics)
+
+
+# ----------------------------------------------------------------------------- the dense reference
+
+def ref_weight(cfg: Config, p: float, q: float) -> tuple[float, str]:
+    """w and why it was masked ("" kept, "low", "high"), in plain floats."""
+    r = p / q
+    if cfg.loss == "icepop":
+        return (r, "") if cfg.icepop_alpha <= r <= cfg.icepop_beta else (0.0, "low" if r < cfg.icepop_alpha else "high")
+    if cfg.loss == "ipo":
+        return (min(r, cfg.max_importance_ratio), "") if abs(p - q) <= cfg.ipo_eps else (0.0, "masked")
+    return 1.0, ""
+
+
+class Stats(dict):
+    """name -> [sum, count], as plain floats."""
+
+    def add(self, name: str, value: float, n: float = 1.0) -> None:
+        s = self.setdefault(name, [0.0, 0.0])
+        s[0], s[1] = s[0] + value, s[1] + n
+
+
+def clamp20(x: float) -> float:
+    return min(max(x, -20.0), 20.0)  # metrics only, as loss.py
+
+
+@dataclass
+class Tok:
+    """One trained token as the reference sees it."""
+
+    lp: object  # v -> trainer log p(v) (a 0-d tensor with grad), renormalized over a replayed row
+    a: int
+    A: float  # advantage times adv_tau
+    lq_a: float
+    ids: list
+    lqs: list
+    u: list
+
+
+def ref_centered(cfg: Config, t: Tok, st: Stats) -> torch.Tensor:
+    """-A*(w(a)*log p(a) - sum_v u_v*w(v)*log p(v)), w from plain floats so it carries no grad."""
+    wa, why = ref_weight(cfg, math.exp(t.lp(t.a).item()), math.exp(t.lq_a))
+    term = wa * t.lp(t.a)
+    if cfg.loss != "reinforce":
+        st.add(f"{cfg.loss}/masked_fraction", float(why != ""))
+    if cfg.loss == "icepop":
+        st.add("icepop/masked_fraction/low", float(why == "low"))
+        st.add("icepop/masked_fraction/high", float(why == "high"))
+    if t.ids:
+        mass = tv = 0.0
+        for v, lq, uv in zip(t.ids, t.lqs, t.u):
+            pv = math.exp(t.lp(v).item())
+            wv, _ = ref_weight(cfg, pv, math.exp(lq))
+            term = term - uv * wv * t.lp(v)
+            rv = math.exp(clamp20(math.log(pv) - lq))
+            mass, tv = mass + uv * rv, tv + 0.5 * uv * abs(rv - wv)
+        st.add("score_centering/support_mass", mass)
+        st.add("score_centering/mask_tv", tv)
+    return -t.A * term
+
+
+def ref_clipped(cfg: Config, t: Tok, old_a: float, st: Stats) -> torch.Tensor:
+    """ppo: -M*min(rho*A, clip(rho)*A); cispo: -A*M*sg(clip(rho))*log p(a)."""
+    logp_a = t.lp(t.a)
+    rho = torch.exp(logp_a - old_a)
+    m = 1.0
+    if cfg.icepop:
+        k = math.exp(old_a - t.lq_a)
+        m = k if cfg.icepop_alpha <= k <= cfg.icepop_beta else 0.0
+        st.add("icepop/masked_fraction", float(m == 0.0))
+        st.add("icepop/masked_fraction/low", float(k < cfg.icepop_alpha))
+        st.add("icepop/masked_fraction/high", float(k > cfg.icepop_beta))
+    lo, hi, A = 1 - cfg.clip_low, 1 + cfg.clip_high, t.A
+    if cfg.loss == "ppo":
+        st.add("ppo/clip_fraction", float((A > 0 and rho.item() > hi) or (A < 0 and rho.item() < lo)))
+        return -m * torch.minimum(rho * A, rho.clamp(lo, hi) * A)
+    st.add("ppo/clip_fraction", float(not lo <= rho.item() <= hi))
+    return -A * m * min(max(rho.item(), lo), hi) * logp_a
+
+
+def ref_kl(cfg: Config, t: Tok, age: int, st: Stats) -> torch.Tensor:
+    if cfg.kl_estimator == "exact" and t.ids:
+        kl = sum(uv * (lq - t.lp(v)) for v, lq, uv in zip(t.ids, t.lqs, t.u))
+    else:
+        kl = t.lq_a - t.lp(t.a)
+    beta = cfg.kl_coeff * (1 / math.sqrt(1 + age) if cfg.kl_staleness == "inv_sqrt" else 1.0)
+    st.add("kl", kl.item())
+    st.add("kl/beta", beta)
+    if age == 0:
+        st.add("kl/age0", kl.item())
+    return beta * kl
+
+
+def reference(docs: list[Doc], cfg: Config, step: int, old: bool):
+    """DESIGN.md's loss token by token over full-vocabulary logits; (loss, metrics)."""
+    st = Stats()
+    n_tok = sum(int(d.mask.sum()) for d in docs)
+    n_seq = sum(int(d.mask.any()) for d in docs)
+    total = torch.zeros((), dtype=F64)
+    for d in docs:
+        n_doc, doc_sum = int(d.mask.sum()), torch.zeros((), dtype=F64)
+        for i in torch.nonzero(d.mask).flatten().tolist():
+            z = torch.log_softmax(d.logits[i] / TEMP, -1)
+            ids, lqs = d.rows[i]
+            norm = torch.logsumexp(z[ids], 0) if d.replayed[i] else 0.0
+            u = [math.exp(x) if d.replayed[i] else 1 / len(ids) for x in lqs]
+            t = Tok(lambda v, z=z, norm=norm: z[v] - norm, int(d.labels[i]), cfg.adv_tau * d.adv,
+                    float(d.logq[i]), ids, lqs, u)
+            st.add("entropy", -(z.exp() * z).sum().item())
+            lr = clamp20(t.lp(t.a).item() - t.lq_a)
+            st.add("mismatch/kl", math.exp(lr) - 1 - lr)
+            st.add("mismatch/abs_logratio", abs(lr))
+            if cfg.loss in ("reinforce", "icepop", "ipo"):
+                term = ref_centered(cfg, t, st)
+            else:
+                term = ref_clipped(cfg, t, t.lp(t.a).item() + (float(d.old_noise[i]) if old else 0.0), st)
+            if cfg.kl_coeff > 0:
+                term = term + ref_kl(cfg, t, max(step - int(d.versions[i]), 0), st)
+            doc_sum = doc_sum + term
+        if n_doc:
+            total = total + (doc_sum / n_tok if cfg.loss_agg == "token" else doc_sum / (n_doc * n_seq))
+    n = n_tok if cfg.loss_agg == "token" else n_seq
+    st["loss"] = [total.item() * n, n]
+    return total, {k: s / c for k, (s, c) in st.items() if c}
+
+
+# ----------------------------------------------------------------------------- 1. against the reference
+
+VARIANTS = {  # name: (loss, --icepop, pi_old differs from p)
+    "reinforce": ("reinforce", False, False), "icepop": ("icepop", False, False), "ipo": ("ipo", False, False),
+    "ppo": ("ppo", False, True), "ppo+icepop": ("ppo", True, True), "ppo+icepop+sg": ("ppo", True, False),
+    "cispo": ("cispo", False, True), "cispo+icepop": ("cispo", True, True), "cispo+icepop+sg": ("cispo", True, False)}
+KLS = {"no-kl": {}, "exact": dict(kl_coeff=0.3, kl_estimator="exact", kl_staleness="inv_sqrt"),
+       "k1": dict(kl_coeff=0.3, kl_estimator="k1", kl_staleness="none")}
+
+
+def assert_metrics_close(got: dict, want: dict, tol: float = 1e-9):
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=tol, abs=tol), k
+
+
+@pytest.mark.parametrize("agg", ["token", "sequence"])
+@pytest.mark.parametrize("kl", list(KLS))
+@pytest.mark.parametrize("kind", ["replayed", "draws"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_matches_dense_reference(variant, kind, kl, agg):
+    loss_type, icepop, old = VARIANTS[variant]
+    cfg = cfg_for(loss_type, icepop=icepop, loss_agg=agg, **KLS[kl])
+    docs = make_docs(kind)
+    mb, logits, noise = assemble(docs, T=24)
+    leaves = [d.logits for d in docs]
+    got, got_m = run_loss([mb], [logits], cfg, old_list=[noise] if old else None)
+    want, want_m = reference(docs, cfg, STEP, old)
+    assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)
+    assert_metrics_close(got_m, want_m)
+    for g1, g2 in zip(grads(got, leaves), grads(want, leaves)):
+        assert torch.allclose(g1, g2, rtol=1e-9, atol=1e-12)
+    # the masks must actually act, or this test could not catch a wrong one
+    for name in ("icepop/masked_fraction", "ipo/masked_fraction"):
+        if name in want_m:
+            assert 0 < want_m[name] < 1, name
+    if old:
+        assert want_m["ppo/clip_fraction"] > 0
+
+
+def test_denominators_count_loss_tokens_and_sequences():
+    docs = make_docs("draws")
+    mb, _, _ = assemble(docs, T=24)
+    d = L.denominators([mb])
+    assert (d.tokens, d.seqs) == (13, 4)  # C = 5 + 4 + 0 + 3 + 1; the C = 0 sample is no sequence
+
+
+# ----------------------------------------------------------------------------- 2. properties
+
+@pytest.mark.parametrize("kind", ["replayed", "draws"])
+def test_p_equals_q(kind):
+    docs = make_docs(kind)
+    mb, logits, _ = assemble(docs, T=24)
+    logp, slogp, ent = head(logits, mb)
+    mb.logq, mb.support.logq = logp.detach().clone(), slogp.detach().clone()  # the sampler is the trainer
+    out = {}
+    for loss_type in ("reinforce", "icepop"):
+        cfg = cfg_for(loss_type)
+        loss, m = L.rl_loss(logp, slogp, ent, mb, cfg, L.denominators([mb]), STEP)
+        out[loss_type] = (loss, torch.autograd.grad(loss, logits, retain_graph=True)[0], L.reduce_metrics(m))
+    (l0, g0, _), (l1, g1, m1) = out["reinforce"], out["icepop"]
+    assert torch.allclose(l0, l1, atol=1e-14) and torch.allclose(g0, g1, atol=1e-14)
+    assert m1["score_centering/support_mass"] == pytest.approx(1.0, abs=1e-12)
+    assert m1["mismatch/kl"] == 0.0 and m1["icepop/masked_fraction"] == 0.0
+
+
+def mc_batch(N: int, p_logits: torch.Tensor, q_logits: torch.Tensor, kind: str, k: int, seed: int):
+    """N tokens at one context: trainer logits p_logits, sampler q; label ~ q; A = 1."""
+    g = torch.Generator().manual_seed(seed)
+    n_v = p_logits.numel()
+    logq_v = torch.log_softmax(q_logits, -1)
+    labels = torch.multinomial(logq_v.exp(), N, replacement=True, generator=g)
+    if kind == "replayed":  # the whole vocabulary is the kept set: u = q exactly
+        ids, k = torch.arange(n_v).repeat(N), n_v
+    else:
+        ids = torch.multinomial(logq_v.exp(), N * k, replacement=True, generator=g)
+    host = np.arange(N + 1, dtype=np.int64) * k
+    sup = TokenSupport(ids.int(), torch.from_numpy(host.copy()), logq_v[ids].float(),
+                       torch.full((N,), kind == "replayed"), host)
+    ar = torch.arange(N)
+    mb = MicroBatch(ar * 0, ar * 0, ar, labels, torch.ones(N, dtype=torch.bool), torch.ones(N),
+                    logq_v[labels].float(), torch.full((N,), STEP), ar, sup, N, N, list(range(N)))
+    return mb, p_logits.repeat(N, 1).requires_grad_()
+
+
+def per_token_ascent(mb: MicroBatch, logits: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """-d loss_t / d logits_t for every token (token agg divides by N; undo it)."""
+    logp, slogp, ent = head(logits, mb, temperature=1.0)
+    loss, _ = L.rl_loss(logp, slogp, ent, mb, cfg, L.denominators([mb]), STEP)
+    return -torch.autograd.grad(loss, logits)[0] * mb.loss_mask.numel()
+
+
+def within(x: torch.Tensor, mean, n_se: float = 5.0) -> bool:
+    """Sample mean of x (rows) equals `mean` within n_se standard errors, per component."""
+    se = x.std(0) / math.sqrt(x.shape[0])
+    return bool(((x.mean(0) - mean).abs() <= n_se * se + 1e-12).all())
+
+
+P_LOGITS = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0], dtype=F64)
+Q_LOGITS = P_LOGITS + torch.tensor([-0.9, 0.7, 0.4, 0.0, 0.6], dtype=F64)
+
+
+@pytest.mark.parametrize("kind", ["replayed", "draws"])
+def test_monte_carlo_reinforce_centering(kind):
+    p, q = P_LOGITS.softmax(-1), Q_LOGITS.softmax(-1)
+    mb, logits = mc_batch(20000, P_LOGITS, Q_LOGITS, kind, k=8, seed=1)
+    cfg = cfg_for("reinforce", adv_tau=1.0)
+    g_c = per_token_ascent(mb, logits, cfg)
+    g_u = per_token_ascent(replace(mb, support=None), logits, cfg)
+    assert within(g_u, q - p) and not within(g_u, torch.zeros(5))  # the drift toward the sampler
+    assert within(g_c, torch.zeros(5))  # removed by centering
+    # second moments: replayed E|e_a - q|^2 vs E|e_a - p|^2 differ by |q - p|^2; K draws add (1 - |q|^2)/K
+    diff = (g_u ** 2).sum(1) - (g_c ** 2).sum(1)
+    expected = ((q - p) ** 2).sum() - (0.0 if kind == "replayed" else (1 - (q ** 2).sum()) / 8)
+    assert within(diff[:, None], expected)
+    if kind == "replayed":
+        assert diff.mean() > 0
+
+
+@pytest.mark.parametrize("kind", ["replayed", "draws"])
+def test_monte_carlo_pure_importance_weights(kind):
+    cfg = cfg_for("icepop", icepop_alpha=0.0, icepop_beta=1e6)  # nothing masked: w = p/q
+    mb, logits = mc_batch(20000, P_LOGITS, Q_LOGITS, kind, k=8, seed=2)
+    g_c = per_token_ascent(mb, logits, cfg)
+    g_u = per_token_ascent(replace(mb, support=None), logits, cfg)
+    assert within(g_u, torch.zeros(5)) and within(g_c, torch.zeros(5))
+    if kind == "replayed":  # sum_v q_v * (p_v/q_v) * (e_v - p) = 0 exactly
+        assert torch.allclose(g_c, g_u, atol=1e-12)
+    else:
+        assert within(g_c - g_u, torch.zeros(5))
+
+
+# ----------------------------------------------------------------------------- 3. micro-batch invariance
+
+@pytest.mark.parametrize("agg", ["token", "sequence"])
+@pytest.mark.parametrize("variant", ["icepop", "ipo", "cispo+icepop"])
+def test_one_vs_four_micro_batches(variant, agg):
+    loss_type, icepop, old = VARIANTS[variant]
+    cfg = cfg_for(loss_type, icepop=icepop, loss_agg=agg, **KLS["exact"])
+    docs = make_docs("replayed", seed=7, shapes=[(2, 4), (3, 3), (2, 0), (3, 5), (2, 2), (4, 3), (2, 6), (3, 1)])
+    leaves = [d.logits for d in docs]
+    one = [assemble(docs, T=64)]
+    four = [assemble(docs[i:i + 2], T=16) for i in range(0, 8, 2)]
+    results = []
+    for parts in (one, four):
+        mbs, logits, noise = zip(*parts)
+        loss, metrics = run_loss(list(mbs), list(logits), cfg, old_list=list(noise) if old else None)
+        results.append((loss, grads(loss, leaves), metrics))
+    (l1, g1, m1), (l4, g4, m4) = results
+    assert torch.allclose(l1, l4, rtol=1e-12)
+    assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-15) for a, b in zip(g1, g4))
+    assert_metrics_close(m1, m4, tol=1e-12)
+
+
+# ----------------------------------------------------------------------------- 4. overflowing ratios
+
+@pytest.mark.parametrize("kl", ["no-kl", "exact"])
+@pytest.mark.parametrize("variant", ["reinforce", "icepop", "ipo", "ppo", "ppo+icepop+sg", "cispo", "cispo+icepop+sg"])
+def test_log_ratio_of_1000(variant, kl):
+    loss_type, icepop, _ = VARIANTS[variant]
+    cfg = cfg_for(loss_type, icepop=icepop, **KLS[kl])
+    docs = make_docs("draws", seed=3)
+    d, hi, lo = docs[0], 3, 4  # two completion positions of sample 0
+    with torch.no_grad():  # hi: p(a) ~ 1, the sampler says log q = -1000; lo: log p(a) ~ -1000, q = 1
+        d.logits[hi] = 0.0
+        d.logits[hi, 2] = 10.0
+        d.logits[lo] = 0.0
+        d.logits[lo, 3] = -1000.0 * TEMP
+    d.labels[hi], d.logq[hi], d.rows[hi] = 2, -1000.0, ([2] * K, [-1000.0] * K)
+    d.labels[lo], d.logq[lo], d.rows[lo] = 3, 0.0, ([3] * K, [0.0] * K)  # q(a) = 1: every draw is a
+    mb, logits, _ = assemble(docs, T=24)
+    loss, metrics = run_loss([mb], [logits], cfg)
+    grad = torch.autograd.grad(loss, d.logits)[0]
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert all(math.isfinite(v) for v in metrics.values()), metrics
+    masks_it = loss_type in ("icepop", "ipo") or icepop
+    if masks_it and kl == "no-kl":
+        assert (grad[[hi, lo]] == 0).all()
+        assert grad.abs().sum() > 0  # the other tokens still train
+
+
+@pytest.mark.parametrize("loss_type", ["ppo", "cispo"])
+def test_masked_token_with_overflowing_rho(loss_type):
+    """pi_old = p * e^-1000 on one token: rho overflows, M(k) masks it; it must add exactly 0."""
+    cfg = cfg_for(loss_type, icepop=True)
+    docs = make_docs("replayed")
+    mb, logits, _ = assemble(docs, T=24)
+    pos = doc_pos(docs, 0, 1)
+    mb.advantages[pos] = -1.0  # the side where min(rho*A, clip(rho)*A) keeps the unbounded rho*A
+    logp, slogp, ent = head(logits, mb)
+    old = logp.detach().clone()
+    old[pos] -= 1000.0
+    loss, m = L.rl_loss(logp, slogp, ent, mb, cfg, L.denominators([mb]), STEP, old_logp=old)
+    grad = torch.autograd.grad(loss, logits)[0]
+    assert torch.isfinite(loss) and torch.isfinite(grad).all() and (grad[pos] == 0).all()
+    assert all(math.isfinite(v) for v in L.reduce_metrics(m).values())
+
+
+def one_doc_batch(logp: list[float], logq: list[float], adv: float = 1.0) -> MicroBatch:
+    """n loss tokens in one document, no support; logq kept in fp64 so log r is exact."""
+    n = len(logp)
+    z = torch.zeros(n, dtype=torch.int64)
+    return MicroBatch(z, torch.arange(n), z, z, torch.ones(n, dtype=torch.bool), torch.full((n,), adv),
+                      torch.tensor(logq, dtype=F64), torch.full((n,), STEP), z, None, n, 1, [0])
+
+
+def test_icepop_bounds_are_inclusive():
+    a, b = math.log(0.5), math.log(2.0)
+    mb = one_doc_batch([a, b, a - 1e-9, b + 1e-9], [0.0] * 4)
+    logp = torch.tensor([a, b, a - 1e-9, b + 1e-9], dtype=F64, requires_grad=True)
+    loss, m = L.rl_loss(logp, logp.new_zeros(0), torch.zeros(4), mb, cfg_for("icepop", adv_tau=1.0),
+                        L.denominators([mb]), STEP)
+    m = L.reduce_metrics(m)
+    assert m["icepop/masked_fraction/low"] == m["icepop/masked_fraction/high"] == 0.25
+    assert torch.allclose(torch.autograd.grad(loss, logp)[0], torch.tensor([-0.5, -2.0, 0, 0], dtype=F64) / 4)
+
+
+def test_garbage_outside_the_loss_is_ignored():
+    """Prompt and padding positions are never checked and never reach the loss."""
+    _, _, mbs = evidence_batches()
+    assert not mbs[0].loss_mask[0] and not mbs[1].loss_mask[13:].any()
+    mbs[0].logq[0], mbs[1].logq[13], mbs[1].logq[14] = float("nan"), 3.0, -float("inf")
+    mbs[1].advantages[13:] = float("nan")
+    L.validate_evidence(mbs, V, cfg_for("icepop"))
+    logits = [torch.randn(16, V, dtype=F64, requires_grad=True) for _ in mbs]
+    for variant in ("ipo", "ppo+icepop"):
+        loss_type, icepop, _ = VARIANTS[variant]
+        loss, m = run_loss(mbs, logits, cfg_for(loss_type, icepop=icepop, **KLS["k1"]))
+        assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in torch.autograd.grad(loss, logits))
+        assert all(math.isfinite(v) for v in m.values())
+
+
+# ----------------------------------------------------------------------------- 5, 6. peer-bug regressions
+
+def fully_masked_token(agg: str, loss_type: str = "icepop"):
+    """A replayed row {a, b} with q = (0.9, 0.1) and renormalized p = (0.1, 0.9): r = (1/9, 9)."""
+    docs = make_docs("replayed", seed=5)
+    d, t = docs[1], 2
+    with torch.no_grad():
+        d.logits[t] = torch.randn(V, dtype=F64)
+        d.logits[t, 0], d.logits[t, 1] = math.log(0.1) * TEMP, math.log(0.9) * TEMP
+    d.labels[t], d.logq[t], d.rows[t] = 0, math.log(0.9), ([0, 1], [math.log(0.9), math.log(0.1)])
+    mb, logits, _ = assemble(docs, T=24)
+    return docs, mb, logits, cfg_for(loss_type, loss_agg=agg), docs[0].labels.numel() + t
+
+
+@pytest.mark.parametrize("agg", ["sequence", "token"])
+def test_icepop_mask_holds_under_both_aggregations(agg):
+    """IcePop silently ignored under sequence aggregation was a peer bug."""
+    for loss_type in ("icepop", "reinforce"):
+        docs, mb, logits, cfg, pos = fully_masked_token(agg, loss_type)
+        grads = []
+        for scale in (1.0, -50.0):  # the masked token's advantage must not matter
+            mb2 = replace(mb, advantages=mb.advantages.clone())
+            mb2.advantages[pos] *= scale
+            loss, _ = run_loss([mb2], [logits], cfg)
+            grads.append(torch.autograd.grad(loss, logits)[0])
+        if loss_type == "icepop":
+            assert torch.equal(grads[0], grads[1]) and (grads[0][pos] == 0).all()
+        else:  # the same token does train under reinforce, so the check above can fail
+            assert not torch.allclose(grads[0], grads[1])
+
+
+def test_masked_fraction_is_a_fraction_over_micro_batches():
+    """`1 - mean` per micro-batch summed to N - x over N micro-batches in a peer."""
+    cfg = cfg_for("icepop")
+    docs = make_docs("draws", seed=11, shapes=[(2, 5), (3, 4), (2, 6), (3, 5)])
+    parts = [assemble([d], T=8) for d in docs]
+    mbs, logits, _ = zip(*parts)
+    _, metrics = run_loss(list(mbs), list(logits), cfg)
+    masked = total = 0
+    for mb, lg in zip(mbs, logits):
+        logp, _, _ = head(lg, mb)
+        r = (logp.detach() - mb.logq.double()).exp()[mb.loss_mask]
+        masked += int(((r < cfg.icepop_alpha) | (r > cfg.icepop_beta)).sum())
+        total += r.numel()
+    assert 0 < masked < total
+    assert metrics["icepop/masked_fraction"] == pytest.approx(masked / total, abs=1e-12)
+
+
+def test_masked_tokens_stay_in_the_denominator():
+    """Removing masked tokens from the denominator changed the loss scale in a peer."""
+    docs, mb, logits, cfg, pos = fully_masked_token("token")
+    denom = L.denominators([mb])
+    assert denom.tokens == int(mb.loss_mask.sum())
+    loss, _ = run_loss([mb], [logits], cfg)
+    without = replace(mb, loss_mask=mb.loss_mask.clone())
+    without.loss_mask[pos] = False
+    rest, _ = run_loss([without], [logits], cfg, denom=L.Denominators(1, 1))  # sum over the other tokens
+    assert torch.allclose(loss, rest / denom.tokens, rtol=1e-12)
+    assert not torch.allclose(loss, rest / (denom.tokens - 1), rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- 7. evidence
+
+def doc_pos(docs: list[Doc], j: int, k: int) -> int:
+    """Position of sample j's k-th completion token in the assembled buffer."""
+    start = sum(d.labels.numel() for d in docs[:j])
+    return start + int(torch.nonzero(docs[j].mask)[0]) + k
+
+
+def entry_of(mb: MicroBatch, pos: int, j: int = 0) -> int:
+    return int(mb.support.host_offsets[pos]) + j
+
+
+def row_slice(mb: MicroBatch, pos: int) -> slice:
+    return slice(int(mb.support.host_offsets[pos]), int(mb.support.host_offsets[pos + 1]))
+
+
+def _replayed_row_without_label(docs, mb, pos):
+    ids = mb.support.ids[row_slice(mb, pos)]  # a view: overwrite the label's entry with another kept id
+    j = int((ids == mb.labels[pos]).int().argmax())
+    ids[j] = ids[(j + 1) % ids.numel()]
+
+
+def _replayed_q_off(docs, mb, pos):
+    lq = mb.support.logq[row_slice(mb, pos)]
+    lq[int(lq.argmax())] -= 0.5  # the largest q >= 1/V, so the sum moves by > 1e-3
+
+
+BAD = {  # name: (mutation of (docs, mb, pos), words of the check in the message); sample 1, token 2
+    "nan-logq": (lambda docs, mb, pos: mb.logq.__setitem__(pos, float("nan")), "logq is not finite"),
+    "positive-logq": (lambda docs, mb, pos: mb.logq.__setitem__(pos, 0.5), "logq > 0"),
+    "label-out-of-range": (lambda docs, mb, pos: mb.labels.__setitem__(pos, V), "label not in"),
+    "id-out-of-range": (lambda docs, mb, pos: mb.support.ids.__setitem__(entry_of(mb, pos, 1), V),
+                        "support id not in"),
+    "support-logq-nan": (lambda docs, mb, pos: mb.support.logq.__setitem__(entry_of(mb, pos), float("nan")),
+                         "support logq is not finite"),
+    "support-positive-logq": (lambda docs, mb, pos: mb.support.logq.__setitem__(entry_of(mb, pos), 0.3),
+                              "support logq > 0"),
+    "replayed-without-label": (_replayed_row_without_label, "replayed row lacks its sampled token"),
+    "replayed-q-sum": (_replayed_q_off, "replayed q does not sum to 1"),
+}
+
+
+def evidence_batches(seed: int = 13):
+    """Two micro-batches: replayed samples 0-2 in one, draws samples 3-5 in the other."""
+    rep = make_docs("replayed", seed=seed, shapes=[(2, 4), (3, 5), (2, 3)])
+    dr = make_docs("draws", seed=seed + 1, shapes=[(2, 3), (3, 4), (2, 2)])
+    for s, d in enumerate(dr):
+        d.sample = 3 + s
+    return rep, dr, [assemble(rep, T=16)[0], assemble(dr, T=16)[0]]
+
+
+def test_valid_evidence_passes():
+    _, _, mbs = evidence_batches()
+    for mode in ("error", "drop"):
+        m = L.reduce_metrics(L.validate_evidence(mbs, V, cfg_for("icepop", bad_evidence=mode)))
+        assert m == {"bad_evidence/dropped": 0.0}
+    assert all(mb.loss_mask.sum() == mb.num_loss_tokens for mb in mbs)
+
+
+def bad_batches(case: str):
+    rep, dr, mbs = evidence_batches()
+    if case == "draws-row-size":  # sample 4 (draws), token 2 has K + 1 draws
+        ids, lqs = dr[1].rows[dr[1].mask.nonzero()[2].item()]
+        dr[1].rows[dr[1].mask.nonzero()[2].item()] = (ids + ids[:1], lqs + lqs[:1])
+        return [mbs[0], assemble(dr, T=16)[0]], 4, "draws row size"
+    mutate, words = BAD[case]
+    mutate(rep, mbs[0], doc_pos(rep, 1, 2))
+    return mbs, 1, words
+
+
+CASES = [*BAD, "draws-row-size"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_evidence_raises_naming_sample_and_check(case):
+    mbs, sample, words = bad_batches(case)
+    before = [mb.loss_mask.clone() for mb in mbs]
+    with pytest.raises(ValueError, match="bad sampler evidence") as e:
+        L.validate_evidence(mbs, V, cfg_for("icepop"))
+    assert f"sample {sample}, token 2: " in str(e.value) and words in str(e.value)
+    assert all(torch.equal(mb.loss_mask, b) for mb, b in zip(mbs, before))  # error mode changes nothing
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_evidence_drop(case):
+    mbs, sample, _ = bad_batches(case)
+    before = [mb.loss_mask.clone() for mb in mbs]
+    metrics = L.reduce_metrics(L.validate_evidence(mbs, V, cfg_for("icepop", bad_evidence="drop")))
+    assert metrics["bad_evidence/dropped"] == pytest.approx(1 / 6)
+    for mb, was in zip(mbs, before):
+        gone = mb.sample_idx == sample
+        assert not mb.loss_mask[gone].any() and torch.equal(mb.loss_mask[~gone], was[~gone])
+        assert mb.num_loss_tokens == int(mb.loss_mask.sum())
+    assert L.denominators(mbs).tokens == sum(int(w.sum()) for w in before) - sum(
+        int((w & (mb.sample_idx == sample)).sum()) for mb, w in zip(mbs, before))
+    # what the dropped sample held (NaN, ids out of range) reaches neither the head nor the gradient
+    logits = [torch.randn(16, V, dtype=F64, requires_grad=True) for _ in mbs]
+    loss, m = run_loss(mbs, logits, cfg_for("icepop", **KLS["exact"]))
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in torch.autograd.grad(loss, logits))
+    assert all(math.isfinite(v) for v in m.values())
+
+
+def test_broken_offsets_raise_even_when_dropping():
+    _, _, mbs = evidence_batches()
+    mbs[1].support.offsets[5] = mbs[1].support.offsets[4] - 1
+    with pytest.raises(ValueError, match="offsets"):
+        L.validate_evidence(mbs, V, cfg_for("icepop", bad_evidence="drop"))
+
+
+class HostWaits(TorchDispatchMode):
+    """Counts what would make the host wait for an accelerator. On the CPU nothing waits, so
+    we count the operations that would: reading a value (.item(), bool(), int() and float()
+    all lower to _local_scalar_dense), outputs whose size depends on data (nonzero,
+    masked_select, unique, bool-mask indexing, repeat_interleave without output_size),
+    plus .tolist()/.numpy()/.cpu(), which copy to host memory without dispatching an op
+    on a CPU tensor (patched below)."""
+
+    DATA_SIZED = {aten.nonzero.default, aten.masked_select.default, aten._unique2.default,
+                  aten.unique_consecutive.default, aten.unique_dim.default}
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.events: list[str] = []
+        for name in ("tolist", "numpy", "cpu"):
+            orig = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._counted(name, orig))
+
+    def _counted(self, name, orig):
+        def f(t, *a, **kw):
+            self.events.append(name)
+            return orig(t, *a, **kw)
+        return f
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        bool_index = func is aten.index.Tensor and any(
+            i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+        unsized = func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None
+        if func is aten._local_scalar_dense.default or func in self.DATA_SIZED or bool_index or unsized:
+            self.events.append(str(func))
+        return func(*args, **kwargs)
+
+
+def test_host_syncs(monkeypatch):
+    _, _, mbs = evidence_batches()
+    cfg = cfg_for("ppo", icepop=True, bad_evidence="drop", **KLS["exact"])
+    logits = [torch.randn(16, V, dtype=F64, requires_grad=True) for _ in mbs]
+    heads = [head(lg, mb) for lg, mb in zip(logits, mbs)]
+    with HostWaits(monkeypatch) as w:
+        L.validate_evidence(mbs, V, cfg)
+        assert w.events == ["tolist"]  # exactly one, at the end
+        w.events.clear()
+        denom = L.denominators(mbs)
+        assert w.events == ["tolist"]
+        w.events.clear()
+        total = {}
+        for mb, (logp, slogp, ent) in zip(mbs, heads):
+            for c in (cfg, replace(cfg, loss="icepop", loss_agg="sequence")):
+                _, m = L.rl_loss(logp, slogp, ent, mb, c, denom, STEP, old_logp=logp.detach() - 0.1)
+                L.accumulate(total, m)
+        assert w.events == []  # none inside the micro-batch loop
+        L.reduce_metrics(total)
+        assert w.events == ["tolist"]
+
+
+# ----------------------------------------------------------------------------- sft
+
+def test_sft_loss_is_global_mean_nll():
+    _, _, mbs = evidence_batches()
+    logits = [torch.randn(16, V, dtype=F64, requires_grad=True) for _ in mbs]
+    denom, total, metrics, nll = L.denominators(mbs), 0.0, {}, []
+    for mb, lg in zip(mbs, logits):
+        logp = torch.log_softmax(lg, -1).gather(1, mb.labels[:, None])[:, 0]
+        loss, m = L.sft_loss(logp, mb, denom)
+        total = total + loss
+        L.accumulate(metrics, m)
+        nll.append(-logp[mb.loss_mask])
+    want = torch.cat(nll).mean()
+    assert torch.allclose(total, want, rtol=1e-12)
+    assert L.reduce_metrics(metrics)["loss"] == pytest.approx(want.item(), rel=1e-12)

@@ -1,0 +1,226 @@
+"""floe's training loop: a supervised warm-up stage and the RL stage, on one file.
+
+One RL step: sample prompts -> the engine generates a group of completions per prompt,
+with the sampler's evidence for every token -> rewards and group-centered advantages ->
+pack into fixed-shape micro-batches -> validate the evidence once -> per micro-batch:
+forward, fused head, loss, backward -> clip, AdamW step -> push the weights to the engine
+(version + 1) -> one log line, one metrics.jsonl row.
+
+Simplifications:
+1. The trainer and the built-in engine share the process; the engine keeps its own copy
+   of the weights in --engine-dtype, refreshed after every optimizer step.
+2. The loss is normalized over the global batch before the micro-batch loop starts
+   (loss.denominators), so any split into micro-batches gives the same gradient.
+3. Metrics stay on the device as (sum, count) pairs and are read once per step.
+4. torch.compile wraps the trainer forward only (static [T] shapes); on the CPU it is
+   off by default because for the tiny model compiling costs more than it saves (README).
+
+    python train.py --loss icepop --icepop-beta 2.0                 # CPU, the tiny model
+    python train.py --model /path/to/Qwen3-0.6B --device cuda        # one GPU
+    python train.py --stage sft --model scratch --steps 400 --out-dir runs/sft   # rebuild the tiny model
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import config as C
+import data as D
+import loss as L
+import model as M
+from kernels import head
+from rollout import Sampling, TorchEngine, group_advantages
+
+
+def print0(*a, **k):
+    print(*a, **k, flush=True)
+
+
+# ----------------------------------------------------------------------------- set-up
+
+def build(cfg: C.Config):
+    """Model, tokenizer, task, engine, optimizer; `--model scratch` makes a fresh tiny model."""
+    src = Path(cfg.model)
+    if cfg.model == "scratch":
+        src = Path(cfg.out_dir) / "scratch"
+        src.mkdir(parents=True, exist_ok=True)
+        D.write_tokenizer(src)
+        vocab = D.TextCodec.load(src).tok.get_vocab_size()
+        tiny = M.Qwen3(M.ModelArgs(vocab, **M.TINY, eos_token_id=D.TextCodec.load(src).stop_ids[0]))
+        M.init_weights(tiny, seed=cfg.seed)
+        M.save(tiny, src, src)
+    model = M.load(src, device=cfg.device)
+    codec = D.TextCodec.load(src)
+    task = D.ReverseText(codec, cfg.min_words, cfg.max_words, cfg.eval_prompts, seed=cfg.seed)
+    engine = TorchEngine(model, cfg.engine_dtype, codec.stop_ids, seed=cfg.seed, compile_step=cfg.compile == "on")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
+    fwd = torch.compile(model) if cfg.compile == "on" else model
+    return src, model, fwd, codec, task, engine, opt
+
+
+def pick_engine(cfg: C.Config) -> C.Config:
+    if cfg.engine == "vllm":
+        raise C.ConfigError("--engine vllm: the vLLM engine is not built yet; use --engine torch")
+    return C.dataclasses.replace(cfg, engine="torch")
+
+
+# ----------------------------------------------------------------------------- phases
+
+def rollout_phase(cfg, task, engine, rng, step):
+    """Prompts -> completions -> rewards -> advantages, as Samples."""
+    prompts = task.sample(cfg.prompts_per_step, rng)
+    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens)
+    completions = engine.generate([p.ids for p in prompts], cfg.group_size, sampling)
+    samples = []
+    for i, c in enumerate(completions):
+        p = prompts[i // cfg.group_size]
+        samples.append(D.Sample(p, c.ids, c.logq, c.versions, c.finish_reason, c.support,
+                                reward=task.reward(p, c.ids), group=i // cfg.group_size))
+    advs = group_advantages([s.reward for s in samples], cfg.group_size, cfg.adv_std_norm)
+    for s, a in zip(samples, advs):
+        s.advantage = a
+    rewards = torch.tensor([s.reward for s in samples])
+    n = float(len(samples))
+    stats = {"reward": (rewards.sum(), n), "reward/std": (rewards.std(unbiased=False) * n, n),
+             "length": (float(sum(len(s.completion) for s in samples)), n),
+             "truncated_fraction": (float(sum(s.finish_reason == "length" for s in samples)), n)}
+    return samples, {k: (torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b)) for k, (a, b) in stats.items()}
+
+
+def sft_samples(cfg, task, rng):
+    prompts = task.sample(cfg.prompts_per_step, rng)
+    return [D.Sample(p, task.completion_ids(p), [0.0] * len(task.completion_ids(p)), [0] * len(task.completion_ids(p)),
+                     "stop") for p in prompts], {}
+
+
+def train_phase(cfg, model, fwd, samples, step, device):
+    """Pack, validate, then forward/head/loss/backward per micro-batch; returns metrics."""
+    mbs = [mb.to(device) for mb in D.pack(samples, cfg.micro_batch_tokens)]
+    total: dict = {}
+    if cfg.stage == "rl":
+        L.accumulate(total, L.validate_evidence(mbs, model.args.vocab_size, cfg))
+    denom = L.denominators(mbs)
+    temperature = cfg.temperature if cfg.stage == "rl" else 1.0
+    for mb in mbs:
+        hidden = fwd(mb.tokens, mb.positions, mb.doc_ids)
+        logp, entropy, support_logp = head(hidden, model.head_weight, mb.labels, mb.support, temperature)
+        if cfg.stage == "rl":
+            loss, metrics = L.rl_loss(logp, support_logp, entropy, mb, cfg, denom, step)
+        else:
+            loss, metrics = L.sft_loss(logp, mb, denom)
+        loss.backward()
+        L.accumulate(total, metrics)
+    return total, sum(mb.num_loss_tokens for mb in mbs), len(mbs) * cfg.micro_batch_tokens
+
+
+def optimizer_step(cfg, model, opt, step):
+    lr = cfg.lr * min(1.0, step / 5)  # a 5-step linear warm-up
+    for g in opt.param_groups:
+        g["lr"] = lr
+    clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return {"grad_norm": (norm.detach().double(), torch.tensor(1.0))}
+
+
+@torch.no_grad()
+def evaluate(cfg, task, engine) -> float:
+    prompts = task.eval_set
+    out = engine.generate([p.ids for p in prompts], 1, Sampling(max_new_tokens=cfg.max_new_tokens, greedy=True))
+    return sum(task.reward(p, c.ids) for p, c in zip(prompts, out)) / len(prompts)
+
+
+# ----------------------------------------------------------------------------- logging
+
+class Logger:
+    """One line per step, metrics.jsonl, and wandb when asked for."""
+
+    def __init__(self, cfg: C.Config):
+        self.cfg, self.t0 = cfg, time.time()
+        self.file = open(Path(cfg.out_dir) / "metrics.jsonl", "w")
+        self.wandb = None
+        if cfg.wandb_project:
+            import wandb
+
+            self.wandb = wandb.init(project=cfg.wandb_project, config=json.loads(cfg.to_json()), dir=cfg.out_dir)
+
+    def row(self, step: int, metrics: dict) -> None:
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+
+    def line(self, step: int, m: dict, tokens: int, dt: float) -> None:
+        eta = (time.time() - self.t0) / step * (self.cfg.steps - step)
+        masked = m.get("icepop/masked_fraction", m.get("ipo/masked_fraction", 0.0))
+        print0(f"step {step}/{self.cfg.steps} | reward {m.get('reward', float('nan')):.3f} | loss {m['loss']:+.4f} "
+               f"| masked {masked:.4f} | mismatch kl {m.get('mismatch/kl', 0.0):.2e} | {tokens / dt:,.0f} tok/s "
+               f"| eta {eta:.0f}s")
+
+    def close(self):
+        self.file.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = C.parse(argv)
+    try:
+        cfg = pick_engine(cfg).resolve(torch.cuda.is_available())
+    except C.ConfigError as e:
+        print(f"floe: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    torch.manual_seed(cfg.seed)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(cfg.to_json())
+    print0(cfg.to_json())
+    src, model, fwd, codec, task, engine, opt = build(cfg)
+    print0(f"model {src}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params on {cfg.device}"
+           + (" | compiling, ~1 min" if cfg.compile == "on" else ""))
+    log, rng = Logger(cfg), random.Random(cfg.seed)
+    summary = {}
+    if cfg.eval_every:
+        summary["eval/reward@0"] = evaluate(cfg, task, engine)
+        log.row(0, {"eval/reward": summary["eval/reward@0"]})
+        print0(f"eval step 0 | reward {summary['eval/reward@0']:.3f}")
+    for step in range(1, cfg.steps + 1):
+        t0 = time.time()
+        if cfg.stage == "rl":
+            samples, total = rollout_phase(cfg, task, engine, rng, step - 1)
+        else:
+            samples, total = sft_samples(cfg, task, rng)
+        t_roll = time.time()
+        metrics, n_loss, n_tok = train_phase(cfg, model, fwd, samples, step - 1, cfg.device)
+        L.accumulate(total, metrics)
+        L.accumulate(total, optimizer_step(cfg, model, opt, step))
+        engine.load_weights(model, version=step)
+        m = L.reduce_metrics(total)
+        t1 = time.time()
+        m.update({"time/rollout": t_roll - t0, "time/train": t1 - t_roll, "tokens/train": n_loss})
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            m["eval/reward"] = summary["eval/reward"] = evaluate(cfg, task, engine)
+            print0(f"eval step {step} | reward {m['eval/reward']:.3f}")
+        log.row(step, m)
+        log.line(step, m, n_tok, t1 - t0)
+        if cfg.save_every and step % cfg.save_every == 0:
+            M.save(model, out / f"step_{step:06d}", src)
+    M.save(model, out / "final", src)
+    summary.update(time=time.time() - log.t0, steps=cfg.steps)
+    log.close()
+    print0("summary " + json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
