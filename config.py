@@ -32,26 +32,26 @@ class Config:
     stage: Literal["rl", "sft"] = "rl"  # rl: policy gradient from --model; sft: supervised warm-up
     model: str = "checkpoints/reverse-tiny"  # a local HF directory (config.json, model.safetensors, tokenizer.json)
     out_dir: str = "runs/latest"  # config.json, metrics.jsonl and checkpoints go here
-    steps: int = 40  # optimizer steps (rl: one rollout batch each)
+    steps: int = 80  # optimizer steps (rl: one rollout batch each)
     seed: int = 0  # seeds prompts, sampling and init
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     compile: Literal["auto", "on", "off"] = "auto"  # torch.compile of the trainer forward; auto: on for cuda, off on cpu (measured faster, README)
     save_every: int = 0  # steps between checkpoints; 0: only at the end
     eval_every: int = 10  # steps between held-out evals (also at step 0 and the end); 0: no eval
-    eval_prompts: int = 64  # held-out prompts per eval (greedy? no: sampled at --temperature, one each)
+    eval_prompts: int = 64  # held-out prompts per eval, 4 samples each at the training sampling settings
     wandb_project: str = ""  # log to wandb when given (WANDB_MODE=offline works); nothing is sent otherwise
 
     # --- task and batch
-    prompts_per_step: int = 16  # distinct prompts per rl step (sft: sequences per step)
-    group_size: int = 8  # completions per prompt; advantages are centered within a group
+    prompts_per_step: int = 32  # distinct prompts per rl step (sft: sequences per step)
+    group_size: int = 16  # completions per prompt; advantages are centered within a group
     adv_std_norm: bool = False  # also divide advantages by the group's reward std
     max_new_tokens: int = 24  # completion budget per sample
-    micro_batch_tokens: int = 2048  # fixed token budget of one packed micro-batch
+    micro_batch_tokens: int = 1024  # fixed token budget of one packed micro-batch
     min_words: int = 1  # reverse-text: words per prompt, at least
     max_words: int = 3  # reverse-text: words per prompt, at most
 
     # --- optimizer
-    lr: float = 0.0  # 0: the stage's default (rl 2e-4, sft 3e-3)
+    lr: float = 0.0  # 0: the stage's default (rl 5e-4, sft 3e-3)
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global grad norm; 0: off
     epochs: int = 1  # optimizer passes over each rollout batch (>1: ppo/cispo's pi_old is a no-grad pass)
@@ -113,7 +113,7 @@ class Config:
         if device == "cuda" and not cuda_available:
             raise ConfigError("--device cuda: no CUDA device is available (use --device cpu)")
         compile_ = self.compile if self.compile != "auto" else ("on" if device == "cuda" else "off")
-        lr = self.lr or (2e-4 if self.stage == "rl" else 3e-3)
+        lr = self.lr or (5e-4 if self.stage == "rl" else 3e-3)
         return dataclasses.replace(self, device=device, compile=compile_, lr=lr)
 
     def to_json(self) -> str:

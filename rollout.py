@@ -42,7 +42,10 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     max_new_tokens: int = 32
-    greedy: bool = False  # argmax decoding (eval); logq is then 0
+    greedy: bool = False  # argmax decoding; logq is then 0
+    seed: int | None = None  # a fixed seed for this call alone (eval: the same draws every time)
+    support: bool = False  # report each token's support: the kept set when truncated, else K draws
+    draws: int = 16  # K, draws per token under untruncated sampling (--score-centering-k)
 
 
 @dataclass
@@ -81,15 +84,69 @@ def truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (B, V) fp32 -> sampled ids (B,), their log-prob under the sampler (B,)."""
+def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None):
+    """logits (B, V) fp32 -> sampled ids (B,), their sampler log-prob (B,), and the
+    sampler's log-probs (B, V): -inf outside a truncated support."""
     if s.greedy:
         tok = logits.argmax(-1)
-        return tok, torch.zeros_like(tok, dtype=torch.float32)
+        return tok, torch.zeros_like(tok, dtype=torch.float32), None
     logprobs = truncate(logits / s.temperature, s.top_k, s.top_p).log_softmax(-1)
     race = torch.empty_like(logprobs).exponential_(1.0, generator=gen)
     tok = (logprobs - race.log()).argmax(-1)  # argmax p / Exp(1): a draw from p
-    return tok, logprobs.gather(1, tok[:, None])[:, 0]
+    return tok, logprobs.gather(1, tok[:, None])[:, 0], logprobs
+
+
+def draw(logprobs: torch.Tensor, k: int, gen: torch.Generator | None) -> torch.Tensor:
+    """k i.i.d. draws per row from exp(logprobs) (B, V) by inverse CDF -> ids (B, k).
+    Memory stays O(B*V) where an exponential race would need O(B*k*V)."""
+    cdf = logprobs.exp().cumsum(-1)
+    u = torch.rand(logprobs.shape[0], k, generator=gen, device=logprobs.device) * cdf[:, -1:]
+    # right=True: the first index whose cdf exceeds u, so a zero-probability token is never drawn
+    return torch.searchsorted(cdf, u, right=True).clamp(max=logprobs.shape[1] - 1)
+
+
+class SupportRecorder:
+    """Collects each decode step's support rows; `rows(b, length)` builds a sample's CSR.
+
+    Truncated sampling records the kept set with its renormalized log q (replayed rows);
+    untruncated sampling records K draws from q (u = 1/K). Extracting a kept set is one
+    nonzero per step, a host sync on CUDA: fine for the built-in engine, whose job is the
+    CPU and small GPU runs (the vLLM engine is the one for scale)."""
+
+    def __init__(self, s: Sampling, batch: int, device):
+        self.replayed = s.top_p < 1.0 or s.top_k > 0
+        self.k, self.batch, self.device = s.draws, batch, device
+        self.steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def record(self, logprobs: torch.Tensor, gen) -> None:
+        if self.replayed:
+            b, v = torch.isfinite(logprobs).nonzero(as_tuple=True)
+            self.steps.append((b, v, logprobs[b, v]))
+        else:
+            ids = draw(logprobs, self.k, gen)
+            self.steps.append((None, ids, logprobs.gather(1, ids)))
+
+    def finish(self) -> None:
+        """Order every entry by (row, step) once; each sample's rows are then one slice."""
+        T, B = len(self.steps), self.batch
+        if self.replayed:
+            key = torch.cat([b * T + t for t, (b, _, _) in enumerate(self.steps)])
+            ids = torch.cat([v for _, v, _ in self.steps])
+            logq = torch.cat([q for _, _, q in self.steps])
+            order = key.argsort(stable=True)
+            self.ids, self.logq = ids[order].int().cpu(), logq[order].float().cpu()
+            counts = torch.bincount(key, minlength=B * T).cpu()
+        else:
+            self.ids = torch.stack([v for _, v, _ in self.steps], 1).flatten().int().cpu()  # (B, T, K) flat
+            self.logq = torch.stack([q for _, _, q in self.steps], 1).flatten().float().cpu()
+            counts = torch.full((B * T,), self.k)
+        self.T, self.offsets = T, torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).numpy()
+
+    def rows(self, b: int, length: int) -> TokenSupport:
+        a, z = self.offsets[b * self.T], self.offsets[b * self.T + length]
+        host = self.offsets[b * self.T: b * self.T + length + 1] - a
+        return TokenSupport(self.ids[a:z], torch.from_numpy(host.copy()), self.logq[a:z],
+                            torch.full((length,), self.replayed), host.copy())
 
 
 class TorchEngine:
@@ -126,27 +183,34 @@ class TorchEngine:
         logits = (h @ self.model.head_weight.T).float().repeat_interleave(n, 0)  # (B, V)
         cache, pos = cache.repeat(n), (lens - 1).repeat_interleave(n)
         B = G * n
+        gen = self.gen if sampling.seed is None else torch.Generator(device=dev).manual_seed(sampling.seed)
+        rec = SupportRecorder(sampling, B, dev) if sampling.support and not sampling.greedy else None
         out_ids = torch.zeros(B, T_new, dtype=torch.long, device=dev)
         out_logq = torch.zeros(B, T_new, device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         for t in range(T_new):
-            tok, logq = sample(logits, sampling, self.gen)
+            tok, logq, logprobs = sample(logits, sampling, gen)
             out_ids[:, t], out_logq[:, t] = tok, logq
+            if rec is not None:
+                rec.record(logprobs, gen)
             done |= torch.isin(tok, self.stop_ids)
             if t == T_new - 1 or (t % 8 == 7 and bool(done.all())):
                 break
             pos = pos + 1
             logits = self.step(tok, pos, cache)
-        return self._completions(out_ids[:, : t + 1].tolist(), out_logq[:, : t + 1].tolist())
+        if rec is not None:
+            rec.finish()
+        return self._completions(out_ids[:, : t + 1].tolist(), out_logq[:, : t + 1].tolist(), rec)
 
-    def _completions(self, ids: list[list[int]], logq: list[list[float]]) -> list[Completion]:
+    def _completions(self, ids: list[list[int]], logq: list[list[float]], rec: SupportRecorder | None):
         stops = set(self.stop_ids.tolist())
         out = []
-        for row_ids, row_logq in zip(ids, logq):
+        for b, (row_ids, row_logq) in enumerate(zip(ids, logq)):
             end = next((i + 1 for i, t in enumerate(row_ids) if t in stops), None)
             reason = "length" if end is None else "stop"
             end = end or len(row_ids)
-            out.append(Completion(row_ids[:end], row_logq[:end], [self.version] * end, reason))
+            support = rec.rows(b, end) if rec is not None else None
+            out.append(Completion(row_ids[:end], row_logq[:end], [self.version] * end, reason, support))
         return out
 
 

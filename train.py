@@ -132,10 +132,12 @@ def optimizer_step(cfg, model, opt, step):
 
 
 @torch.no_grad()
-def evaluate(cfg, task, engine) -> float:
+def evaluate(cfg, task, engine, n: int = 4) -> float:
+    """Mean reward of n samples per held-out prompt, drawn as in training from a fixed seed."""
     prompts = task.eval_set
-    out = engine.generate([p.ids for p in prompts], 1, Sampling(max_new_tokens=cfg.max_new_tokens, greedy=True))
-    return sum(task.reward(p, c.ids) for p, c in zip(prompts, out)) / len(prompts)
+    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, seed=cfg.seed + 1)
+    out = engine.generate([p.ids for p in prompts], n, sampling)
+    return sum(task.reward(prompts[i // n], c.ids) for i, c in enumerate(out)) / len(out)
 
 
 # ----------------------------------------------------------------------------- logging
@@ -161,7 +163,8 @@ class Logger:
     def line(self, step: int, m: dict, tokens: int, dt: float) -> None:
         eta = (time.time() - self.t0) / step * (self.cfg.steps - step)
         masked = m.get("icepop/masked_fraction", m.get("ipo/masked_fraction", 0.0))
-        print0(f"step {step}/{self.cfg.steps} | reward {m.get('reward', float('nan')):.3f} | loss {m['loss']:+.4f} "
+        reward = f"{m['reward']:.3f}" if "reward" in m else "-"
+        print0(f"step {step}/{self.cfg.steps} | reward {reward} | loss {m['loss']:+.4f} "
                f"| masked {masked:.4f} | mismatch kl {m.get('mismatch/kl', 0.0):.2e} | {tokens / dt:,.0f} tok/s "
                f"| eta {eta:.0f}s")
 

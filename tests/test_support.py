@@ -1,0 +1,102 @@
+"""Sampler evidence from the engine: the kept set and its q against a full forward; draws
+follow q (chi-square); the support travels through packing intact."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import data as D
+import model as M
+from rollout import Sampling, TorchEngine, draw
+from tests.test_rollout import _kept
+
+
+def _model():
+    m = M.Qwen3(M.ModelArgs(vocab_size=32, **M.TINY))
+    M.init_weights(m, std=0.15, seed=0)
+    return m
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.8), (6, 1.0), (10, 0.9)])
+def test_kept_set_and_q_equal_a_full_forward(top_k, top_p):
+    model = _model()
+    engine = TorchEngine(model, "fp32", [2], seed=0)
+    prompts = [[1, 5, 6, 7, 8], [1, 9, 10]]
+    s = Sampling(temperature=0.9, top_k=top_k, top_p=top_p, max_new_tokens=10, support=True)
+    out = engine.generate(prompts, 2, s)
+    rows = 0
+    for i, c in enumerate(out):
+        sup = c.support
+        assert sup.num_rows == len(c.ids) and bool(sup.replayed.all())
+        ids = torch.tensor(prompts[i // 2] + c.ids)
+        with torch.no_grad():
+            h = model(ids, torch.arange(len(ids)), torch.zeros(len(ids), dtype=torch.long))
+            probs = ((h @ model.head_weight.T) / s.temperature).softmax(-1).double()
+        P = len(prompts[i // 2])
+        for t in range(len(c.ids)):
+            a, b = int(sup.host_offsets[t]), int(sup.host_offsets[t + 1])
+            row = probs[P - 1 + t].tolist()
+            kept = _kept(row, top_k, top_p)
+            assert set(sup.ids[a:b].tolist()) == kept and b - a == len(kept)
+            z = sum(row[v] for v in kept)
+            for v, lq in zip(sup.ids[a:b].tolist(), sup.logq[a:b].tolist()):
+                assert abs(lq - math.log(row[v] / z)) < 1e-5
+            assert c.ids[t] in kept
+            rows += 1
+    assert rows > 10
+
+
+def test_untruncated_support_is_k_draws():
+    model = _model()
+    engine = TorchEngine(model, "fp32", [2], seed=0)
+    out = engine.generate([[1, 5, 6]], 3, Sampling(max_new_tokens=6, support=True, draws=5))
+    for c in out:
+        assert not bool(c.support.replayed.any())
+        assert np.all(np.diff(c.support.host_offsets) == 5)
+        assert torch.equal(c.support.offsets, torch.from_numpy(c.support.host_offsets))
+
+
+def test_draws_follow_q_chi_square():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 12, generator=g) * 1.5
+    logits[0, 3] = -float("inf")  # a zero-probability token is never drawn
+    logprobs = logits.log_softmax(-1)
+    n = 40_000
+    ids = draw(logprobs.expand(n // 8, 12).contiguous(), 8, g).flatten()
+    counts = torch.bincount(ids, minlength=12).double()
+    assert counts[3] == 0
+    expected = logprobs.exp()[0].double() * n
+    live = expected > 0
+    chi2 = float((((counts - expected) ** 2)[live] / expected[live]).sum())
+    dof = int(live.sum()) - 1
+    # survival function of chi-square by the Wilson-Hilferty normal approximation
+    zscore = ((chi2 / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    p_value = 0.5 * math.erfc(zscore / math.sqrt(2))
+    assert p_value > 0.001, (chi2, dof, p_value)
+
+
+def test_support_survives_packing():
+    model = _model()
+    engine = TorchEngine(model, "fp32", [2], seed=0)
+    task = D.ReverseText(D.TextCodec(D.char_tokenizer(), [2]), eval_size=2)
+    prompts = task.eval_set
+    out = engine.generate([p.ids for p in prompts], 2, Sampling(top_p=0.9, max_new_tokens=8, support=True))
+    samples = [D.Sample(prompts[i // 2], c.ids, c.logq, c.versions, c.finish_reason, c.support) for i, c in enumerate(out)]
+    for mb in D.pack(samples, 128):
+        sup = mb.support
+        assert sup.num_rows == 128 and torch.equal(sup.offsets, torch.from_numpy(sup.host_offsets))
+        at = 0
+        for i in mb.samples:
+            s = samples[i]
+            start = at + len(s.prompt.ids) - 1  # the first trained position of this document
+            for t in range(len(s.completion)):
+                a, b = int(sup.host_offsets[start + t]), int(sup.host_offsets[start + t + 1])
+                e, f = int(s.support.host_offsets[t]), int(s.support.host_offsets[t + 1])
+                assert sup.ids[a:b].tolist() == s.support.ids[e:f].tolist()
+                assert mb.labels[start + t] == s.completion[t]
+            at += len(s.ids) - 1
+        trained = mb.loss_mask.nonzero()[:, 0].tolist()
+        empty = [t for t in range(128) if t not in trained]
+        assert all(sup.host_offsets[t] == sup.host_offsets[t + 1] for t in empty)
