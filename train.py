@@ -73,10 +73,16 @@ def pick_engine(cfg: C.Config) -> C.Config:
 
 # ----------------------------------------------------------------------------- phases
 
+def needs_support(cfg) -> bool:
+    """Score centering (reinforce, icepop, ipo) and the exact KL read each token's support."""
+    return cfg.loss in L.CENTERED or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")
+
+
 def rollout_phase(cfg, task, engine, rng, step):
     """Prompts -> completions -> rewards -> advantages, as Samples."""
     prompts = task.sample(cfg.prompts_per_step, rng)
-    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens)
+    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens,
+                        support=needs_support(cfg), draws=cfg.score_centering_k)
     completions = engine.generate([p.ids for p in prompts], cfg.group_size, sampling)
     samples = []
     for i, c in enumerate(completions):
@@ -100,24 +106,50 @@ def sft_samples(cfg, task, rng):
                      "stop") for p in prompts], {}
 
 
-def train_phase(cfg, model, fwd, samples, step, device):
-    """Pack, validate, then forward/head/loss/backward per micro-batch; returns metrics."""
+def prepare(cfg, samples, vocab_size, device):
+    """Pack into fixed-shape micro-batches, validate the evidence, count the denominators."""
     mbs = [mb.to(device) for mb in D.pack(samples, cfg.micro_batch_tokens)]
-    total: dict = {}
-    if cfg.stage == "rl":
-        L.accumulate(total, L.validate_evidence(mbs, model.args.vocab_size, cfg))
-    denom = L.denominators(mbs)
+    checks = L.validate_evidence(mbs, vocab_size, cfg) if cfg.stage == "rl" else {}
+    return mbs, L.denominators(mbs), checks
+
+
+def _head(cfg, model, fwd, mb):
+    hidden = fwd(mb.tokens, mb.positions, mb.doc_ids)
     temperature = cfg.temperature if cfg.stage == "rl" else 1.0
-    for mb in mbs:
-        hidden = fwd(mb.tokens, mb.positions, mb.doc_ids)
-        logp, entropy, support_logp = head(hidden, model.head_weight, mb.labels, mb.support, temperature)
+    return head(hidden, model.head_weight, mb.labels, mb.support, temperature)
+
+
+@torch.no_grad()
+def old_logprobs(cfg, model, fwd, mbs):
+    """pi_old for ppo/cispo when --epochs > 1: the weights before the batch's first step."""
+    return [_head(cfg, model, fwd, mb)[0] for mb in mbs]
+
+
+def backward_pass(cfg, model, fwd, mbs, denom, step, old=None):
+    """Forward, head, loss, backward per micro-batch; gradients accumulate; returns metrics."""
+    total: dict = {}
+    for i, mb in enumerate(mbs):
+        logp, entropy, support_logp = _head(cfg, model, fwd, mb)
         if cfg.stage == "rl":
-            loss, metrics = L.rl_loss(logp, support_logp, entropy, mb, cfg, denom, step)
+            loss, metrics = L.rl_loss(logp, support_logp, entropy, mb, cfg, denom, step, None if old is None else old[i])
         else:
             loss, metrics = L.sft_loss(logp, mb, denom)
         loss.backward()
         L.accumulate(total, metrics)
-    return total, sum(mb.num_loss_tokens for mb in mbs), len(mbs) * cfg.micro_batch_tokens
+    return total
+
+
+def train_phase(cfg, model, fwd, opt, samples, step):
+    """--epochs optimizer steps on one batch; metrics of the first pass (the sampled policy)."""
+    mbs, denom, total = prepare(cfg, samples, model.args.vocab_size, cfg.device)
+    clipped = cfg.loss in ("ppo", "cispo") and cfg.stage == "rl"
+    old = old_logprobs(cfg, model, fwd, mbs) if clipped and cfg.epochs > 1 else None
+    for epoch in range(cfg.epochs):
+        metrics = backward_pass(cfg, model, fwd, mbs, denom, step, old)
+        metrics.update(optimizer_step(cfg, model, opt, step + 1))
+        if epoch == 0:
+            L.accumulate(total, metrics)
+    return total, denom.tokens, len(mbs) * cfg.micro_batch_tokens
 
 
 def optimizer_step(cfg, model, opt, step):
@@ -204,9 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             samples, total = sft_samples(cfg, task, rng)
         t_roll = time.time()
-        metrics, n_loss, n_tok = train_phase(cfg, model, fwd, samples, step - 1, cfg.device)
+        metrics, n_loss, n_tok = train_phase(cfg, model, fwd, opt, samples, step - 1)
         L.accumulate(total, metrics)
-        L.accumulate(total, optimizer_step(cfg, model, opt, step))
         engine.load_weights(model, version=step)
         m = L.reduce_metrics(total)
         t1 = time.time()

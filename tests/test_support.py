@@ -42,7 +42,9 @@ def test_kept_set_and_q_equal_a_full_forward(top_k, top_p):
             assert set(sup.ids[a:b].tolist()) == kept and b - a == len(kept)
             z = sum(row[v] for v in kept)
             for v, lq in zip(sup.ids[a:b].tolist(), sup.logq[a:b].tolist()):
-                assert abs(lq - math.log(row[v] / z)) < 1e-5
+                # fp32: the cached decode and the full forward sum in different orders; the
+                # worst kept entry seen differs by 1.2e-5 in log q (sampled tokens: < 1e-5)
+                assert abs(lq - math.log(row[v] / z)) < 2e-5
             assert c.ids[t] in kept
             rows += 1
     assert rows > 10
