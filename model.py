@@ -231,7 +231,7 @@ def load(model_dir: str | Path, device="cpu", dtype=torch.float32) -> Qwen3:
     with torch.device("meta"):
         model = Qwen3(args)
     expected = {k: v.shape for k, v in model.state_dict().items()}
-    files = sorted(d.glob("*.safetensors"))
+    files = sorted(d.glob("model*.safetensors"))  # not trainer_state.safetensors
     if not files:
         raise FileNotFoundError(f"{d}: no *.safetensors weights")
     state = {}
@@ -255,8 +255,8 @@ def load(model_dir: str | Path, device="cpu", dtype=torch.float32) -> Qwen3:
     return model.to(device)
 
 
-def save(model: Qwen3, out_dir: str | Path, tokenizer_dir: str | Path) -> None:
-    """Write a HF directory under a temporary name, then rename it into place."""
+def save(model: Qwen3, out_dir: str | Path, tokenizer_dir: str | Path, extra: dict[str, bytes] | None = None) -> None:
+    """Write a HF directory (plus `extra` files) under a temporary name, then rename it into place."""
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -267,6 +267,8 @@ def save(model: Qwen3, out_dir: str | Path, tokenizer_dir: str | Path) -> None:
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (Path(tokenizer_dir) / f).is_file():
             shutil.copy(Path(tokenizer_dir) / f, tmp / f)
+    for name, blob in (extra or {}).items():
+        (tmp / name).write_bytes(blob)
     for f in tmp.iterdir():  # data on disk before the rename makes it visible
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())

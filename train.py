@@ -23,13 +23,17 @@ Simplifications:
 from __future__ import annotations
 
 import json
-import math
+import os
 import random
+import re
+import resource
 import sys
 import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 import config as C
 import data as D
@@ -45,10 +49,12 @@ def print0(*a, **k):
 
 # ----------------------------------------------------------------------------- set-up
 
-def build(cfg: C.Config):
+def build(cfg: C.Config, resume_from: Path | None = None):
     """Model, tokenizer, task, engine, optimizer; `--model scratch` makes a fresh tiny model."""
     src = Path(cfg.model)
-    if cfg.model == "scratch":
+    if resume_from is not None:
+        src = resume_from
+    elif cfg.model == "scratch":
         src = Path(cfg.out_dir) / "scratch"
         src.mkdir(parents=True, exist_ok=True)
         D.write_tokenizer(src)
@@ -172,14 +178,73 @@ def evaluate(cfg, task, engine, n: int = 4) -> float:
     return sum(task.reward(prompts[i // n], c.ids) for i, c in enumerate(out)) / len(out)
 
 
+# ----------------------------------------------------------------------------- checkpoints
+
+def save_checkpoint(out: Path, step: int, model, opt, rng, engine, src) -> Path:
+    """A HF directory plus the training state (optimizer, RNGs, step) in one atomic rename."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    tensors = {"rng/engine": engine.gen.get_state()}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            tensors[f"optim/{names[id(p)]}/{k}"] = v.detach().cpu()
+    state = {"step": step, "python_rng": rng.getstate()}
+    path = out / f"step_{step:06d}"
+    M.save(model, path, src, extra={"trainer_state.json": json.dumps(state).encode(),
+                                    "trainer_state.safetensors": st_save(tensors)})
+    link = out / "final.tmp"  # `final` points at the newest checkpoint; replaced atomically
+    link.unlink(missing_ok=True)
+    link.symlink_to(path.name)
+    os.replace(link, out / "final")
+    return path
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    done = [p for p in out.glob("step_*") if re.fullmatch(r"step_\d{6}", p.name) and (p / "trainer_state.json").is_file()]
+    return max(done, default=None)
+
+
+def load_training_state(path: Path, model, opt, rng, engine) -> int:
+    state = json.loads((path / "trainer_state.json").read_text())
+    tensors = st_load((path / "trainer_state.safetensors").read_bytes())
+    params = dict(model.named_parameters())
+    for key, v in tensors.items():
+        if key.startswith("optim/"):
+            name, k = key[len("optim/"):].rsplit("/", 1)
+            opt.state[params[name]][k] = v.to(params[name].device) if v.dim() else v
+    engine.gen.set_state(tensors["rng/engine"])
+    version, internal, gauss = state["python_rng"]
+    rng.setstate((version, tuple(internal), gauss))
+    engine.load_weights(model, version=state["step"])
+    return state["step"]
+
+
+def check_resumable(cfg: C.Config, out: Path) -> Path:
+    """The checkpoint to resume from; the flags that shape the run must not change."""
+    path = latest_checkpoint(out)
+    if path is None:
+        raise C.ConfigError(f"--resume: no complete checkpoint in {out} (step_NNNNNN with trainer_state.json)")
+    saved = json.loads((out / "config.json").read_text())
+    free = {"steps", "resume", "eval_every", "save_every", "wandb_project", "model"}
+    for k, v in json.loads(cfg.to_json()).items():
+        if k not in free and saved.get(k) != v:
+            raise C.ConfigError(f"--resume: --{k.replace('_', '-')} is {v!r} but the run in {out} used {saved.get(k)!r}")
+    return path
+
+
 # ----------------------------------------------------------------------------- logging
 
 class Logger:
     """One line per step, metrics.jsonl, and wandb when asked for."""
 
-    def __init__(self, cfg: C.Config):
-        self.cfg, self.t0 = cfg, time.time()
-        self.file = open(Path(cfg.out_dir) / "metrics.jsonl", "w")
+    def __init__(self, cfg: C.Config, start: int = 0):
+        self.cfg, self.t0, self.start = cfg, time.time(), start
+        path = Path(cfg.out_dir) / "metrics.jsonl"
+        kept = []
+        if start and path.is_file():  # resuming: rows past the checkpoint are redone
+            kept = [r for r in path.read_text().splitlines() if r and json.loads(r)["step"] <= start]
+        self.file = open(path, "w")
+        self.file.write("".join(r + "\n" for r in kept))
+        self.rows = [json.loads(r) for r in kept]
         self.wandb = None
         if cfg.wandb_project:
             import wandb
@@ -187,13 +252,14 @@ class Logger:
             self.wandb = wandb.init(project=cfg.wandb_project, config=json.loads(cfg.to_json()), dir=cfg.out_dir)
 
     def row(self, step: int, metrics: dict) -> None:
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.rows.append({"step": step, **metrics})
+        self.file.write(json.dumps(self.rows[-1]) + "\n")
         self.file.flush()
         if self.wandb:
             self.wandb.log(metrics, step=step)
 
     def line(self, step: int, m: dict, tokens: int, dt: float) -> None:
-        eta = (time.time() - self.t0) / step * (self.cfg.steps - step)
+        eta = (time.time() - self.t0) / (step - self.start) * (self.cfg.steps - step)
         masked = m.get("icepop/masked_fraction", m.get("ipo/masked_fraction", 0.0))
         reward = f"{m['reward']:.3f}" if "reward" in m else "-"
         print0(f"step {step}/{self.cfg.steps} | reward {reward} | loss {m['loss']:+.4f} "
@@ -210,26 +276,27 @@ class Logger:
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = C.parse(argv)
+    out = Path(cfg.out_dir)
     try:
         cfg = pick_engine(cfg).resolve(torch.cuda.is_available())
+        resume_from = check_resumable(cfg, out) if cfg.resume else None
     except C.ConfigError as e:
         print(f"floe: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     torch.manual_seed(cfg.seed)
-    out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(cfg.to_json())
     print0(cfg.to_json())
-    src, model, fwd, codec, task, engine, opt = build(cfg)
+    src, model, fwd, codec, task, engine, opt = build(cfg, resume_from)
+    rng = random.Random(cfg.seed)
+    start = load_training_state(resume_from, model, opt, rng, engine) if resume_from else 0
     print0(f"model {src}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params on {cfg.device}"
-           + (" | compiling, ~1 min" if cfg.compile == "on" else ""))
-    log, rng = Logger(cfg), random.Random(cfg.seed)
-    summary = {}
-    if cfg.eval_every:
-        summary["eval/reward@0"] = evaluate(cfg, task, engine)
-        log.row(0, {"eval/reward": summary["eval/reward@0"]})
-        print0(f"eval step 0 | reward {summary['eval/reward@0']:.3f}")
-    for step in range(1, cfg.steps + 1):
+           + (f" | resuming at step {start}" if start else "") + (" | compiling, ~1 min" if cfg.compile == "on" else ""))
+    log = Logger(cfg, start)
+    if cfg.eval_every and not start:
+        log.row(0, {"eval/reward": evaluate(cfg, task, engine)})
+        print0(f"eval step 0 | reward {log.rows[-1]['eval/reward']:.3f}")
+    for step in range(start + 1, cfg.steps + 1):
         t0 = time.time()
         if cfg.stage == "rl":
             samples, total = rollout_phase(cfg, task, engine, rng, step - 1)
@@ -243,15 +310,24 @@ def main(argv: list[str] | None = None) -> dict:
         t1 = time.time()
         m.update({"time/rollout": t_roll - t0, "time/train": t1 - t_roll, "tokens/train": n_loss})
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-            m["eval/reward"] = summary["eval/reward"] = evaluate(cfg, task, engine)
+            m["eval/reward"] = evaluate(cfg, task, engine)
             print0(f"eval step {step} | reward {m['eval/reward']:.3f}")
         log.row(step, m)
         log.line(step, m, n_tok, t1 - t0)
-        if cfg.save_every and step % cfg.save_every == 0:
-            M.save(model, out / f"step_{step:06d}", src)
-    M.save(model, out / "final", src)
-    summary.update(time=time.time() - log.t0, steps=cfg.steps)
+        if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+            save_checkpoint(out, step, model, opt, rng, engine, src)
     log.close()
+    return finish(cfg, log)
+
+
+def finish(cfg: C.Config, log: Logger) -> dict:
+    """The end summary: eval reward at the start and the end, total time, peak memory."""
+    evals = [r for r in log.rows if "eval/reward" in r]
+    peak = (torch.cuda.max_memory_allocated() if cfg.device == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    summary = {"steps": cfg.steps, "time_s": round(time.time() - log.t0, 1), "peak_memory_gib": round(peak / 2**30, 3)}
+    if evals:
+        summary.update({"eval/reward@0": evals[0]["eval/reward"], "eval/reward": evals[-1]["eval/reward"]})
     print0("summary " + json.dumps(summary))
     return summary
 
