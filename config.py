@@ -32,11 +32,12 @@ class Config:
     stage: Literal["rl", "sft"] = "rl"  # rl: policy gradient from --model; sft: supervised warm-up
     model: str = "checkpoints/reverse-tiny"  # a local HF directory (config.json, model.safetensors, tokenizer.json)
     out_dir: str = "runs/latest"  # config.json, metrics.jsonl and checkpoints go here
+    resume: bool = False  # continue the run in --out-dir from its newest complete checkpoint
     steps: int = 80  # optimizer steps (rl: one rollout batch each)
     seed: int = 0  # seeds prompts, sampling and init
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     compile: Literal["auto", "on", "off"] = "auto"  # torch.compile of the trainer forward; auto: on for cuda, off on cpu (measured faster, README)
-    save_every: int = 0  # steps between checkpoints; 0: only at the end
+    save_every: int = 0  # steps between checkpoints (step_NNNNNN/, all kept); 0: only at the end
     eval_every: int = 10  # steps between held-out evals (also at step 0 and the end); 0: no eval
     eval_prompts: int = 64  # held-out prompts per eval, 4 samples each at the training sampling settings
     wandb_project: str = ""  # log to wandb when given (WANDB_MODE=offline works); nothing is sent otherwise
@@ -64,12 +65,20 @@ class Config:
     top_k: int = 0  # top-k sampling; 0: off
 
     # --- the loss (loss.py; DESIGN.md "The loss")
-    loss: Literal["reinforce", "icepop", "ipo", "ppo", "cispo"] = "icepop"
+    loss: Literal["reinforce", "icepop", "ipo", "tis", "ppo", "cispo"] = "icepop"
     icepop_alpha: float = 0.5  # icepop: keep tokens with alpha <= p/q <= beta
     icepop_beta: float = 5.0  # icepop: upper bound, the paper's value
     icepop: bool = False  # ppo/cispo: also apply the IcePop mask on pi_old/q
     ipo_eps: float = 0.2  # ipo: keep tokens with |p - q| <= eps
     max_importance_ratio: float = 5.0  # ipo: cap on p/q
+    tis_cap: float = 2.0  # tis: w = clamp(p/q, floor, cap), truncated importance sampling
+    tis_floor: float = 0.0  # tis: lower clamp on p/q; 0: none
+    seq_mask: Literal["off", "geometric", "max"] = "off"  # zero sequences whose geometric-mean p/q (max: any token's) leaves [low, high]
+    seq_mask_low: float = 0.5  # --seq-mask lower bound; 0: none (geometric wants tight bounds, e.g. 0.999)
+    seq_mask_high: float = 2.0  # --seq-mask upper bound (geometric: e.g. 1.001)
+    kl_mask: Literal["off", "k1", "k3", "binary"] = "off"  # zero tokens (sequences with --seq-mask) whose KL(q||p) estimate > threshold
+    kl_mask_threshold: float = 0.5  # on |log r| (k1), r - 1 - log r (k3), KL(Bern(q(a))||Bern(p(a))) (binary)
+    correction_metrics_only: bool = False  # train plain reinforce; log what each correction would mask
     clip_low: float = 0.2  # ppo/cispo: lower clip on p/pi_old (1 - clip_low)
     clip_high: float = 0.28  # ppo/cispo: upper clip (1 + clip_high)
     adv_tau: float = 1.0  # plain multiplier on the advantage
@@ -89,6 +98,11 @@ class Config:
                f"need 0 <= alpha < beta, got alpha={self.icepop_alpha} beta={self.icepop_beta}")
         _check(self.ipo_eps > 0, "--ipo-eps", f"must be > 0, got {self.ipo_eps}")
         _check(self.max_importance_ratio >= 1, "--max-importance-ratio", f"must be >= 1, got {self.max_importance_ratio}")
+        _check(0 <= self.tis_floor <= 1 <= self.tis_cap, "--tis-floor/--tis-cap",
+               f"need 0 <= floor <= 1 <= cap, got floor={self.tis_floor} cap={self.tis_cap}")
+        _check(0 <= self.seq_mask_low < 1 < self.seq_mask_high, "--seq-mask-low/--seq-mask-high",
+               f"need 0 <= low < 1 < high, got low={self.seq_mask_low} high={self.seq_mask_high}")
+        _check(self.kl_mask_threshold > 0, "--kl-mask-threshold", f"must be > 0, got {self.kl_mask_threshold}")
         _check(0 <= self.clip_low < 1, "--clip-low", f"must be in [0, 1), got {self.clip_low}")
         _check(self.clip_high >= 0, "--clip-high", f"must be >= 0, got {self.clip_high}")
         _check(self.score_centering_k >= 1, "--score-centering-k", f"must be >= 1, got {self.score_centering_k}")

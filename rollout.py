@@ -215,9 +215,14 @@ class TorchEngine:
 
 
 def group_advantages(rewards: list[float], group_size: int, std_norm: bool = False) -> list[float]:
-    """A = r - mean(group) (/ std(group) with std_norm); groups are consecutive."""
+    """A = r - mean(group) (/ std(group) with std_norm); groups are consecutive. A NaN
+    reward (a skipped sample) is left out of its group's statistics and gets A = 0."""
     r = torch.tensor(rewards, dtype=torch.float64).view(-1, group_size)
-    a = r - r.mean(dim=1, keepdim=True)
+    ok = r.isfinite()
+    n = ok.sum(1, keepdim=True).clamp(min=1)
+    mean = torch.where(ok, r, 0.0).sum(1, keepdim=True) / n
+    a = torch.where(ok, r - mean, 0.0)
     if std_norm:
-        a = a / (r.std(dim=1, keepdim=True, unbiased=False) + 1e-6)
+        std = (a.pow(2).sum(1, keepdim=True) / n).sqrt()
+        a = a / (std + 1e-6)
     return a.flatten().tolist()

@@ -23,6 +23,7 @@ Simplifications:
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -84,9 +85,16 @@ def needs_support(cfg) -> bool:
     return cfg.loss in L.CENTERED or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")
 
 
-def rollout_phase(cfg, task, engine, rng, step):
-    """Prompts -> completions -> rewards -> advantages, as Samples."""
-    prompts = task.sample(cfg.prompts_per_step, rng)
+def rollout_phase(cfg, task, engine, rng, step, context: int):
+    """Prompts -> completions -> rewards -> advantages, as Samples.
+
+    A prompt that cannot fit its completion in the context, and a sample whose reward
+    raises, are skipped and counted (`skipped/too_long`, `skipped/reward_error`)."""
+    drawn = task.sample(cfg.prompts_per_step, rng)
+    prompts = [p for p in drawn if len(p.ids) + cfg.max_new_tokens <= context]
+    if not prompts:
+        raise ValueError(f"every prompt is longer than the context: {len(drawn[0].ids)} prompt tokens "
+                         f"+ --max-new-tokens {cfg.max_new_tokens} > {context}")
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens,
                         support=needs_support(cfg), draws=cfg.score_centering_k)
     completions = engine.generate([p.ids for p in prompts], cfg.group_size, sampling)
@@ -94,16 +102,28 @@ def rollout_phase(cfg, task, engine, rng, step):
     for i, c in enumerate(completions):
         p = prompts[i // cfg.group_size]
         samples.append(D.Sample(p, c.ids, c.logq, c.versions, c.finish_reason, c.support,
-                                reward=task.reward(p, c.ids), group=i // cfg.group_size))
+                                reward=safe_reward(task, p, c.ids), group=i // cfg.group_size))
     advs = group_advantages([s.reward for s in samples], cfg.group_size, cfg.adv_std_norm)
     for s, a in zip(samples, advs):
         s.advantage = a
-    rewards = torch.tensor([s.reward for s in samples])
-    n = float(len(samples))
+    scored = [s for s in samples if math.isfinite(s.reward)]
+    rewards = torch.tensor([s.reward for s in scored] or [0.0])
+    n = float(len(scored))
     stats = {"reward": (rewards.sum(), n), "reward/std": (rewards.std(unbiased=False) * n, n),
-             "length": (float(sum(len(s.completion) for s in samples)), n),
-             "truncated_fraction": (float(sum(s.finish_reason == "length" for s in samples)), n)}
-    return samples, {k: (torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b)) for k, (a, b) in stats.items()}
+             "length": (float(sum(len(s.completion) for s in scored)), n),
+             "truncated_fraction": (float(sum(s.finish_reason == "length" for s in scored)), n),
+             "skipped/too_long": (float(len(drawn) - len(prompts)), float(len(drawn))),
+             "skipped/reward_error": (float(len(samples) - len(scored)), float(len(samples)))}
+    return scored, {k: (torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b)) for k, (a, b) in stats.items()}
+
+
+def safe_reward(task, prompt, completion) -> float:
+    """The task's reward, or NaN (the sample is skipped) when the reward function raises."""
+    try:
+        return float(task.reward(prompt, completion))
+    except Exception as e:  # a user's reward function: any failure skips the sample, loudly
+        print0(f"warning: reward raised {type(e).__name__}: {e} (sample skipped, counted in skipped/reward_error)")
+        return float("nan")
 
 
 def sft_samples(cfg, task, rng):
@@ -287,19 +307,37 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(cfg.to_json())
     print0(cfg.to_json())
-    src, model, fwd, codec, task, engine, opt = build(cfg, resume_from)
+    try:
+        src, model, fwd, codec, task, engine, opt = build(cfg, resume_from)
+    except (FileNotFoundError, ValueError) as e:  # a bad model directory: say which file and why
+        print(f"floe: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     rng = random.Random(cfg.seed)
     start = load_training_state(resume_from, model, opt, rng, engine) if resume_from else 0
     print0(f"model {src}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params on {cfg.device}"
            + (f" | resuming at step {start}" if start else "") + (" | compiling, ~1 min" if cfg.compile == "on" else ""))
     log = Logger(cfg, start)
+    try:
+        run(cfg, log, start, out, src, model, fwd, task, engine, opt, rng)
+    except ValueError as e:
+        if not str(e).startswith(("bad sampler evidence", "every prompt")):
+            raise
+        print(f"floe: error: {e}", file=sys.stderr)  # what was logged and saved so far stays
+        raise SystemExit(1) from None
+    finally:
+        log.close()
+    return finish(cfg, log)
+
+
+def run(cfg, log, start, out, src, model, fwd, task, engine, opt, rng):
+    """The loop: rollout, train, push weights, eval, log, checkpoint."""
     if cfg.eval_every and not start:
         log.row(0, {"eval/reward": evaluate(cfg, task, engine)})
         print0(f"eval step 0 | reward {log.rows[-1]['eval/reward']:.3f}")
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.time()
         if cfg.stage == "rl":
-            samples, total = rollout_phase(cfg, task, engine, rng, step - 1)
+            samples, total = rollout_phase(cfg, task, engine, rng, step - 1, model.args.max_position_embeddings)
         else:
             samples, total = sft_samples(cfg, task, rng)
         t_roll = time.time()
@@ -316,8 +354,6 @@ def main(argv: list[str] | None = None) -> dict:
         log.line(step, m, n_tok, t1 - t0)
         if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
             save_checkpoint(out, step, model, opt, rng, engine, src)
-    log.close()
-    return finish(cfg, log)
 
 
 def finish(cfg: C.Config, log: Logger) -> dict:

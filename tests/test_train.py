@@ -30,7 +30,7 @@ def _setup(seed=0):
 
 def _samples(cfg, m, codec, task):
     engine = TorchEngine(m, "bf16", codec.stop_ids, seed=1)
-    samples, _ = train.rollout_phase(cfg, task, engine, random.Random(0), step=0)
+    samples, _ = train.rollout_phase(cfg, task, engine, random.Random(0), step=0, context=512)
     g = torch.Generator().manual_seed(5)
     for s in samples:  # a sampler far from the trainer, so the IcePop mask really fires
         s.logq = [lq + float(torch.randn((), generator=g)) * 0.3 for lq in s.logq]

@@ -1,0 +1,127 @@
+"""Bad input: each gets one clear line (exit 2 for a bad model directory, 1 for a step that
+cannot go on) or a counted skip, and nothing written earlier is lost."""
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import data as D
+import train
+from rollout import TorchEngine
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "checkpoints" / "reverse-tiny"
+SMALL = ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--eval-every", "0"]
+
+
+def _copy(tmp_path) -> Path:
+    d = tmp_path / "model"
+    shutil.copytree(TINY, d)
+    return d
+
+
+def _run(model_dir, tmp_path):
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), "--model", str(model_dir), "--steps", "1",
+                           "--out-dir", str(tmp_path / "run"), *SMALL], capture_output=True, text=True, timeout=120)
+
+
+def _one_line(r, code, *words):
+    assert r.returncode == code, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_corrupt_weights(tmp_path):
+    d = _copy(tmp_path)
+    (d / "model.safetensors").write_bytes(b"\x00" * 64 + b"not a safetensors file")
+    _one_line(_run(d, tmp_path), 2, "model.safetensors", "unreadable")
+
+
+def test_truncated_weights(tmp_path):
+    d = _copy(tmp_path)
+    blob = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(blob[: len(blob) // 2])
+    _one_line(_run(d, tmp_path), 2, "model.safetensors")
+
+
+def test_missing_tokenizer(tmp_path):
+    d = _copy(tmp_path)
+    (d / "tokenizer.json").unlink()
+    _one_line(_run(d, tmp_path), 2, "tokenizer.json", "missing")
+
+
+def test_config_that_does_not_match_the_weights(tmp_path):
+    d = _copy(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_hidden_layers"] += 1
+    (d / "config.json").write_text(json.dumps(cfg))
+    _one_line(_run(d, tmp_path), 2, "do not match config.json")
+
+
+def test_a_reward_that_raises_skips_and_counts(tmp_path, monkeypatch):
+    real, calls = D.ReverseText.reward, [0]
+
+    def flaky(self, p, completion):
+        calls[0] += 1
+        if calls[0] % 3 == 0:
+            raise RuntimeError("reward server down")
+        return real(self, p, completion)
+
+    monkeypatch.setattr(D.ReverseText, "reward", flaky)
+    train.main(["--steps", "2", "--out-dir", str(tmp_path), *SMALL, "--group-size", "4"])
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["skipped/reward_error"] for r in rows) > 0
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["reward"]) for r in rows)
+
+
+def test_prompts_longer_than_the_context(tmp_path):
+    d = _copy(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["max_position_embeddings"] = 45  # some prompts (33 to 47 tokens) + 8 new tokens no longer fit
+    (d / "config.json").write_text(json.dumps(cfg))
+    train.main(["--model", str(d), "--steps", "2", "--out-dir", str(tmp_path / "a"), *SMALL, "--prompts-per-step", "8"])
+    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert 0 < sum(r["skipped/too_long"] for r in rows) / len(rows) < 1
+    cfg["max_position_embeddings"] = 20  # nothing fits: one line, exit 1
+    (d / "config.json").write_text(json.dumps(cfg))
+    r = _run(d, tmp_path)
+    _one_line(r, 1, "longer than the context")
+
+
+def _nan_on_step(monkeypatch, step: int):
+    real, calls = TorchEngine.generate, [0]
+
+    def broken(self, prompts, n, sampling):
+        out = real(self, prompts, n, sampling)
+        if sampling.seed is None:  # not an eval
+            calls[0] += 1
+            if calls[0] == step:
+                out[1].logq[0] = float("nan")
+        return out
+
+    monkeypatch.setattr(TorchEngine, "generate", broken)
+
+
+def test_nan_logprobs_stop_the_step_and_keep_what_was_written(tmp_path, monkeypatch, capsys):
+    _nan_on_step(monkeypatch, step=2)
+    with pytest.raises(SystemExit) as e:
+        train.main(["--steps", "3", "--out-dir", str(tmp_path), *SMALL])
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "sample 1" in err[0] and "logq" in err[0]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]  # step 1 stays on disk
+
+
+def test_nan_logprobs_dropped_and_counted(tmp_path, monkeypatch):
+    _nan_on_step(monkeypatch, step=1)
+    train.main(["--steps", "2", "--out-dir", str(tmp_path), "--bad-evidence", "drop", *SMALL])
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["bad_evidence/dropped"] == pytest.approx(1 / 4) and rows[1]["bad_evidence/dropped"] == 0
