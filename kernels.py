@@ -1,27 +1,65 @@
 """The LM head fused with the log-softmax: per-token label log-prob, entropy and support
 log-probs, without ever holding [N, V] logits.
 
-    head(hidden[N,H], weight[V,H], labels[N], support | None, temperature)
+    head(hidden[N,H], weight[V,H], labels[N], support | None, temperature, sparse=False)
         -> logp[N] fp32, entropy[N] fp32 (no grad), support_logp[nnz] fp32
 
-logp is log p(label) at the temperature; for a replayed support row (sampling truncated
-by top-p/top-k) it is renormalized over that row's support, as the sampler drew it.
-support_logp is log p(v) for each support entry, renormalized the same way.
+logp is log p(label) at the temperature (logits = hidden @ weight.T / T); for a replayed
+support row (sampling truncated by top-p/top-k) it is renormalized over that row's
+support, as the sampler drew it. support_logp is log p(v) for each support entry,
+renormalized the same way.
+
+Two backwards, one forward:
+- dense (default): each token chunk runs under activation checkpointing, so the forward
+  keeps only per-token scalars and the backward recomputes one chunk's [chunk, V] logits
+  and takes the full softmax gradient. Always correct.
+- sparse (`sparse=True`): the gradient of token t with respect to its logits is
+      g_logp[t]*e_label + sum_e g_slp[e]*e_{v_e} - G_t * dnorm_t,   G_t = g_logp[t] + sum_e g_slp[e]
+  where dnorm_t is p_S (the row's renormalized softmax) on a replayed row and the full
+  softmax p on any other row. On a replayed row every term lies on the label and the row.
+  On another row the last term is dense, and the sparse backward DROPS it: it is exact
+  only when G_t = 0, which holds for reinforce with score centering and no KL under K
+  draws (w = 1, u = 1/K, so -A + K*A/K = 0), and trivially on rows with no incoming
+  gradient (prompt, padding). Anything else (icepop/ipo/tis weights under draws, a KL, an
+  empty row on a loss token) needs the dense backward; `sparse_ok` says which from the
+  config, without reading the device.
+  The forward saves hidden, weight, labels, the support and its own support_logp (p_S =
+  exp of it on a replayed row; nnz floats, the size of the support's logq) - nothing of
+  size V per token. The backward forms (token, vocab id, coefficient) triples for labels
+  and support entries, gets d_hidden[t] = sum coef*W[v]/T from gathered W rows and CSR
+  segment sums, and d_W[v] = sum coef*hidden[t]/T by sorting the triples by vocab id
+  (stable) and segment-summing each id's run: no float atomics, so two runs are
+  bit-identical. The Triton kernel follows the same contract.
 
 Simplifications:
 1. This is the plain-torch chunked reference: the CPU path and the oracle for the Triton
-   kernels to come. Each token chunk runs under activation checkpointing, so the forward
-   keeps only per-token scalars and the backward recomputes one chunk's logits at a time
-   (the dense backward). Peak extra memory is one [chunk, V] fp32 tile.
-2. Logits are computed in the weights' dtype and upcast to fp32 before the softmax.
+   kernels to come. Peak extra memory is a few [chunk, V] fp32 tiles (the forward, and
+   the dense backward's recompute); the sparse backward needs only gathered [rows, H]
+   fp32 tiles and one [V, H] partial of d_W per block of triples.
+2. Logits are computed in the weights' dtype and upcast to fp32 before the softmax. The
+   sparse backward reads p_S from the saved support_logp rather than recomputing each
+   entry's logit from a gathered hidden row and a saved normalizer: it matches the forward
+   bit for bit in any dtype and skips an [nnz, H] gather. Gradients are computed in fp32
+   and cast back to the inputs' dtypes.
+3. `head` cannot check G_t = 0 without a host sync; tests/test_kernels.py checks it for
+   the configurations `sparse_ok` admits.
+
+    python -m pytest -q tests/test_kernels.py      # CPU, seconds
+    python bench/support.py                        # ragged vs padded bytes, dense vs sparse backward
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from data import TokenSupport
+
+if TYPE_CHECKING:
+    from config import Config
 
 TILE_ELEMENTS = 1 << 25  # a [chunk, V] fp32 tile of at most 128 MiB
 
@@ -55,23 +93,132 @@ def _chunk(hidden, weight, labels, ids, offsets, replayed, temperature: float, n
     return label_logit - norm, entropy, sup_logit - norm[rows]
 
 
+def _chunks(hidden, weight, labels, support: TokenSupport | None, temperature: float, chunk: int, fn):
+    """Run fn (_chunk or a checkpointed _chunk) over token chunks; concatenate its outputs."""
+    N = hidden.shape[0]
+    outs = []
+    for c0 in range(0, N, chunk):
+        c1 = min(N, c0 + chunk)
+        sup = TokenSupport.empty(c1 - c0, hidden.device) if support is None else support.slice(c0, c1)
+        outs.append(fn(hidden[c0:c1], weight, labels[c0:c1], sup.ids, sup.offsets, sup.replayed,
+                       temperature, sup.nnz))
+    return [torch.cat(o) for o in zip(*outs)]
+
+
 def head(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-         support: TokenSupport | None = None, temperature: float = 1.0, chunk: int | None = None):
+         support: TokenSupport | None = None, temperature: float = 1.0, chunk: int | None = None,
+         sparse: bool = False):
+    """logp [N], entropy [N] (no grad), support_logp [nnz]; see the module docstring.
+    sparse=True takes the sparse backward: exact only where `sparse_ok` holds."""
     N, V = hidden.shape[0], weight.shape[0]
     assert hidden.shape[1] == weight.shape[1] and labels.shape == (N,), (hidden.shape, weight.shape, labels.shape)
     assert support is None or support.num_rows == N, "support needs one row per token"
     chunk = chunk or max(1, min(N, TILE_ELEMENTS // V))
-    logp, ent, slp = [], [], []
-    for c0 in range(0, N, chunk):
-        c1 = min(N, c0 + chunk)
-        if support is None:
-            sup = TokenSupport.empty(c1 - c0, hidden.device)
-        else:
-            sup = support.slice(c0, c1)
-        args = (hidden[c0:c1], weight, labels[c0:c1], sup.ids, sup.offsets, sup.replayed, temperature, sup.nnz)
-        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-            out = checkpoint(_chunk, *args, use_reentrant=False)
-        else:
-            out = _chunk(*args)
-        logp.append(out[0]), ent.append(out[1]), slp.append(out[2])
-    return torch.cat(logp), torch.cat(ent), torch.cat(slp)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if sparse and grad:
+        assert support is not None, "the sparse backward needs a support (see sparse_ok)"
+        return _SparseHead.apply(hidden, weight, labels, support.ids, support.offsets, support.replayed,
+                                 support.host_offsets, temperature, chunk)
+    if grad:
+        def fn(*args):
+            return checkpoint(_chunk, *args, use_reentrant=False)
+    else:
+        fn = _chunk
+    return tuple(_chunks(hidden, weight, labels, support, temperature, chunk, fn))
+
+
+def sparse_ok(cfg: Config, support: TokenSupport | None) -> bool:
+    """Whether train.py may call head(..., sparse=True) for this config and micro-batch.
+
+    Decided from the config alone (the replayed flags live on the device): truncated
+    sampling (--top-p < 1 or --top-k > 0) gives replayed rows, where any loss and KL is
+    exact; untruncated sampling gives K draws, exact only for reinforce without KL.
+    Assumes every loss token carries its support row (Sampling(support=True)); a loss
+    token with an empty non-replayed row has G_t = g_logp != 0 and needs the dense path."""
+    if support is None:
+        return False
+    replayed = cfg.top_p < 1.0 or cfg.top_k > 0
+    # --correction-metrics-only trains plain reinforce; --seq-mask/--kl-mask zero a token's
+    # whole policy term (centering included), so G_t stays 0 under them
+    trains = "reinforce" if getattr(cfg, "correction_metrics_only", False) else cfg.loss
+    return replayed or (trains == "reinforce" and cfg.kl_coeff == 0)
+
+
+# ----------------------------------------------------------------------------- sparse backward
+
+class _SparseHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ids, offsets, replayed, host_offsets: np.ndarray,
+                temperature: float, chunk: int):
+        sup = TokenSupport(ids, offsets, ids.new_zeros(0, dtype=torch.float32), replayed, host_offsets)
+        logp, ent, slp = _chunks(hidden, weight, labels, sup, temperature, chunk, _chunk)
+        ctx.save_for_backward(hidden, weight, labels, ids, offsets, replayed, slp)
+        ctx.host_offsets, ctx.temperature = host_offsets, temperature
+        ctx.mark_non_differentiable(ent)
+        return logp, ent, slp
+
+    @staticmethod
+    def backward(ctx, g_logp, _g_entropy, g_slp):
+        hidden, weight, labels, ids, offsets, replayed, slp = ctx.saved_tensors
+        N, nnz = hidden.shape[0], ids.shape[0]
+        g_logp = hidden.new_zeros(N, dtype=torch.float32) if g_logp is None else g_logp.float()
+        g_slp = hidden.new_zeros(nnz, dtype=torch.float32) if g_slp is None else g_slp.float()
+        rows = _rows(offsets, nnz)
+        # G_t, the coefficient on the normalizer; a replayed row takes -G_t*p_S on its entries
+        G = g_logp + torch.segment_reduce(g_slp, "sum", offsets=offsets, unsafe=True)
+        coef = torch.where(replayed[rows], g_slp - G[rows] * slp.exp(), g_slp)  # (nnz,)
+        d_hidden = None
+        if ctx.needs_input_grad[0]:
+            d_hidden = _grad_hidden(weight, labels, ids, offsets, ctx.host_offsets, g_logp, coef,
+                                    ctx.temperature, hidden.shape[1]).to(hidden.dtype)
+        d_weight = None
+        if ctx.needs_input_grad[1]:
+            keys = torch.cat([labels.long(), ids.long()])  # (N + nnz,) the triples' vocab ids
+            toks = torch.cat([torch.arange(N, device=rows.device), rows])
+            d_weight = _grad_weight(hidden, keys, toks, torch.cat([g_logp, coef]), weight.shape[0],
+                                    ctx.temperature).to(weight.dtype)
+        return d_hidden, d_weight, None, None, None, None, None, None, None
+
+
+def _spans(host_offsets: np.ndarray, budget: int) -> list[tuple[int, int]]:
+    """Token ranges [c0, c1) whose tokens plus support entries stay within `budget` rows
+    (a token wider than the budget gets a span of its own). Host offsets: no sync."""
+    cost = np.arange(len(host_offsets)) + host_offsets  # rows up to token c, strictly increasing
+    spans, c0, N = [], 0, len(host_offsets) - 1
+    while c0 < N:
+        c1 = max(c0 + 1, int(np.searchsorted(cost, cost[c0] + budget, side="right")) - 1)
+        spans.append((c0, c1))
+        c0 = c1
+    return spans
+
+
+def _grad_hidden(weight, labels, ids, offsets, host_offsets, g_logp, coef, temperature: float, H: int):
+    """d_hidden[t] = (g_logp[t]*W[label_t] + sum over row t of coef_e*W[v_e]) / T, from
+    gathered W rows, one span of tokens at a time; the row sums are segment sums (CSR)."""
+    N = labels.shape[0]
+    d_hidden = torch.empty(N, H, dtype=torch.float32, device=weight.device)
+    for c0, c1 in _spans(host_offsets, max(1, TILE_ELEMENTS // (4 * H))):
+        a, b = int(host_offsets[c0]), int(host_offsets[c1])
+        w_e = weight[ids[a:b].long()].float() * coef[a:b, None]  # (nnz_c, H)
+        per_row = torch.segment_reduce(w_e, "sum", offsets=offsets[c0:c1 + 1] - a, axis=0, unsafe=True)
+        d_hidden[c0:c1] = (g_logp[c0:c1, None] * weight[labels[c0:c1]].float() + per_row) / temperature
+    return d_hidden
+
+
+def _grad_weight(hidden, keys, toks, coefs, V: int, temperature: float) -> torch.Tensor:
+    """d_W[v] = sum over triples (t, v, c) of c*hidden[t]/T: a stable sort by vocab id, then
+    a segment sum per vocab id over blocks of the sorted triples, blocks added in order.
+    Deterministic by construction (the GPU kernel's contract: no float atomics)."""
+    order = torch.argsort(keys, stable=True)
+    keys, toks, coefs = keys[order], toks[order], coefs[order]
+    block = max(1, TILE_ELEMENTS // (4 * hidden.shape[1]))
+    d_weight = None
+    for s in range(0, keys.shape[0], block):
+        k = keys[s:s + block]
+        vals = hidden[toks[s:s + block]].float() * coefs[s:s + block, None]  # (B, H)
+        lengths = torch.bincount(k, minlength=V)  # integer counts: exact on any device
+        part = torch.segment_reduce(vals, "sum", lengths=lengths, axis=0, unsafe=True)  # (V, H)
+        d_weight = part if d_weight is None else d_weight + part
+    if d_weight is None:
+        d_weight = hidden.new_zeros(V, hidden.shape[1], dtype=torch.float32)
+    return d_weight / temperature

@@ -40,7 +40,7 @@ import config as C
 import data as D
 import loss as L
 import model as M
-from kernels import head
+from kernels import head, sparse_ok
 from rollout import Sampling, TorchEngine, group_advantages
 
 
@@ -81,8 +81,11 @@ def pick_engine(cfg: C.Config) -> C.Config:
 # ----------------------------------------------------------------------------- phases
 
 def needs_support(cfg) -> bool:
-    """Score centering (reinforce, icepop, ipo) and the exact KL read each token's support."""
-    return cfg.loss in L.CENTERED or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")
+    """Score centering (reinforce, icepop, ipo, tis) and the exact KL read each token's
+    support; truncated sampling always reports its kept set, so the trainer's p is
+    renormalized over it whatever the loss (REFERENCES.md: off by log(kept mass) otherwise)."""
+    truncated = cfg.top_p < 1.0 or cfg.top_k > 0
+    return truncated or cfg.loss in L.CENTERED or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")
 
 
 def rollout_phase(cfg, task, engine, rng, step, context: int):
@@ -141,8 +144,10 @@ def prepare(cfg, samples, vocab_size, device):
 
 def _head(cfg, model, fwd, mb):
     hidden = fwd(mb.tokens, mb.positions, mb.doc_ids)
-    temperature = cfg.temperature if cfg.stage == "rl" else 1.0
-    return head(hidden, model.head_weight, mb.labels, mb.support, temperature)
+    if cfg.stage == "sft":
+        return head(hidden, model.head_weight, mb.labels)
+    sparse = sparse_ok(cfg, mb.support)  # the gradient lies on label and support rows only
+    return head(hidden, model.head_weight, mb.labels, mb.support, cfg.temperature, sparse=sparse)
 
 
 @torch.no_grad()
