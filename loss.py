@@ -1,54 +1,58 @@
-"""The RL loss: one policy-gradient estimator with five weightings, score centering, a
-sampler KL, global normalization, metrics, and the sampler-evidence checks run before it.
+"""The RL loss: one policy-gradient estimator with six weightings, sequence and KL masks, score
+centering, a sampler KL, global normalization, metrics, and the sampler-evidence checks.
 
 For a trained token t with sampled token a, advantage A_t (times --adv-tau), trainer
 log-prob log p (current weights, sampling temperature) and sampler log-prob log q:
 
     loss_t = -A_t * ( w(a)*log p(a) - sum_{v in S_t} sg[u_v*w(v)]*log p(v) ) + beta_t*KL_t
 
-w is detached and set by --loss: reinforce 1; icepop 1[alpha <= p/q <= beta]*p/q; ipo
-1[|p - q| <= eps]*min(p/q, cap); cispo sg(clip(p/pi_old))*M(k). ppo keeps its surrogate
--M(k)*min(rho*A, clip(rho)*A), rho = p/pi_old, whose gradient is -M*A*rho*grad log p where
-the clip is inactive. M(k) is IcePop's mask on k = pi_old/q (with --icepop): k inside
-[alpha, beta] keeps weight k, outside 0. The sum over S_t is score centering (reinforce,
-icepop, ipo only): it removes E_q[w*grad log p], the part of the update that only pulls the
-trainer toward the sampler's numerics. u_v = q_v on a replayed (top-p/top-k) row, 1/K on a
-row of K draws. DESIGN.md "The loss" is the spec; tests/test_loss.py checks every path
-against a dense fp64 reference written from the formula above.
+w is detached and set by --loss (r = p/q): reinforce 1; icepop 1[alpha <= r <= beta]*r; ipo
+1[|p - q| <= eps]*min(r, cap); tis clamp(r, floor, cap); cispo sg(clip(p/pi_old))*M(k). ppo
+keeps its surrogate -M(k)*min(rho*A, clip(rho)*A), rho = p/pi_old, whose gradient is
+-M*A*rho*grad log p where the clip is inactive. M(k) is IcePop's mask on k = pi_old/q (with
+--icepop): k inside [alpha, beta] keeps weight k, outside 0. The sum over S_t is score
+centering (for the weights w(r): reinforce, icepop, ipo, tis): it removes E_q[w*grad log p],
+the part of the update that only pulls the trainer toward the sampler's numerics; u_v = q_v on
+a replayed (top-p/top-k) row, 1/K on a row of K draws. Under any --loss, --seq-mask and
+--kl-mask zero every w of a sequence or a token, centering included; --correction-metrics-only
+trains reinforce and logs what each correction would mask. DESIGN.md "The loss" is the spec;
+tests/test_loss.py checks every path against a dense fp64 reference written from the formula.
 
 Simplifications and decisions:
 1. Everything is in log space. Masks are decided on log r = log p - log q and the weight
    is exp(log r) only where the mask keeps it (exp(-inf) = 0 elsewhere), so a ratio that
-   overflows contributes exactly 0 to the loss and its gradient, never inf*0 = NaN.
+   overflows contributes exactly 0 to the loss and its gradient, never inf*0 = NaN. A
+   sequence's ratio is the geometric mean exp(mean log r); a raw product would overflow.
 2. Positions outside the loss (prompt, padding, dropped samples) read the trainer's own
    log-prob as their evidence: ratio 1, weight finite, coefficient 0. Whatever garbage the
    records hold there cannot reach a gradient.
-3. Metrics clamp log r to +-20 (e^20 ~ 5e8), metrics only: k3 and mask_tv stay finite
-   however far apart p and q are. Every metric is a (sum, count) pair over loss tokens
-   (the loss metric counts sequences under --loss-agg sequence), summed over micro-batches
-   and ranks and divided once.
+3. Metrics and KL masks clamp log r to +-20 (e^20 ~ 5e8), so k3, chi^2 and mask_tv stay finite.
+   Every metric is a (sum, count) pair over loss tokens (over sequences for ESS, and for the
+   loss under --loss-agg sequence), summed over micro-batches and ranks and divided once.
 4. KL exact falls back to k1 on a token whose support row is empty, and everywhere when
    the micro-batch has no support. Age is clamped at 0; `step` may be a 0-d tensor.
-5. Under --loss-agg sequence a sequence is a document of the micro-batch (packing never
-   splits a sample). Every weight and mask applies in both modes.
-6. Denominators count this process's micro-batches with one host sync, before the loop;
+5. A sequence is a document of the micro-batch (packing never splits a sample). Every weight
+   and mask applies under both --loss-agg, and a masked token stays in the denominator.
+6. Sequence and KL masks judge r = p/q, or k = pi_old/q for ppo/cispo, and leave the sampler
+   KL alone: beta*KL is a regularizer, not a correction. k1 is signed, so its mask reads
+   |log r|; binary is KL(Bernoulli(q(a)) || Bernoulli(p(a))).
+7. Denominators count this process's micro-batches with one host sync, before the loop;
    under torchrun the caller sums them over ranks. A zero count divides by 1 (loss 0).
-7. ppo has no dual clip: rho compares the trainer with itself and stays near 1.
-8. Evidence checks read the loss tokens and their support rows only (what the loss uses).
-   An empty replayed row fails (it cannot hold its sampled token); an empty draws row is
-   fine (no centering). Broken offsets are a packing bug, not sampler evidence: they raise
-   even under --bad-evidence drop. Dropping a sample also zeroes its out-of-range ids in
-   place, since the head still gathers every row.
+8. ppo has no dual clip: rho compares the trainer with itself and stays near 1.
+9. Evidence checks read the loss tokens and their support rows only (what the loss uses).
+   An empty replayed row fails (it cannot hold its sampled token), an empty draws row is
+   fine (no centering). Broken offsets, a packing bug, raise even under --bad-evidence drop.
+   Dropping a sample zeroes its out-of-range ids in place: the head still gathers every row.
 
     python -m pytest -q tests/test_loss.py      # CPU, seconds
-    python train.py --loss icepop --icepop-beta 2.0                                 # 1 CPU or GPU
+    python train.py --loss tis --seq-mask geometric --seq-mask-low 0.999 --seq-mask-high 1.001   # 1 CPU or GPU
     torchrun --nproc_per_node 8 train.py --model <HF dir> --loss ppo --icepop     # N GPUs
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -57,8 +61,8 @@ from config import Config
 from data import MicroBatch, TokenSupport
 
 Metrics = dict[str, tuple[Tensor, Tensor]]
-CENTERED = ("reinforce", "icepop", "ipo")  # the weightings that get score centering
-METRIC_CLAMP = 20.0  # |log r| cap for metrics only
+CENTERED = ("reinforce", "icepop", "ipo", "tis")  # the weightings w(r) that get score centering
+METRIC_CLAMP = 20.0  # |log r| cap for metrics and KL masks only
 
 
 @dataclass
@@ -82,25 +86,93 @@ def denominators(micro_batches: list[MicroBatch]) -> Denominators:
 
 # ----------------------------------------------------------------------------- weights
 
+def _outside(log_r: Tensor, low: float, high: float) -> tuple[Tensor, Tensor, float, float]:
+    """(log r < log low, log r > log high, log low, log high); inclusive bounds, low = 0: none."""
+    lo, hi = (math.log(low) if low > 0 else -math.inf), math.log(high)
+    return log_r < lo, log_r > hi, lo, hi
+
+
 def _icepop(log_ratio: Tensor, cfg: Config) -> tuple[Tensor, Tensor, Tensor]:
     """IcePop's M: weight r inside [alpha, beta] (inclusive), 0 outside; (w, low, high)."""
-    low = log_ratio < (math.log(cfg.icepop_alpha) if cfg.icepop_alpha > 0 else -math.inf)
-    high = log_ratio > math.log(cfg.icepop_beta)
+    low, high, _, _ = _outside(log_ratio, cfg.icepop_alpha, cfg.icepop_beta)
     return torch.where(low | high, -math.inf, log_ratio).exp(), low, high
 
 
-def _weight(logp: Tensor, logq: Tensor, cfg: Config) -> tuple[Tensor, Tensor, Tensor]:
-    """w for reinforce/icepop/ipo from detached log-probs; (w, masked low, masked high)."""
+def _weight(logp: Tensor, logq: Tensor, loss: str, cfg: Config) -> tuple[Tensor, Tensor, Tensor]:
+    """w for a centered --loss from detached log-probs; (w, masked or clipped low, high)."""
     log_r = logp - logq
-    if cfg.loss == "icepop":
+    if loss == "icepop":
         return _icepop(log_r, cfg)
-    if cfg.loss == "ipo":
+    if loss == "ipo":
         drop = (logp.exp() - logq.exp()).abs() > cfg.ipo_eps
         capped = log_r.clamp(max=math.log(cfg.max_importance_ratio))
         low = drop & (logp < logq)
         return torch.where(drop, -math.inf, capped).exp(), low, drop & ~low
+    if loss == "tis":  # truncated importance sampling, with an optional floor
+        low, high, lo, hi = _outside(log_r, cfg.tis_floor, cfg.tis_cap)
+        return log_r.clamp(lo, hi).exp(), low, high
     none = torch.zeros_like(log_r, dtype=torch.bool)
     return torch.ones_like(log_r), none, none
+
+
+# ----------------------------------------------------------------------------- sequence and KL masks
+
+def _any_by(idx: Tensor, flags: Tensor, size: int) -> Tensor:
+    """[size] bool: OR of `flags` over the entries with each index (index_add, no host sync)."""
+    return torch.zeros(size, dtype=torch.int64, device=flags.device).index_add_(0, idx, flags.long()) > 0
+
+
+def _seq_flags(log_r: Tensor, mb: MicroBatch, cfg: Config, mask: Tensor) -> dict[str, Tensor]:
+    """Loss tokens of the sequences each --seq-mask removes: the geometric mean of the ratios
+    (a mean in log space, finite at any length), or any one ratio, outside [low, high]."""
+    x = torch.stack([mask.to(log_r.dtype), torch.where(mask, log_r, 0.0)], 1)
+    n, total = torch.zeros_like(x).index_add_(0, mb.doc_ids, x).unbind(1)  # per sequence
+    geo = _outside((total / n.clamp(min=1))[mb.doc_ids], cfg.seq_mask_low, cfg.seq_mask_high)
+    worst = _outside(log_r, cfg.seq_mask_low, cfg.seq_mask_high)
+    worst = _any_by(mb.doc_ids, mask & (worst[0] | worst[1]), mask.numel())[mb.doc_ids]
+    return {"geometric": mask & (geo[0] | geo[1]), "max": mask & worst}
+
+
+def _kl_flags(logp: Tensor, logq: Tensor, mb: MicroBatch, cfg: Config, mask: Tensor) -> dict[str, Tensor]:
+    """Loss tokens each --kl-mask removes (OR-ed per sequence under --seq-mask): an estimate
+    of KL(q||p) at the sampled token above the threshold; log r clamped to +-20."""
+    lr = (logp - logq).clamp(-METRIC_CLAMP, METRIC_CLAMP)
+    l1q, l1p = ((-x.clamp(max=0).expm1()).log().clamp(min=-METRIC_CLAMP) for x in (logq, logp))  # log(1 - e^x)
+    est = {"k1": lr.abs(), "k3": lr.exp() - 1 - lr, "binary": logq.exp() * -lr + l1q.exp() * (l1q - l1p)}
+    flags = {k: mask & (v > cfg.kl_mask_threshold) for k, v in est.items()}
+    if cfg.seq_mask == "off":
+        return flags
+    return {k: mask & _any_by(mb.doc_ids, v, mask.numel())[mb.doc_ids] for k, v in flags.items()}
+
+
+def _keep(logp: Tensor, logq: Tensor, mb: MicroBatch, cfg: Config, mask: Tensor, metrics: Metrics) -> Tensor:
+    """False on the tokens that --seq-mask and --kl-mask take out of the policy term."""
+    drop = torch.zeros_like(mask)
+    if cfg.kl_mask != "off":
+        drop = _kl_flags(logp, logq, mb, cfg, mask)[cfg.kl_mask]
+        metrics["kl_mask/masked_fraction"] = _stat(drop.to(logp.dtype), mask)
+    if cfg.seq_mask != "off":
+        seq = _seq_flags(logp - logq, mb, cfg, mask)[cfg.seq_mask]
+        metrics["seq_mask/masked_fraction"] = _stat(seq.to(logp.dtype), mask)
+        drop = drop | seq
+    return ~drop
+
+
+def _would_mask(lp: Tensor, logq: Tensor, mb: MicroBatch, cfg: Config, mask: Tensor) -> Metrics:
+    """--correction-metrics-only: the share of loss tokens each correction would mask (tis: clip)
+    with the current bounds, the mean ratio, chi^2 = E[r^2] - 1 and ESS/n per sequence."""
+    flags = {k: mask & torch.stack(_weight(lp, logq, name, cfg)[1:]).any(0)
+             for k, name in (("icepop", "icepop"), ("ipo", "ipo"), ("tis_clip", "tis"))}
+    flags.update({f"seq_{k}": v for k, v in _seq_flags(lp - logq, mb, cfg, mask).items()})
+    flags.update({f"kl_{k}": v for k, v in _kl_flags(lp, logq, mb, cfg, mask).items()})
+    out = {f"correction/would_mask/{k}": _stat(v.to(lp.dtype), mask) for k, v in flags.items()}
+    r = (lp - logq).clamp(-METRIC_CLAMP, METRIC_CLAMP).exp()
+    x = torch.stack([torch.ones_like(r), r, r * r], 1) * mask[:, None]  # r is finite: a product is safe
+    n, s1, s2 = torch.zeros_like(x).index_add_(0, mb.doc_ids, x).unbind(1)  # per sequence
+    out["correction/ratio"] = _stat(r, mask)
+    out["correction/chi2"] = _stat(r * r - 1, mask)
+    out["correction/ess"] = _stat(s1 * s1 / (n * s2), n > 0)  # (sum r)^2 / (n sum r^2), per sequence
+    return out
 
 
 # ----------------------------------------------------------------------------- support rows
@@ -146,11 +218,11 @@ def _stat(values: Tensor, on: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _masked_stats(name: str, low: Tensor, high: Tensor, mask: Tensor, dtype: torch.dtype) -> Metrics:
-    """Fractions of loss tokens a mask removed; the count is every loss token, never 1 - mean."""
-    out = {f"{name}/masked_fraction": _stat((low | high).to(dtype), mask)}
-    if name == "icepop":
-        out["icepop/masked_fraction/low"] = _stat(low.to(dtype), mask)
-        out["icepop/masked_fraction/high"] = _stat(high.to(dtype), mask)
+    """Fractions of loss tokens a mask removed (tis: clipped); the count is every loss token, never 1 - mean."""
+    key = f"{name}/clip_fraction" if name == "tis" else f"{name}/masked_fraction"
+    out = {key: _stat((low | high).to(dtype), mask)}
+    if name != "ipo":
+        out[f"{key}/low"], out[f"{key}/high"] = _stat(low.to(dtype), mask), _stat(high.to(dtype), mask)
     return out
 
 
@@ -171,29 +243,29 @@ def _centering_stats(rows: _Rows, w: Tensor, mask: Tensor) -> Metrics:
 # ----------------------------------------------------------------------------- the loss terms
 
 def _centered_term(logp: Tensor, logq: Tensor, adv: Tensor, rows: _Rows | None, support_logp: Tensor,
-                   cfg: Config, mask: Tensor, metrics: Metrics) -> Tensor:
-    """reinforce/icepop/ipo: -A*(w(a)*log p(a) - sum_v sg[u_v*w(v)]*log p(v))."""
-    w, low, high = _weight(logp.detach(), logq, cfg)
+                   cfg: Config, keep: Tensor, mask: Tensor, metrics: Metrics) -> Tensor:
+    """reinforce/icepop/ipo/tis: -A*(w(a)*log p(a) - sum_v sg[u_v*w(v)]*log p(v)), w = 0 off `keep`."""
+    w, low, high = _weight(logp.detach(), logq, cfg.loss, cfg)
     if cfg.loss != "reinforce":
         metrics.update(_masked_stats(cfg.loss, low, high, mask, logp.dtype))
-    score = w * logp
+    score = torch.where(keep, w, 0.0) * logp
     if rows is not None:
-        wv, _, _ = _weight(rows.logp, rows.logq, cfg)
+        wv = torch.where(keep[rows.row], _weight(rows.logp, rows.logq, cfg.loss, cfg)[0], 0.0)
         score = score - _row_sum((rows.u * wv).detach() * support_logp, rows)
         metrics.update(_centering_stats(rows, wv, mask))
     return -adv * score
 
 
-def _clipped_term(logp: Tensor, logq: Tensor, adv: Tensor, old_logp: Tensor | None,
-                  cfg: Config, mask: Tensor, metrics: Metrics) -> Tensor:
-    """ppo/cispo: the clip on rho = p/pi_old, times M(k), k = pi_old/q, with --icepop."""
+def _clipped_term(logp: Tensor, logq: Tensor, adv: Tensor, old: Tensor, cfg: Config, keep: Tensor,
+                  mask: Tensor, metrics: Metrics) -> Tensor:
+    """ppo/cispo: the clip on rho = p/pi_old, times M(k), k = pi_old/q, with --icepop; 0 off `keep`."""
     lp = logp.detach()
-    old = lp if old_logp is None else torch.where(mask, old_logp.detach().to(lp.dtype), lp)
     log_rho = lp - old
     lo, hi = math.log1p(-cfg.clip_low), math.log1p(cfg.clip_high)
-    m = torch.ones_like(lp)
+    m = keep.to(lp.dtype)  # 0 where a sequence or KL mask removes the token
     if cfg.icepop:
-        m, low, high = _icepop(old - logq, cfg)
+        mk, low, high = _icepop(old - logq, cfg)
+        m = m * mk
         metrics.update(_masked_stats("icepop", low, high, mask, lp.dtype))
     clipped_rho = log_rho.clamp(lo, hi).exp()
     if cfg.loss == "cispo":
@@ -217,11 +289,8 @@ def _kl_term(logp: Tensor, logq: Tensor, rows: _Rows | None, support_logp: Tenso
         exact = _row_sum(rows.u * (rows.logq - support_logp), rows)
         kl = torch.where(rows.counts > 0, exact, kl)
     age = (step - mb.versions).clamp(min=0).to(logp.dtype)
-    scale = (1 + age).rsqrt() if cfg.kl_staleness == "inv_sqrt" else torch.ones_like(age)
-    beta = cfg.kl_coeff * scale
-    metrics["kl"] = _stat(kl, mask)
-    metrics["kl/beta"] = _stat(beta, mask)
-    metrics["kl/age0"] = _stat(kl, mask & (age == 0))
+    beta = cfg.kl_coeff * ((1 + age).rsqrt() if cfg.kl_staleness == "inv_sqrt" else torch.ones_like(age))
+    metrics.update({"kl": _stat(kl, mask), "kl/beta": _stat(beta, mask), "kl/age0": _stat(kl, mask & (age == 0))})
     return beta * kl
 
 
@@ -246,13 +315,19 @@ def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch,
     adv = torch.where(mask, mb.advantages.to(lp.dtype), 0.0) * cfg.adv_tau
     logq = torch.where(mask, mb.logq.to(lp.dtype), lp)
     metrics = _mismatch_stats(lp - logq, entropy, mask)
-    needs_rows = cfg.loss in CENTERED or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")
+    if cfg.correction_metrics_only:  # plain reinforce; the corrections only say what they would mask
+        metrics.update(_would_mask(lp, logq, mb, cfg, mask))
+        cfg = replace(cfg, loss="reinforce", seq_mask="off", kl_mask="off", correction_metrics_only=False)
+    centered = cfg.loss in CENTERED
+    old = lp if centered or old_logp is None else torch.where(mask, old_logp.detach().to(lp.dtype), lp)
+    keep = _keep(old, logq, mb, cfg, mask, metrics)  # judges p/q, or pi_old/q for ppo/cispo
+    needs_rows = centered or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")
     rows = _rows(mb.support, support_logp, mask) if mb.support is not None and needs_rows else None
-    if cfg.loss in CENTERED:
-        per_token = _centered_term(logp, logq, adv, rows, support_logp, cfg, mask, metrics)
+    if centered:
+        per_token = _centered_term(logp, logq, adv, rows, support_logp, cfg, keep, mask, metrics)
     else:
-        per_token = _clipped_term(logp, logq, adv, old_logp, cfg, mask, metrics)
-    if cfg.kl_coeff > 0:
+        per_token = _clipped_term(logp, logq, adv, old, cfg, keep, mask, metrics)
+    if cfg.kl_coeff > 0:  # never masked: a regularizer, not a correction
         per_token = per_token + _kl_term(logp, logq, rows, support_logp, mb, cfg, step, mask, metrics)
     coef, count, d = _normalization(mb, cfg, denom, lp.dtype)
     loss = (coef * torch.where(mask, per_token, 0.0)).sum()
@@ -303,17 +378,13 @@ def _evidence_fails(mb: MicroBatch, vocab_size: int, k: int) -> tuple[Tensor, Te
         off, ids, slq = sup.offsets, sup.ids.long(), sup.logq
         counts = off[1:] - off[:-1]
         row = _entry_rows(off, ids.numel())
-
-        def any_in_row(bad: Tensor) -> Tensor:
-            return torch.zeros(T, dtype=torch.int64, device=mask.device).index_add_(0, row, bad.long()) > 0
-
         ends = torch.zeros_like(mask)
         ends[0], ends[-1] = off[0] != 0, off[-1] != ids.numel()
         qsum = torch.zeros(T, dtype=torch.float64, device=mask.device).index_add_(0, row, slq.double().exp())
         out[0] = (counts < 0) | ends
-        out[2] = any_in_row((ids < 0) | (ids >= vocab_size))
-        out[5], out[6] = any_in_row(~torch.isfinite(slq)), any_in_row(slq > 0)
-        out[7] = sup.replayed & ~any_in_row(ids == labels[row])
+        out[2] = _any_by(row, (ids < 0) | (ids >= vocab_size), T)
+        out[5], out[6] = _any_by(row, ~torch.isfinite(slq), T), _any_by(row, slq > 0, T)
+        out[7] = sup.replayed & ~_any_by(row, ids == labels[row], T)
         out[8] = sup.replayed & (counts > 0) & ~((qsum - 1).abs() <= 1e-3)
         out[9] = ~sup.replayed & (counts > 0) & (counts != k)
     fails = torch.stack(out)

@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import loss as L
-from config import Config
+from config import Config, ConfigError
 from data import MicroBatch, TokenSupport
 
 F64 = torch.float64
@@ -164,6 +164,9 @@ def ref_weight(cfg: Config, p: float, q: float) -> tuple[float, str]:
         return (r, "") if cfg.icepop_alpha <= r <= cfg.icepop_beta else (0.0, "low" if r < cfg.icepop_alpha else "high")
     if cfg.loss == "ipo":
         return (min(r, cfg.max_importance_ratio), "") if abs(p - q) <= cfg.ipo_eps else (0.0, "masked")
+    if cfg.loss == "tis":
+        why = "low" if r < cfg.tis_floor else "high" if r > cfg.tis_cap else ""
+        return min(max(r, cfg.tis_floor), cfg.tis_cap), why
     return 1.0, ""
 
 
@@ -192,20 +195,22 @@ class Tok:
     u: list
 
 
-def ref_centered(cfg: Config, t: Tok, st: Stats) -> torch.Tensor:
-    """-A*(w(a)*log p(a) - sum_v u_v*w(v)*log p(v)), w from plain floats so it carries no grad."""
+def ref_centered(cfg: Config, t: Tok, keep: bool, st: Stats) -> torch.Tensor:
+    """-A*(w(a)*log p(a) - sum_v u_v*w(v)*log p(v)), w from plain floats so it carries no grad;
+    a sequence or KL mask (keep False) sets every w of the token to 0."""
     wa, why = ref_weight(cfg, math.exp(t.lp(t.a).item()), math.exp(t.lq_a))
-    term = wa * t.lp(t.a)
+    term = wa * keep * t.lp(t.a)
+    name = "tis/clip_fraction" if cfg.loss == "tis" else f"{cfg.loss}/masked_fraction"
     if cfg.loss != "reinforce":
-        st.add(f"{cfg.loss}/masked_fraction", float(why != ""))
-    if cfg.loss == "icepop":
-        st.add("icepop/masked_fraction/low", float(why == "low"))
-        st.add("icepop/masked_fraction/high", float(why == "high"))
+        st.add(name, float(why != ""))
+    if cfg.loss in ("icepop", "tis"):
+        st.add(f"{name}/low", float(why == "low"))
+        st.add(f"{name}/high", float(why == "high"))
     if t.ids:
         mass = tv = 0.0
         for v, lq, uv in zip(t.ids, t.lqs, t.u):
             pv = math.exp(t.lp(v).item())
-            wv, _ = ref_weight(cfg, pv, math.exp(lq))
+            wv = ref_weight(cfg, pv, math.exp(lq))[0] * keep
             term = term - uv * wv * t.lp(v)
             rv = math.exp(clamp20(math.log(pv) - lq))
             mass, tv = mass + uv * rv, tv + 0.5 * uv * abs(rv - wv)
@@ -214,7 +219,7 @@ def ref_centered(cfg: Config, t: Tok, st: Stats) -> torch.Tensor:
     return -t.A * term
 
 
-def ref_clipped(cfg: Config, t: Tok, old_a: float, st: Stats) -> torch.Tensor:
+def ref_clipped(cfg: Config, t: Tok, old_a: float, keep: bool, st: Stats) -> torch.Tensor:
     """ppo: -M*min(rho*A, clip(rho)*A); cispo: -A*M*sg(clip(rho))*log p(a)."""
     logp_a = t.lp(t.a)
     rho = torch.exp(logp_a - old_a)
@@ -225,6 +230,7 @@ def ref_clipped(cfg: Config, t: Tok, old_a: float, st: Stats) -> torch.Tensor:
         st.add("icepop/masked_fraction", float(m == 0.0))
         st.add("icepop/masked_fraction/low", float(k < cfg.icepop_alpha))
         st.add("icepop/masked_fraction/high", float(k > cfg.icepop_beta))
+    m *= keep
     lo, hi, A = 1 - cfg.clip_low, 1 + cfg.clip_high, t.A
     if cfg.loss == "ppo":
         st.add("ppo/clip_fraction", float((A > 0 and rho.item() > hi) or (A < 0 and rho.item() < lo)))
@@ -246,14 +252,72 @@ def ref_kl(cfg: Config, t: Tok, age: int, st: Stats) -> torch.Tensor:
     return beta * kl
 
 
+def ref_seq_masked(cfg: Config, mode: str, lks: list[float]) -> bool:
+    """--seq-mask in plain floats: the geometric mean as a root of the product (short sequences)."""
+    rs = [math.exp(x) for x in lks]
+    inside = (lambda r: cfg.seq_mask_low <= r <= cfg.seq_mask_high)
+    return not inside(math.prod(rs) ** (1 / len(rs))) if mode == "geometric" else not all(map(inside, rs))
+
+
+def ref_kl_estimate(kind: str, lp: float, lq: float) -> float:
+    p, q = math.exp(lp), math.exp(lq)
+    if kind == "k1":
+        return abs(lq - lp)
+    if kind == "k3":
+        return p / q - 1 - math.log(p / q)
+    return q * math.log(q / p) + (1 - q) * math.log((1 - q) / (1 - p))  # binary
+
+
+def ref_kl_flags(cfg: Config, kind: str, lps: list[float], lqs: list[float]) -> list[bool]:
+    flags = [ref_kl_estimate(kind, lp, lq) > cfg.kl_mask_threshold for lp, lq in zip(lps, lqs)]
+    return [any(flags)] * len(flags) if cfg.seq_mask != "off" else flags
+
+
+def ref_keep(cfg: Config, lps: list[float], lqs: list[float], st: Stats) -> list[bool]:
+    """Which tokens of one sequence --seq-mask and --kl-mask leave in the policy term."""
+    drop = [False] * len(lps)
+    if cfg.kl_mask != "off":
+        drop = ref_kl_flags(cfg, cfg.kl_mask, lps, lqs)
+        for f in drop:
+            st.add("kl_mask/masked_fraction", float(f))
+    if cfg.seq_mask != "off":
+        seq = ref_seq_masked(cfg, cfg.seq_mask, [lp - lq for lp, lq in zip(lps, lqs)])
+        drop = [f or seq for f in drop]
+        st.add("seq_mask/masked_fraction", float(seq) * len(lps), len(lps))
+    return [not f for f in drop]
+
+
+def ref_would_mask(cfg: Config, lps: list[float], lqs: list[float], st: Stats) -> None:
+    """--correction-metrics-only's metrics for one sequence, from their definitions."""
+    n = len(lps)
+    rs = [math.exp(lp - lq) for lp, lq in zip(lps, lqs)]
+    for loss_type, key in (("icepop", "icepop"), ("ipo", "ipo"), ("tis", "tis_clip")):
+        c = replace(cfg, loss=loss_type)
+        for lp, lq in zip(lps, lqs):
+            st.add(f"correction/would_mask/{key}", float(ref_weight(c, math.exp(lp), math.exp(lq))[1] != ""))
+    for mode in ("geometric", "max"):
+        st.add(f"correction/would_mask/seq_{mode}", n * float(ref_seq_masked(cfg, mode, [math.log(r) for r in rs])), n)
+    for kind in ("k1", "k3", "binary"):
+        for f in ref_kl_flags(cfg, kind, lps, lqs):
+            st.add(f"correction/would_mask/kl_{kind}", float(f))
+    for r in rs:
+        st.add("correction/ratio", r)
+        st.add("correction/chi2", r * r - 1)
+    st.add("correction/ess", sum(rs) ** 2 / (n * sum(r * r for r in rs)))
+
+
 def reference(docs: list[Doc], cfg: Config, step: int, old: bool):
     """DESIGN.md's loss token by token over full-vocabulary logits; (loss, metrics)."""
     st = Stats()
     n_tok = sum(int(d.mask.sum()) for d in docs)
     n_seq = sum(int(d.mask.any()) for d in docs)
     total = torch.zeros((), dtype=F64)
+    train = cfg
+    if cfg.correction_metrics_only:
+        train = replace(cfg, loss="reinforce", seq_mask="off", kl_mask="off", correction_metrics_only=False)
+    centered = train.loss in ("reinforce", "icepop", "ipo", "tis")
     for d in docs:
-        n_doc, doc_sum = int(d.mask.sum()), torch.zeros((), dtype=F64)
+        n_doc, doc_sum, toks = int(d.mask.sum()), torch.zeros((), dtype=F64), []
         for i in torch.nonzero(d.mask).flatten().tolist():
             z = torch.log_softmax(d.logits[i] / TEMP, -1)
             ids, lqs = d.rows[i]
@@ -265,12 +329,16 @@ def reference(docs: list[Doc], cfg: Config, step: int, old: bool):
             lr = clamp20(t.lp(t.a).item() - t.lq_a)
             st.add("mismatch/kl", math.exp(lr) - 1 - lr)
             st.add("mismatch/abs_logratio", abs(lr))
-            if cfg.loss in ("reinforce", "icepop", "ipo"):
-                term = ref_centered(cfg, t, st)
-            else:
-                term = ref_clipped(cfg, t, t.lp(t.a).item() + (float(d.old_noise[i]) if old else 0.0), st)
+            old_a = t.lp(t.a).item() + (float(d.old_noise[i]) if old and not centered else 0.0)
+            toks.append((t, old_a, max(step - int(d.versions[i]), 0)))
+        lqs = [t.lq_a for t, _, _ in toks]
+        if cfg.correction_metrics_only and toks:
+            ref_would_mask(cfg, [t.lp(t.a).item() for t, _, _ in toks], lqs, st)
+        keep = ref_keep(train, [o for _, o, _ in toks], lqs, st) if toks else []
+        for (t, old_a, age), k in zip(toks, keep):
+            term = ref_centered(train, t, k, st) if centered else ref_clipped(train, t, old_a, k, st)
             if cfg.kl_coeff > 0:
-                term = term + ref_kl(cfg, t, max(step - int(d.versions[i]), 0), st)
+                term = term + ref_kl(cfg, t, age, st)
             doc_sum = doc_sum + term
         if n_doc:
             total = total + (doc_sum / n_tok if cfg.loss_agg == "token" else doc_sum / (n_doc * n_seq))
@@ -283,6 +351,7 @@ def reference(docs: list[Doc], cfg: Config, step: int, old: bool):
 
 VARIANTS = {  # name: (loss, --icepop, pi_old differs from p)
     "reinforce": ("reinforce", False, False), "icepop": ("icepop", False, False), "ipo": ("ipo", False, False),
+    "tis": ("tis", False, False),
     "ppo": ("ppo", False, True), "ppo+icepop": ("ppo", True, True), "ppo+icepop+sg": ("ppo", True, False),
     "cispo": ("cispo", False, True), "cispo+icepop": ("cispo", True, True), "cispo+icepop+sg": ("cispo", True, False)}
 KLS = {"no-kl": {}, "exact": dict(kl_coeff=0.3, kl_estimator="exact", kl_staleness="inv_sqrt"),
@@ -319,6 +388,50 @@ def test_matches_dense_reference(variant, kind, kl, agg):
         assert want_m["ppo/clip_fraction"] > 0
 
 
+CORRECTIONS = {  # name: (variant, extra flags); bounds chosen so every mask acts on the data, not on all of it
+    "tis": ("tis", {}),
+    "tis+floor": ("tis", dict(tis_floor=0.6, tis_cap=1.2)),
+    "reinforce+seq-geometric": ("reinforce", dict(seq_mask="geometric", seq_mask_low=0.6, seq_mask_high=1.5)),
+    "icepop+seq-max": ("icepop", dict(seq_mask="max", seq_mask_low=0.2, seq_mask_high=4.0)),
+    "tis+kl-k1": ("tis", dict(kl_mask="k1", kl_mask_threshold=1.0)),
+    "ipo+kl-k3": ("ipo", dict(kl_mask="k3", kl_mask_threshold=0.5)),
+    "reinforce+kl-binary": ("reinforce", dict(kl_mask="binary", kl_mask_threshold=0.1)),
+    "tis+kl-k3+seq-geometric": ("tis", dict(kl_mask="k3", kl_mask_threshold=1.0, seq_mask="geometric",
+                                            seq_mask_low=0.6, seq_mask_high=1.5)),
+    "reinforce+kl-binary+seq-max": ("reinforce", dict(kl_mask="binary", kl_mask_threshold=0.5, seq_mask="max",
+                                                      seq_mask_low=0.2, seq_mask_high=4.0)),
+    "ppo+icepop+kl-k1": ("ppo+icepop", dict(kl_mask="k1", kl_mask_threshold=1.0)),
+    "cispo+kl-binary+seq-geometric": ("cispo", dict(kl_mask="binary", kl_mask_threshold=0.5, seq_mask="geometric",
+                                                    seq_mask_low=0.6, seq_mask_high=1.5)),
+    "metrics-only": ("icepop", dict(correction_metrics_only=True, kl_mask_threshold=0.3)),
+    "metrics-only+ppo+masks": ("ppo+icepop", dict(correction_metrics_only=True, seq_mask="max", kl_mask="k3",
+                                                  seq_mask_low=0.2, seq_mask_high=4.0)),
+}
+
+
+@pytest.mark.parametrize("agg", ["token", "sequence"])
+@pytest.mark.parametrize("kl", ["no-kl", "exact"])
+@pytest.mark.parametrize("kind", ["replayed", "draws"])
+@pytest.mark.parametrize("name", list(CORRECTIONS))
+def test_corrections_match_dense_reference(name, kind, kl, agg):
+    """TIS, sequence masks, KL masks and the metrics-only mode: loss, gradient and metrics."""
+    variant, extra = CORRECTIONS[name]
+    loss_type, icepop, old = VARIANTS[variant]
+    cfg = cfg_for(loss_type, icepop=icepop, loss_agg=agg, **KLS[kl], **extra)
+    docs = make_docs(kind)
+    mb, logits, noise = assemble(docs, T=24)
+    leaves = [d.logits for d in docs]
+    got, got_m = run_loss([mb], [logits], cfg, old_list=[noise] if old else None)
+    want, want_m = reference(docs, cfg, STEP, old)
+    assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)
+    assert_metrics_close(got_m, want_m)
+    for g1, g2 in zip(grads(got, leaves), grads(want, leaves)):
+        assert torch.allclose(g1, g2, rtol=1e-9, atol=1e-12)
+    for k in ("tis/clip_fraction", "kl_mask/masked_fraction", "seq_mask/masked_fraction"):
+        if k in want_m:  # the masks must act, and not on everything
+            assert 0 < want_m[k] < 1, k
+
+
 def test_denominators_count_loss_tokens_and_sequences():
     docs = make_docs("draws")
     mb, _, _ = assemble(docs, T=24)
@@ -335,14 +448,17 @@ def test_p_equals_q(kind):
     logp, slogp, ent = head(logits, mb)
     mb.logq, mb.support.logq = logp.detach().clone(), slogp.detach().clone()  # the sampler is the trainer
     out = {}
-    for loss_type in ("reinforce", "icepop"):
-        cfg = cfg_for(loss_type)
+    masks = dict(seq_mask="geometric", kl_mask="binary", kl_mask_threshold=1e-6)
+    for name, cfg in (("reinforce", cfg_for("reinforce")), ("icepop", cfg_for("icepop")),
+                      ("tis+masks", cfg_for("tis", tis_floor=0.5, **masks))):
         loss, m = L.rl_loss(logp, slogp, ent, mb, cfg, L.denominators([mb]), STEP)
-        out[loss_type] = (loss, torch.autograd.grad(loss, logits, retain_graph=True)[0], L.reduce_metrics(m))
-    (l0, g0, _), (l1, g1, m1) = out["reinforce"], out["icepop"]
+        out[name] = (loss, torch.autograd.grad(loss, logits, retain_graph=True)[0], L.reduce_metrics(m))
+    (l0, g0, _), (l1, g1, m1), (l2, g2, m2) = out["reinforce"], out["icepop"], out["tis+masks"]
     assert torch.allclose(l0, l1, atol=1e-14) and torch.allclose(g0, g1, atol=1e-14)
+    assert torch.allclose(l0, l2, atol=1e-14) and torch.allclose(g0, g2, atol=1e-14)
     assert m1["score_centering/support_mass"] == pytest.approx(1.0, abs=1e-12)
     assert m1["mismatch/kl"] == 0.0 and m1["icepop/masked_fraction"] == 0.0
+    assert m2["tis/clip_fraction"] == m2["seq_mask/masked_fraction"] == m2["kl_mask/masked_fraction"] == 0.0
 
 
 def mc_batch(N: int, p_logits: torch.Tensor, q_logits: torch.Tensor, kind: str, k: int, seed: int):
@@ -413,11 +529,17 @@ def test_monte_carlo_pure_importance_weights(kind):
 
 # ----------------------------------------------------------------------------- 3. micro-batch invariance
 
+SPLITS = {"icepop": ("icepop", {}), "ipo": ("ipo", {}), "cispo+icepop": ("cispo+icepop", {}),
+          "tis+masks": ("tis", dict(seq_mask="geometric", seq_mask_low=0.6, seq_mask_high=1.5, kl_mask="binary")),
+          "metrics-only": ("ppo+icepop", dict(correction_metrics_only=True, seq_mask="max", kl_mask="k3"))}
+
+
 @pytest.mark.parametrize("agg", ["token", "sequence"])
-@pytest.mark.parametrize("variant", ["icepop", "ipo", "cispo+icepop"])
-def test_one_vs_four_micro_batches(variant, agg):
+@pytest.mark.parametrize("name", list(SPLITS))
+def test_one_vs_four_micro_batches(name, agg):
+    variant, extra = SPLITS[name]
     loss_type, icepop, old = VARIANTS[variant]
-    cfg = cfg_for(loss_type, icepop=icepop, loss_agg=agg, **KLS["exact"])
+    cfg = cfg_for(loss_type, icepop=icepop, loss_agg=agg, **KLS["exact"], **extra)
     docs = make_docs("replayed", seed=7, shapes=[(2, 4), (3, 3), (2, 0), (3, 5), (2, 2), (4, 3), (2, 6), (3, 1)])
     leaves = [d.logits for d in docs]
     one = [assemble(docs, T=64)]
@@ -435,11 +557,15 @@ def test_one_vs_four_micro_batches(variant, agg):
 
 # ----------------------------------------------------------------------------- 4. overflowing ratios
 
+@pytest.mark.parametrize("masks", ["off", "seq+kl", "metrics-only"])
 @pytest.mark.parametrize("kl", ["no-kl", "exact"])
-@pytest.mark.parametrize("variant", ["reinforce", "icepop", "ipo", "ppo", "ppo+icepop+sg", "cispo", "cispo+icepop+sg"])
-def test_log_ratio_of_1000(variant, kl):
+@pytest.mark.parametrize("variant", ["reinforce", "icepop", "ipo", "tis", "ppo", "ppo+icepop+sg", "cispo",
+                                     "cispo+icepop+sg"])
+def test_log_ratio_of_1000(variant, kl, masks):
     loss_type, icepop, _ = VARIANTS[variant]
-    cfg = cfg_for(loss_type, icepop=icepop, **KLS[kl])
+    extra = {"off": {}, "seq+kl": dict(seq_mask="geometric", kl_mask="binary"),
+             "metrics-only": dict(correction_metrics_only=True, seq_mask="max", kl_mask="k1")}[masks]
+    cfg = cfg_for(loss_type, icepop=icepop, **KLS[kl], **extra)
     docs = make_docs("draws", seed=3)
     d, hi, lo = docs[0], 3, 4  # two completion positions of sample 0
     with torch.no_grad():  # hi: p(a) ~ 1, the sampler says log q = -1000; lo: log p(a) ~ -1000, q = 1
@@ -454,8 +580,9 @@ def test_log_ratio_of_1000(variant, kl):
     grad = torch.autograd.grad(loss, d.logits)[0]
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
     assert all(math.isfinite(v) for v in metrics.values()), metrics
-    masks_it = loss_type in ("icepop", "ipo") or icepop
-    if masks_it and kl == "no-kl":
+    if masks == "seq+kl" and kl == "no-kl":  # both tokens flagged, so the whole sequence goes
+        assert (grad == 0).all() and 0 < metrics["kl_mask/masked_fraction"] < 1, metrics
+    elif masks == "off" and kl == "no-kl" and (loss_type in ("icepop", "ipo") or icepop):
         assert (grad[[hi, lo]] == 0).all()
         assert grad.abs().sum() > 0  # the other tokens still train
 
@@ -483,6 +610,113 @@ def one_doc_batch(logp: list[float], logq: list[float], adv: float = 1.0) -> Mic
     z = torch.zeros(n, dtype=torch.int64)
     return MicroBatch(z, torch.arange(n), z, z, torch.ones(n, dtype=torch.bool), torch.full((n,), adv),
                       torch.tensor(logq, dtype=F64), torch.full((n,), STEP), z, None, n, 1, [0])
+
+
+def docs_batch(logp: list[list[float]], logq: list[list[float]], adv: list[float], pad: int = 0,
+               dtype=torch.float32) -> tuple[MicroBatch, torch.Tensor]:
+    """One document per list, loss tokens only, no support; (mb, logp leaf)."""
+    ns = [len(x) for x in logp]
+    doc_ids = torch.cat([torch.full((n,), j) for j, n in enumerate(ns)] + [torch.full((pad,), len(ns))])
+    T = doc_ids.numel()
+    mask = torch.arange(T) < sum(ns)
+    flat = lambda xs, fill: torch.tensor([v for x in xs for v in x] + [fill] * pad, dtype=dtype)
+    advs = flat([[a] * n for a, n in zip(adv, ns)], 0.0)
+    z = torch.zeros(T, dtype=torch.int64)
+    mb = MicroBatch(z, z, doc_ids, z, mask, advs, flat(logq, 0.0), torch.full((T,), STEP),
+                    torch.where(mask, doc_ids, -1), None, int(mask.sum()), len(ns), list(range(len(ns))))
+    return mb, flat(logp, 0.0).requires_grad_()
+
+
+def test_long_sequence_with_one_ratio_of_e50():
+    """4,000 tokens at log r = 0.01 and one at log r = 50: the raw product of the ratios overflows
+    fp32, the geometric mean does not, and --seq-mask removes exactly that sequence."""
+    n, lp = 4000, math.log(0.6)
+    lrs = [[0.01] * n, [0.01] * 10, [0.01] * 10]
+    lrs[0][1234] = 50.0
+    logq = [[lp - x for x in d] for d in lrs]
+    mb, logp = docs_batch([[lp] * len(d) for d in lrs], logq, [1.0, -1.0, 0.5], pad=4)
+    log_r = (logp - mb.logq).detach()
+    doc0 = mb.doc_ids == 0
+    assert torch.isinf(log_r[doc0].sum().exp())  # why a raw product is not offered
+    mean0 = log_r[doc0].double().mean().item()  # (3999 * 0.01 + 50) / 4000; the others' is 0.01
+    assert math.log(1.02) < mean0 < 0.03
+    denom = L.denominators([mb])
+
+    def run(loss_type: str = "reinforce", **kw):
+        loss, m = L.rl_loss(logp, logp.new_zeros(0), torch.zeros_like(logp), mb, cfg_for(loss_type, **kw), denom, STEP)
+        return loss, torch.autograd.grad(loss, logp)[0], L.reduce_metrics(m)
+
+    for mode, high in (("geometric", 1.02), ("max", 1.02), ("geometric", math.exp(mean0 - 1e-4))):
+        loss, g, m = run(seq_mask=mode, seq_mask_low=0.98, seq_mask_high=high)
+        assert torch.isfinite(loss) and torch.isfinite(g).all()
+        assert (g[doc0] == 0).all() and (g[mb.loss_mask & ~doc0] != 0).all()
+        assert m["seq_mask/masked_fraction"] == pytest.approx(n / (n + 20))
+    _, g, m = run(seq_mask="geometric", seq_mask_low=0.98, seq_mask_high=math.exp(mean0 + 1e-4))
+    assert m["seq_mask/masked_fraction"] == 0 and (g[mb.loss_mask] != 0).all()  # the mean is exact
+    for loss_type in ("reinforce", "tis", "icepop", "ipo"):  # --seq-mask off: finite; that token's weight
+        loss, g, _ = run(loss_type)
+        c = cfg_for(loss_type)
+        assert torch.isfinite(loss) and torch.isfinite(g).all()
+        want = {"reinforce": 1.0, "tis": c.tis_cap, "icepop": 0.0, "ipo": 0.0}[loss_type]
+        assert g[1234].item() == pytest.approx(-want * c.adv_tau / denom.tokens, rel=1e-6)
+
+
+def test_metrics_only_trains_plain_reinforce():
+    """--correction-metrics-only changes no gradient: whatever --loss and the masks say, it is reinforce."""
+    for kind in ("replayed", "draws"):
+        docs = make_docs(kind)
+        mb, logits, noise = assemble(docs, T=24)
+        out = []
+        for cfg in (cfg_for("reinforce", **KLS["exact"]),
+                    cfg_for("ppo", icepop=True, seq_mask="geometric", kl_mask="k3", correction_metrics_only=True,
+                            **KLS["exact"])):
+            loss, m = run_loss([mb], [logits], cfg, old_list=[noise])
+            out.append((loss, torch.autograd.grad(loss, logits)[0], m))
+        (l0, g0, m0), (l1, g1, m1) = out
+        assert torch.equal(l0, l1) and torch.equal(g0, g1)
+        assert {k: v for k, v in m1.items() if not k.startswith("correction/")} == m0
+        assert 0 < m1["correction/would_mask/icepop"] < 1 and m1["correction/would_mask/kl_k3"] > 0
+
+
+@pytest.mark.parametrize("seq_mask", ["off", "geometric"])
+def test_would_mask_fractions_by_hand(seq_mask):
+    """Six tokens in three sequences, (p, q) of each sampled token chosen by hand."""
+    pq = [[(0.5, 0.5), (0.6, 0.2), (0.3, 0.45)], [(0.85, 0.8), (0.1, 0.25)], [(0.4, 0.4)]]
+    #  r:   1          3           2/3            1.0625       0.4           1
+    logp = [[math.log(p) for p, _ in d] for d in pq]
+    logq = [[math.log(q) for _, q in d] for d in pq]
+    mb, lp = docs_batch(logp, logq, [1.0, -1.0, 2.0], pad=2, dtype=F64)
+    cfg = cfg_for("icepop", icepop_alpha=0.5, icepop_beta=2.0, ipo_eps=0.1, tis_cap=1.5, seq_mask=seq_mask,
+                  seq_mask_low=0.7, seq_mask_high=1.3, kl_mask_threshold=0.3, correction_metrics_only=True)
+    loss, m = L.rl_loss(lp, lp.new_zeros(0), torch.zeros_like(lp), mb, cfg, L.denominators([mb]), STEP)
+    m = L.reduce_metrics(m)
+    whole = seq_mask != "off"  # under --seq-mask a flagged token takes its whole sequence
+    want = {"icepop": 2 / 6,  # r = 3 and 0.4 outside [0.5, 2]
+            "ipo": 3 / 6,  # |p - q| = 0.4, 0.15, 0.15 > 0.1
+            "tis_clip": 1 / 6,  # r = 3 > 1.5
+            "seq_geometric": 2 / 6,  # geometric means 2^(1/3) = 1.26, sqrt(0.425) = 0.65 (masked), 1
+            "seq_max": 5 / 6,  # r = 3 and 0.4 leave [0.7, 1.3]
+            "kl_k1": (5 if whole else 3) / 6,  # |log r| = 1.10, 0.41, 0.92 > 0.3
+            "kl_k3": (5 if whole else 2) / 6,  # r - 1 - log r = 0.90 (r = 3), 0.32 (r = 0.4)
+            "kl_binary": (3 if whole else 1) / 6}  # 0.33 for (0.6, 0.2); 0.05, 0.01, 0.09 for the others
+    for k, v in want.items():
+        assert m[f"correction/would_mask/{k}"] == pytest.approx(v, abs=1e-12), k
+    rs = [[p / q for p, q in d] for d in pq]
+    flat = [r for d in rs for r in d]
+    assert m["correction/ratio"] == pytest.approx(sum(flat) / 6, rel=1e-12)
+    assert m["correction/chi2"] == pytest.approx(sum(r * r for r in flat) / 6 - 1, rel=1e-12)
+    ess = [sum(d) ** 2 / (len(d) * sum(r * r for r in d)) for d in rs]  # 0.695, 0.830, 1
+    assert m["correction/ess"] == pytest.approx(sum(ess) / 3, rel=1e-12)
+    adv = torch.tensor([1, 1, 1, -1, -1, 2], dtype=F64) * cfg.adv_tau
+    assert torch.allclose(torch.autograd.grad(loss, lp)[0][:6], -adv / 6, rtol=1e-12)  # plain reinforce
+
+
+def test_correction_flags_are_checked():
+    for kw, flag in ((dict(tis_cap=0.9), "--tis-floor/--tis-cap"), (dict(tis_floor=1.5), "--tis-floor/--tis-cap"),
+                     (dict(seq_mask_low=1.0), "--seq-mask-low"), (dict(seq_mask_high=0.9), "--seq-mask-high"),
+                     (dict(kl_mask_threshold=0.0), "--kl-mask-threshold")):
+        with pytest.raises(ConfigError, match=flag):
+            Config(**kw)
 
 
 def test_icepop_bounds_are_inclusive():
@@ -729,7 +963,9 @@ def test_host_syncs(monkeypatch):
         w.events.clear()
         total = {}
         for mb, (logp, slogp, ent) in zip(mbs, heads):
-            for c in (cfg, replace(cfg, loss="icepop", loss_agg="sequence")):
+            for c in (cfg, replace(cfg, loss="icepop", loss_agg="sequence"),
+                      replace(cfg, loss="tis", seq_mask="geometric", kl_mask="binary"),
+                      replace(cfg, seq_mask="max", kl_mask="k1"), replace(cfg, correction_metrics_only=True)):
                 _, m = L.rl_loss(logp, slogp, ent, mb, c, denom, STEP, old_logp=logp.detach() - 0.1)
                 L.accumulate(total, m)
         assert w.events == []  # none inside the micro-batch loop
