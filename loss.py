@@ -138,7 +138,7 @@ def _kl_flags(logp: Tensor, logq: Tensor, mb: MicroBatch, cfg: Config, mask: Ten
     of KL(q||p) at the sampled token above the threshold; log r clamped to +-20."""
     lr = (logp - logq).clamp(-METRIC_CLAMP, METRIC_CLAMP)
     l1q, l1p = ((-x.clamp(max=0).expm1()).log().clamp(min=-METRIC_CLAMP) for x in (logq, logp))  # log(1 - e^x)
-    est = {"k1": lr.abs(), "k3": lr.exp() - 1 - lr, "binary": logq.exp() * -lr + l1q.exp() * (l1q - l1p)}
+    est = {"k1": lr.abs(), "k3": (torch.expm1(lr) - lr).clamp(min=0), "binary": logq.exp() * -lr + l1q.exp() * (l1q - l1p)}
     flags = {k: mask & (v > cfg.kl_mask_threshold) for k, v in est.items()}
     if cfg.seq_mask == "off":
         return flags
@@ -229,7 +229,7 @@ def _masked_stats(name: str, low: Tensor, high: Tensor, mask: Tensor, dtype: tor
 def _mismatch_stats(log_r: Tensor, entropy: Tensor, mask: Tensor) -> Metrics:
     lr = log_r.clamp(-METRIC_CLAMP, METRIC_CLAMP)
     return {"entropy": _stat(entropy.to(lr.dtype), mask),
-            "mismatch/kl": _stat(lr.exp() - 1 - lr, mask),  # k3, on sampled tokens
+            "mismatch/kl": _stat((torch.expm1(lr) - lr).clamp(min=0), mask),  # k3; expm1: no -1e-9 at r ~ 1
             "mismatch/abs_logratio": _stat(lr.abs(), mask)}
 
 

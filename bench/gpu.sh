@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU checks, on one H200 in under 8 minutes: the gpu-marked tests (CUDA against the
+# CPU reference, compiled against eager), then the benchmarks, then a short end-to-end
+# run of the default job on the GPU. Run from the repo root:
+#
+#   bash bench/gpu.sh            # results in $OUT (or /tmp/floe-gpu)
+#
+# The device image has torch, transformers, safetensors and tokenizers but not tyro: carry
+# pure-Python wheels in .whl/ (see .ci/gpu-wheels) and they are installed here first.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/floe-gpu}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+python3 -c "import torch; print('torch', torch.__version__, '|', torch.cuda.get_device_name(0))" | tee "$OUT/env.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/env.txt"
+
+echo "== gpu tests"
+timeout 240 python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/tests.txt"
+
+echo "== bench/support.py"
+timeout 120 python3 bench/support.py 2>&1 | tee "$OUT/support.txt"
+
+echo "== end to end: the default job on the GPU, 20 steps"
+timeout 240 python3 train.py --device cuda --loss icepop --icepop-beta 2.0 --steps 20 --eval-every 10 \
+  --out-dir "$OUT/run" 2>&1 | grep -v '^  "' | tee "$OUT/run.txt"

@@ -1,0 +1,76 @@
+"""torch.compile'd trainer forward against eager (compile is the default on CUDA), and the
+GPU checks bench/gpu.sh runs (skipped without CUDA)."""
+
+import pytest
+import torch
+
+import data as D
+import model as M
+from kernels import head
+from rollout import Sampling, TorchEngine
+
+
+def _model(device="cpu"):
+    m = M.Qwen3(M.ModelArgs(vocab_size=32, **M.TINY))
+    M.init_weights(m, std=0.1, seed=0)
+    return m.to(device)
+
+
+def _batch(device="cpu", T=96):
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 32, (T,), generator=g)
+    docs = torch.repeat_interleave(torch.arange(3), torch.tensor([40, 30, T - 70]))
+    positions = torch.cat([torch.arange(40), torch.arange(30), torch.arange(T - 70)])
+    return tokens.to(device), positions.to(device), docs.to(device)
+
+
+def test_compiled_forward_equals_eager_and_does_not_recompile():
+    torch._dynamo.reset()
+    m = _model()
+    compiled = torch.compile(m)
+    tokens, positions, docs = _batch()
+    with torch.no_grad():
+        ref = m(tokens, positions, docs)
+        out = compiled(tokens, positions, docs)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        with torch._dynamo.config.patch(error_on_recompile=True):  # new values, same shapes
+            compiled(tokens.flip(0), positions, docs.flip(0))
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_forward_and_head_equal_cpu():
+    m_cpu, m_gpu = _model(), _model("cuda")
+    tokens, positions, docs = _batch()
+    with torch.no_grad():
+        ref = m_cpu(tokens, positions, docs)
+        out = torch.compile(m_gpu)(*(x.cuda() for x in (tokens, positions, docs)))
+        torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
+        lp_ref = head(ref, m_cpu.head_weight, tokens)[0]
+        lp = head(out, m_gpu.head_weight, tokens.cuda())[0]
+        torch.testing.assert_close(lp.cpu(), lp_ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_engine_logq_equals_full_forward():
+    m = _model("cuda")
+    engine = TorchEngine(m, "fp32", [2], seed=0, compile_step=True)
+    prompt = [1, 5, 6, 7]
+    out = engine.generate([prompt], 4, Sampling(top_p=0.9, max_new_tokens=12))
+    for c in out:
+        ids = torch.tensor(prompt + c.ids, device="cuda")
+        with torch.no_grad():
+            h = m(ids, torch.arange(len(ids), device="cuda"), torch.zeros_like(ids))
+            logits = (h @ m.head_weight.T)[len(prompt) - 1:-1]
+        # the sampled token's q over the top-p kept set, recomputed from the full forward
+        probs = logits.softmax(-1).double()
+        for t, (tok, lq) in enumerate(zip(c.ids, c.logq)):
+            p, order = probs[t].sort(descending=True)
+            keep = order[(p.cumsum(0) - p) < 0.9]
+            assert tok in keep.tolist()
+            ref = (probs[t, tok] / probs[t, keep].sum()).log().item()
+            assert abs(lq - ref) < 1e-4
