@@ -211,6 +211,16 @@ class TokenSupport:
         return TokenSupport(self.ids.to(device), self.offsets.to(device), self.logq.to(device),
                             self.replayed.to(device), self.host_offsets)
 
+    def __reduce__(self):
+        """Pickles (torchrun's sample exchange) as numpy, back on the CPU: a sample's rows are a view
+        of the engine's whole step, and a pickled tensor view carries its whole storage."""
+        arrays = tuple(t.cpu().numpy() for t in (self.ids, self.offsets, self.logq, self.replayed))
+        return _support_from_numpy, (*arrays, self.host_offsets)
+
+
+def _support_from_numpy(ids, offsets, logq, replayed, host_offsets) -> TokenSupport:
+    return TokenSupport(*(torch.from_numpy(a) for a in (ids, offsets, logq, replayed)), host_offsets)
+
 
 @dataclass
 class Sample:

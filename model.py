@@ -255,13 +255,15 @@ def load(model_dir: str | Path, device="cpu", dtype=torch.float32) -> Qwen3:
     return model.to(device)
 
 
-def save(model: Qwen3, out_dir: str | Path, tokenizer_dir: str | Path, extra: dict[str, bytes] | None = None) -> None:
-    """Write a HF directory (plus `extra` files) under a temporary name, then rename it into place."""
+def save(model: Qwen3, out_dir: str | Path, tokenizer_dir: str | Path, extra: dict[str, bytes] | None = None,
+         state: dict[str, torch.Tensor] | None = None) -> None:
+    """Write a HF directory (plus `extra` files) under a temporary name, then rename it into place.
+    `state` replaces model.state_dict(): the full weights gathered from FSDP shards (train.py)."""
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in (state or model.state_dict()).items()}
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(model.args.to_hf(), indent=2))
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from data import TokenSupport
 from model import KVCache, Qwen3
@@ -161,8 +162,8 @@ class TorchEngine:
     @torch.no_grad()
     def load_weights(self, model: Qwen3, version: int) -> None:
         src = model.state_dict()
-        for k, v in self.model.state_dict().items():
-            v.copy_(src[k])
+        for k, v in self.model.state_dict().items():  # FSDP2 shards are gathered one tensor at a time
+            v.copy_(src[k].full_tensor() if isinstance(src[k], DTensor) else src[k])
         self.version = version
 
     def _step(self, tok, pos, cache):

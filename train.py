@@ -14,9 +14,18 @@ Simplifications:
 3. Metrics stay on the device as (sum, count) pairs and are read once per step.
 4. torch.compile wraps the trainer forward only (static [T] shapes); on the CPU it is
    off by default because for the tiny model compiling costs more than it saves (README).
+5. Under torchrun the trainer is FSDP2 (`shard`) and every rank runs its own engine (seed +
+   rank; a full copy refreshed one gathered tensor at a time) on its share of the prompts,
+   so rollouts scale with the ranks instead of waiting on rank 0. The ranks then swap
+   samples and each packs and validates the whole batch: the denominators are global with
+   no all_reduce, a bad sample stops every rank with the same message, and the micro-batches
+   are dealt out evenly. Metrics are summed over ranks in one all_reduce per step. Eval runs
+   on rank 0 alone (the one-process number for the same weights); rank 0 writes the files.
 
     python train.py --loss icepop --icepop-beta 2.0                 # CPU, the tiny model
     python train.py --model /path/to/Qwen3-0.6B --device cuda        # one GPU
+    torchrun --nproc_per_node 2 train.py --loss icepop --steps 6     # two CPU processes (gloo)
+    torchrun --nproc_per_node 8 train.py --model /path/to/Qwen3-8B   # 8 GPUs (NCCL)
     python train.py --stage sft --model scratch --steps 400 --out-dir runs/sft   # rebuild the tiny model
 """
 
@@ -30,11 +39,15 @@ import re
 import resource
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 import config as C
 import data as D
@@ -44,8 +57,75 @@ from kernels import head, sparse_ok
 from rollout import Sampling, TorchEngine, group_advantages
 
 
+RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets both
+
+
 def print0(*a, **k):
-    print(*a, **k, flush=True)
+    if RANK == 0:
+        print(*a, **k, flush=True)
+
+
+# ----------------------------------------------------------------------------- distributed
+
+def setup_distributed(device: str) -> None:
+    """Join the process group when launched by torchrun (WORLD_SIZE > 1): gloo on the CPU, NCCL on GPUs."""
+    if WORLD > 1 and not dist.is_initialized():
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+
+
+def shard(model: M.Qwen3) -> M.Qwen3:
+    """FSDP2: one all-gather/reduce-scatter group per decoder block, then the root (embedding,
+    tied head, final norm; it stays gathered from forward to backward, so the head outside the
+    forward reads the full weight). Gradients are summed over ranks, not averaged: every rank's
+    loss is already divided by the global count (loss.denominators)."""
+    if WORLD == 1:
+        return model
+    # the forward returns hidden[0], a view that nothing edits in place
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
+    for block in model.model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):  # a plain SUM (gloo has no PREMUL_SUM)
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def gather(items: list) -> list:
+    """Every rank's items, concatenated in rank order (pickled: host-side records only)."""
+    if WORLD == 1:
+        return items
+    parts = [None] * WORLD
+    dist.all_gather_object(parts, items)
+    return [x for part in parts for x in part]
+
+
+def my_share(mbs: list[D.MicroBatch]) -> list[D.MicroBatch]:
+    """This rank's micro-batches, dealt round-robin fullest first: loss tokens balance within one
+    micro-batch, and every rank runs the same number (each FSDP forward and backward is a
+    collective), a rank left one short running an all-masked copy, which adds exactly zero."""
+    order = sorted(range(len(mbs)), key=lambda i: -mbs[i].num_loss_tokens)
+    mine = [mbs[i] for i in sorted(order[RANK::WORLD])]
+    pad = [C.dataclasses.replace(mb, loss_mask=torch.zeros_like(mb.loss_mask), num_loss_tokens=0) for mb in mbs[:1]]
+    return mine + pad * (-(-len(mbs) // WORLD) - len(mine))
+
+
+def sum_over_ranks(total: L.Metrics, device) -> L.Metrics:
+    """Each (sum, count) pair summed over ranks in one all_reduce; a name missing on a rank counts 0 there."""
+    if WORLD == 1:
+        return total
+    names = list(dict.fromkeys(gather(list(total))))
+    pairs = [total.get(k, (0.0, 0.0)) for k in names]  # stats from the host, metrics from the device
+    flat = torch.stack([torch.stack([torch.as_tensor(x).to(device, torch.float64) for x in p]) for p in pairs])
+    dist.all_reduce(flat)
+    return {k: (s, c) for k, (s, c) in zip(names, flat)}
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -57,16 +137,20 @@ def build(cfg: C.Config, resume_from: Path | None = None):
         src = resume_from
     elif cfg.model == "scratch":
         src = Path(cfg.out_dir) / "scratch"
-        src.mkdir(parents=True, exist_ok=True)
-        D.write_tokenizer(src)
-        vocab = D.TextCodec.load(src).tok.get_vocab_size()
-        tiny = M.Qwen3(M.ModelArgs(vocab, **M.TINY, eos_token_id=D.TextCodec.load(src).stop_ids[0]))
-        M.init_weights(tiny, seed=cfg.seed)
-        M.save(tiny, src, src)
+        if RANK == 0:
+            src.mkdir(parents=True, exist_ok=True)
+            D.write_tokenizer(src)
+            vocab = D.TextCodec.load(src).tok.get_vocab_size()
+            tiny = M.Qwen3(M.ModelArgs(vocab, **M.TINY, eos_token_id=D.TextCodec.load(src).stop_ids[0]))
+            M.init_weights(tiny, seed=cfg.seed)
+            M.save(tiny, src, src)
+        if WORLD > 1:
+            dist.barrier()
     model = M.load(src, device=cfg.device)
     codec = D.TextCodec.load(src)
     task = D.ReverseText(codec, cfg.min_words, cfg.max_words, cfg.eval_prompts, seed=cfg.seed)
-    engine = TorchEngine(model, cfg.engine_dtype, codec.stop_ids, seed=cfg.seed, compile_step=cfg.compile == "on")
+    engine = TorchEngine(model, cfg.engine_dtype, codec.stop_ids, cfg.seed + RANK, compile_step=cfg.compile == "on")
+    shard(model)  # after the engine took its full copy
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
     fwd = torch.compile(model) if cfg.compile == "on" else model
     return src, model, fwd, codec, task, engine, opt
@@ -93,14 +177,15 @@ def rollout_phase(cfg, task, engine, rng, step, context: int):
 
     A prompt that cannot fit its completion in the context, and a sample whose reward
     raises, are skipped and counted (`skipped/too_long`, `skipped/reward_error`)."""
-    drawn = task.sample(cfg.prompts_per_step, rng)
-    prompts = [p for p in drawn if len(p.ids) + cfg.max_new_tokens <= context]
-    if not prompts:
+    drawn = task.sample(cfg.prompts_per_step, rng)  # the same on every rank
+    if all(len(p.ids) + cfg.max_new_tokens > context for p in drawn):
         raise ValueError(f"every prompt is longer than the context: {len(drawn[0].ids)} prompt tokens "
                          f"+ --max-new-tokens {cfg.max_new_tokens} > {context}")
+    drawn = drawn[RANK::WORLD]  # this rank's share
+    prompts = [p for p in drawn if len(p.ids) + cfg.max_new_tokens <= context]
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens,
                         support=needs_support(cfg), draws=cfg.score_centering_k)
-    completions = engine.generate([p.ids for p in prompts], cfg.group_size, sampling)
+    completions = engine.generate([p.ids for p in prompts], cfg.group_size, sampling) if prompts else []
     samples = []
     for i, c in enumerate(completions):
         p = prompts[i // cfg.group_size]
@@ -112,7 +197,7 @@ def rollout_phase(cfg, task, engine, rng, step, context: int):
     scored = [s for s in samples if math.isfinite(s.reward)]
     rewards = torch.tensor([s.reward for s in scored] or [0.0])
     n = float(len(scored))
-    stats = {"reward": (rewards.sum(), n), "reward/std": (rewards.std(unbiased=False) * n, n),
+    stats = {"reward": (rewards.sum(), n),  # reward/std: in `run`, over the global batch
              "length": (float(sum(len(s.completion) for s in scored)), n),
              "truncated_fraction": (float(sum(s.finish_reason == "length" for s in scored)), n),
              "skipped/too_long": (float(len(drawn) - len(prompts)), float(len(drawn))),
@@ -125,21 +210,25 @@ def safe_reward(task, prompt, completion) -> float:
     try:
         return float(task.reward(prompt, completion))
     except Exception as e:  # a user's reward function: any failure skips the sample, loudly
-        print0(f"warning: reward raised {type(e).__name__}: {e} (sample skipped, counted in skipped/reward_error)")
+        print(f"warning: reward raised {type(e).__name__}: {e} (sample skipped, counted in skipped/reward_error)",
+              flush=True)  # on every rank: each scores its own samples
         return float("nan")
 
 
 def sft_samples(cfg, task, rng):
-    prompts = task.sample(cfg.prompts_per_step, rng)
+    prompts = task.sample(cfg.prompts_per_step, rng)[RANK::WORLD]
     return [D.Sample(p, task.completion_ids(p), [0.0] * len(task.completion_ids(p)), [0] * len(task.completion_ids(p)),
                      "stop") for p in prompts], {}
 
 
 def prepare(cfg, samples, vocab_size, device):
-    """Pack into fixed-shape micro-batches, validate the evidence, count the denominators."""
+    """Pack the global batch into fixed-shape micro-batches, validate the evidence, count the
+    denominators; keep this rank's share of the micro-batches."""
     mbs = [mb.to(device) for mb in D.pack(samples, cfg.micro_batch_tokens)]
     checks = L.validate_evidence(mbs, vocab_size, cfg) if cfg.stage == "rl" else {}
-    return mbs, L.denominators(mbs), checks
+    if RANK:  # every rank checked the whole batch; rank 0 alone counts it
+        checks = {k: (s * 0, c * 0) for k, (s, c) in checks.items()}
+    return my_share(mbs), L.denominators(mbs), checks
 
 
 def _head(cfg, model, fwd, mb):
@@ -180,7 +269,7 @@ def train_phase(cfg, model, fwd, opt, samples, step):
         metrics.update(optimizer_step(cfg, model, opt, step + 1))
         if epoch == 0:
             L.accumulate(total, metrics)
-    return total, denom.tokens, len(mbs) * cfg.micro_batch_tokens
+    return total, denom.tokens, len(mbs) * cfg.micro_batch_tokens * WORLD
 
 
 def optimizer_step(cfg, model, opt, step):
@@ -191,7 +280,7 @@ def optimizer_step(cfg, model, opt, step):
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return {"grad_norm": (norm.detach().double(), torch.tensor(1.0))}
+    return {"grad_norm": (full(norm).detach().double(), torch.tensor(1.0))}
 
 
 @torch.no_grad()
@@ -205,17 +294,24 @@ def evaluate(cfg, task, engine, n: int = 4) -> float:
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def save_checkpoint(out: Path, step: int, model, opt, rng, engine, src) -> Path:
-    """A HF directory plus the training state (optimizer, RNGs, step) in one atomic rename."""
+def gathered(named) -> dict[str, torch.Tensor]:
+    """(name, tensor) pairs: every rank gathers each FSDP shard in turn, rank 0 alone keeps a CPU copy."""
+    return {k: v.detach().cpu() for k, v in ((k, full(v)) for k, v in named) if RANK == 0}
+
+
+def save_checkpoint(out: Path, step: int, model, opt, rng, engine, src) -> Path | None:
+    """A HF directory plus the training state (optimizer, RNGs, step) in one atomic rename, by rank 0."""
     names = {id(p): n for n, p in model.named_parameters()}
-    tensors = {"rng/engine": engine.gen.get_state()}
-    for p, st in opt.state.items():
-        for k, v in st.items():
-            tensors[f"optim/{names[id(p)]}/{k}"] = v.detach().cpu()
-    state = {"step": step, "python_rng": rng.getstate()}
+    tensors = gathered((f"optim/{names[id(p)]}/{k}", v) for p, st in opt.state.items() for k, v in st.items())
+    weights = gathered(model.state_dict().items())
+    gens = gather([engine.gen.get_state()])
+    if RANK:
+        return None
+    tensors.update({"rng/engine" + (f"/{r}" if r else ""): g for r, g in enumerate(gens)})  # each rank's engine
+    state = {"step": step, "python_rng": rng.getstate(), "world_size": WORLD}
     path = out / f"step_{step:06d}"
-    M.save(model, path, src, extra={"trainer_state.json": json.dumps(state).encode(),
-                                    "trainer_state.safetensors": st_save(tensors)})
+    M.save(model, path, src, state=weights, extra={"trainer_state.json": json.dumps(state).encode(),
+                                                   "trainer_state.safetensors": st_save(tensors)})
     link = out / "final.tmp"  # `final` points at the newest checkpoint; replaced atomically
     link.unlink(missing_ok=True)
     link.symlink_to(path.name)
@@ -232,11 +328,14 @@ def load_training_state(path: Path, model, opt, rng, engine) -> int:
     state = json.loads((path / "trainer_state.json").read_text())
     tensors = st_load((path / "trainer_state.safetensors").read_bytes())
     params = dict(model.named_parameters())
-    for key, v in tensors.items():
+    for key, v in sorted(tensors.items()):  # one order on every rank (safetensors' is not fixed)
         if key.startswith("optim/"):
             name, k = key[len("optim/"):].rsplit("/", 1)
-            opt.state[params[name]][k] = v.to(params[name].device) if v.dim() else v
-    engine.gen.set_state(tensors["rng/engine"])
+            p = params[name]
+            if isinstance(p, DTensor) and v.dim():  # this rank's shard, cut like the parameter's
+                v = distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+            opt.state[p][k] = v.to(p.device) if v.dim() else v
+    engine.gen.set_state(tensors["rng/engine" + (f"/{RANK}" if RANK else "")])
     version, internal, gauss = state["python_rng"]
     rng.setstate((version, tuple(internal), gauss))
     engine.load_weights(model, version=state["step"])
@@ -249,6 +348,10 @@ def check_resumable(cfg: C.Config, out: Path) -> Path:
     if path is None:
         raise C.ConfigError(f"--resume: no complete checkpoint in {out} (step_NNNNNN with trainer_state.json)")
     saved = json.loads((out / "config.json").read_text())
+    world = json.loads((path / "trainer_state.json").read_text()).get("world_size", 1)
+    if world != WORLD:
+        raise C.ConfigError(f"--resume: the run in {out} ran on {world} processes, this one on {WORLD} "
+                            f"(torchrun --nproc_per_node); start a new run with --model {path} instead")
     free = {"steps", "resume", "eval_every", "save_every", "wandb_project", "model"}
     for k, v in json.loads(cfg.to_json()).items():
         if k not in free and saved.get(k) != v:
@@ -267,11 +370,11 @@ class Logger:
         kept = []
         if start and path.is_file():  # resuming: rows past the checkpoint are redone
             kept = [r for r in path.read_text().splitlines() if r and json.loads(r)["step"] <= start]
-        self.file = open(path, "w")
+        self.file = open(path if RANK == 0 else os.devnull, "w")
         self.file.write("".join(r + "\n" for r in kept))
         self.rows = [json.loads(r) for r in kept]
         self.wandb = None
-        if cfg.wandb_project:
+        if cfg.wandb_project and RANK == 0:
             import wandb
 
             self.wandb = wandb.init(project=cfg.wandb_project, config=json.loads(cfg.to_json()), dir=cfg.out_dir)
@@ -304,22 +407,28 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(cfg.out_dir)
     try:
         cfg = pick_engine(cfg).resolve(torch.cuda.is_available())
+        setup_distributed(cfg.device)
+        if cfg.prompts_per_step % WORLD:
+            raise C.ConfigError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the {WORLD} "
+                                "torchrun processes (each rank samples its own share)")
         resume_from = check_resumable(cfg, out) if cfg.resume else None
     except C.ConfigError as e:
-        print(f"floe: error: {e}", file=sys.stderr)
+        print0(f"floe: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     torch.manual_seed(cfg.seed)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(cfg.to_json())
+    if RANK == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(cfg.to_json())
     print0(cfg.to_json())
     try:
         src, model, fwd, codec, task, engine, opt = build(cfg, resume_from)
     except (FileNotFoundError, ValueError) as e:  # a bad model directory: say which file and why
-        print(f"floe: error: {e}", file=sys.stderr)
+        print0(f"floe: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     rng = random.Random(cfg.seed)
     start = load_training_state(resume_from, model, opt, rng, engine) if resume_from else 0
     print0(f"model {src}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params on {cfg.device}"
+           + (f" x {WORLD} ranks (FSDP2)" if WORLD > 1 else "")
            + (f" | resuming at step {start}" if start else "") + (" | compiling, ~1 min" if cfg.compile == "on" else ""))
     log = Logger(cfg, start)
     try:
@@ -327,16 +436,19 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as e:
         if not str(e).startswith(("bad sampler evidence", "every prompt")):
             raise
-        print(f"floe: error: {e}", file=sys.stderr)  # what was logged and saved so far stays
+        print0(f"floe: error: {e}", file=sys.stderr)  # what was logged and saved so far stays
         raise SystemExit(1) from None
     finally:
         log.close()
-    return finish(cfg, log)
+    summary = finish(cfg, log)
+    if WORLD > 1:
+        dist.destroy_process_group()
+    return summary
 
 
 def run(cfg, log, start, out, src, model, fwd, task, engine, opt, rng):
     """The loop: rollout, train, push weights, eval, log, checkpoint."""
-    if cfg.eval_every and not start:
+    if cfg.eval_every and not start and RANK == 0:
         log.row(0, {"eval/reward": evaluate(cfg, task, engine)})
         print0(f"eval step 0 | reward {log.rows[-1]['eval/reward']:.3f}")
     for step in range(start + 1, cfg.steps + 1):
@@ -346,13 +458,16 @@ def run(cfg, log, start, out, src, model, fwd, task, engine, opt, rng):
         else:
             samples, total = sft_samples(cfg, task, rng)
         t_roll = time.time()
-        metrics, n_loss, n_tok = train_phase(cfg, model, fwd, opt, samples, step - 1)
+        batch = gather(samples)  # every rank's samples: the global batch
+        metrics, n_loss, n_tok = train_phase(cfg, model, fwd, opt, batch, step - 1)
         L.accumulate(total, metrics)
         engine.load_weights(model, version=step)
-        m = L.reduce_metrics(total)
+        m = L.reduce_metrics(sum_over_ranks(total, cfg.device))
+        if cfg.stage == "rl" and batch:  # a std does not sum over ranks
+            m["reward/std"] = torch.tensor([s.reward for s in batch], dtype=torch.float64).std(unbiased=False).item()
         t1 = time.time()
         m.update({"time/rollout": t_roll - t0, "time/train": t1 - t_roll, "tokens/train": n_loss})
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+        if cfg.eval_every and RANK == 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
             m["eval/reward"] = evaluate(cfg, task, engine)
             print0(f"eval step {step} | reward {m['eval/reward']:.3f}")
         log.row(step, m)

@@ -1,0 +1,148 @@
+"""torchrun: two gloo ranks give the one-process step, and a 2-rank run's checkpoint loads in one process."""
+
+import json
+import pickle
+import random
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+import config as C
+import data as D
+import loss as L
+import model as M
+import train
+from rollout import TorchEngine
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def torchrun(*args: str) -> subprocess.CompletedProcess:
+    with socket.socket() as s:  # a free port for this launch's rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(port), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+WORKER = """
+import pickle, sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import torch, train
+from test_distributed import one_step, only_on_rank1
+train.setup_distributed("cpu")
+cases = pickle.loads(open(sys.argv[1] + "/cases.pkl", "rb").read())
+n = len(cases[0][2]) // train.WORLD  # each rank gets its contiguous share of the samples
+out = [one_step(cfg, state, samples[train.RANK * n:(train.RANK + 1) * n]) for cfg, state, samples in cases]
+torch.save({{"steps": out, "names": only_on_rank1()}}, f"{{sys.argv[1]}}/rank{{train.RANK}}.pt")
+torch.distributed.destroy_process_group()
+"""
+
+
+def one_step(cfg, state, samples):
+    """This rank's share of the samples -> (metrics, full gradients, full weights after the step, micro-batches run)."""
+    runs = []
+    for phase in ("grads", "step"):
+        model = M.Qwen3(M.ModelArgs(vocab_size=32, **M.TINY))
+        model.load_state_dict(state)
+        train.shard(model)
+        assert isinstance(model.head_weight, DTensor) == (train.WORLD > 1)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        batch = train.gather(samples)
+        if phase == "grads":
+            mbs, denom, _ = train.prepare(cfg, batch, 32, "cpu")
+            train.backward_pass(cfg, model, model, mbs, denom, step=0)
+            runs.append(({n: train.full(p.grad) for n, p in model.named_parameters()}, len(mbs)))
+        else:
+            total, _, _ = train.train_phase(cfg, model, model, opt, batch, step=0)
+            metrics = L.reduce_metrics(train.sum_over_ranks(total, "cpu"))
+            runs.append((metrics, {n: train.full(p.detach()) for n, p in model.named_parameters()}))
+    (grads, n_mb), (metrics, weights) = runs
+    return metrics, grads, weights, n_mb
+
+
+def only_on_rank1():
+    t = torch.tensor
+    total = {"a": (t(1.0), t(1.0)), **({"b": (t(3.0), t(2.0))} if train.RANK == 1 else {}), "c": (t(2.0), t(1.0))}
+    return L.reduce_metrics(train.sum_over_ranks(total, "cpu"))
+
+
+def _cases():
+    """Token and sequence normalization; the second under top-p (replayed rows, the sparse head backward)."""
+    codec = D.TextCodec(D.char_tokenizer(), [2])
+    m = M.Qwen3(M.ModelArgs(vocab_size=32, **M.TINY))
+    M.init_weights(m, std=0.1, seed=0)
+    cases = []
+    for agg, top_p in (("token", 1.0), ("sequence", 0.9)):
+        cfg = C.Config(loss="icepop", icepop_alpha=0.8, icepop_beta=1.25, prompts_per_step=4, group_size=3,
+                       max_new_tokens=10, lr=1e-2, grad_clip=0.05, bad_evidence="drop", loss_agg=agg, top_p=top_p)
+        engine = TorchEngine(m, "bf16", codec.stop_ids, seed=1)
+        samples, _ = train.rollout_phase(cfg, D.ReverseText(codec, eval_size=4), engine, random.Random(0), 0, 512)
+        g = torch.Generator().manual_seed(5)
+        for s in samples:  # a sampler far from the trainer (the mask fires), and no group ties
+            s.logq = [lq + float(torch.randn((), generator=g)) * 0.3 for lq in s.logq]
+            s.advantage += float(torch.randn((), generator=g))
+        samples[7].logq[0] = 0.5  # bad evidence: dropped on every rank, counted once
+        T = sum(len(s.ids) - 1 for s in samples) // 3 + 40  # three micro-batches: one rank runs a masked copy
+        cases.append((C.dataclasses.replace(cfg, micro_batch_tokens=T).resolve(False), m.state_dict(), samples))
+    return cases
+
+
+def test_two_gloo_ranks_match_one_process(tmp_path):
+    cases = _cases()
+    (tmp_path / "cases.pkl").write_bytes(pickle.dumps(cases))
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(root=str(ROOT), tests=str(ROOT / "tests")))
+    r = torchrun(str(script), str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{i}.pt") for i in range(2)]
+    for i, (cfg, state, samples) in enumerate(cases):
+        metrics, grads, weights, n_mb = one_step(cfg, state, samples)
+        assert n_mb == 3 and metrics["bad_evidence/dropped"] == pytest.approx(1 / 12)
+        assert 0.02 < metrics["icepop/masked_fraction"] < 0.9 and metrics["grad_norm"] > cfg.grad_clip  # clipped
+        for rank in ranks:
+            m2, g2, w2, n2 = rank["steps"][i]
+            assert n2 == 2  # 2 + 1 micro-batches, padded to 2 + 2
+            assert list(m2) == list(metrics)
+            for k in metrics:
+                assert m2[k] == pytest.approx(metrics[k], rel=1e-5, abs=1e-6), k
+            for name in grads:
+                torch.testing.assert_close(g2[name], grads[name], rtol=1e-5, atol=1e-6, msg=name)
+                torch.testing.assert_close(w2[name], weights[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert ranks[0]["names"] == ranks[1]["names"] == {"a": 1.0, "b": 1.5, "c": 2.0}
+
+
+SMALL = ["--loss", "icepop", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8",
+         "--eval-every", "1", "--eval-prompts", "4"]
+
+
+def _rows(out):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def test_torchrun_trains_resumes_and_its_checkpoint_loads_in_one_process(tmp_path):
+    out = tmp_path / "run"
+    args = [str(ROOT / "train.py"), "--steps", "2", "--save-every", "1", "--out-dir", str(out), *SMALL]
+    r = torchrun(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("step 2/2 |") == 1  # rank 0 prints, rank 1 does not
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["loss"] == r["loss"] for r in rows[1:])
+    assert M.load(out / "final").args.vocab_size == 32
+    shutil.rmtree(out / "step_000002")  # resume at step 1 on two ranks: step 2 again, exactly
+    r = torchrun(*args, "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _rows(out) == rows
+    with pytest.raises(SystemExit) as e:  # one process cannot resume a 2-rank run; it can start from its weights
+        train.main(["--steps", "3", "--out-dir", str(out), "--resume", *SMALL])
+    assert e.value.code == 2
+    s = train.main(["--model", str(out / "final"), "--steps", "1", "--out-dir", str(tmp_path / "one"), *SMALL])
+    assert s["steps"] == 1 and (tmp_path / "one" / "final" / "model.safetensors").is_file()
