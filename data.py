@@ -122,7 +122,7 @@ class Prompt:
 class ReverseText:
     """Reverse a few words character by character; reward = SequenceMatcher ratio."""
 
-    def __init__(self, codec: TextCodec, min_words: int = 1, max_words: int = 3, eval_size: int = 64, seed: int = 0):
+    def __init__(self, codec: TextCodec, min_words: int = 1, max_words: int = 3, eval_size: int = 64):
         self.codec, self.min_words, self.max_words = codec, min_words, max_words
         rng = random.Random(10_000)  # one held-out set for every --seed, so runs compare
         texts: list[str] = []

@@ -148,7 +148,7 @@ def build(cfg: C.Config, resume_from: Path | None = None):
             dist.barrier()
     model = M.load(src, device=cfg.device)
     codec = D.TextCodec.load(src)
-    task = D.ReverseText(codec, cfg.min_words, cfg.max_words, cfg.eval_prompts, seed=cfg.seed)
+    task = D.ReverseText(codec, cfg.min_words, cfg.max_words, cfg.eval_prompts)
     engine = TorchEngine(model, cfg.engine_dtype, codec.stop_ids, cfg.seed + RANK, compile_step=cfg.compile == "on")
     shard(model)  # after the engine took its full copy
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
@@ -169,7 +169,8 @@ def needs_support(cfg) -> bool:
     support; truncated sampling always reports its kept set, so the trainer's p is
     renormalized over it whatever the loss (REFERENCES.md: off by log(kept mass) otherwise)."""
     truncated = cfg.top_p < 1.0 or cfg.top_k > 0
-    return truncated or cfg.loss in L.CENTERED or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")
+    centered = cfg.loss in L.CENTERED or cfg.correction_metrics_only  # metrics-only trains reinforce
+    return truncated or centered or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")
 
 
 def rollout_phase(cfg, task, engine, rng, step, context: int):
@@ -262,7 +263,7 @@ def backward_pass(cfg, model, fwd, mbs, denom, step, old=None):
 def train_phase(cfg, model, fwd, opt, samples, step):
     """--epochs optimizer steps on one batch; metrics of the first pass (the sampled policy)."""
     mbs, denom, total = prepare(cfg, samples, model.args.vocab_size, cfg.device)
-    clipped = cfg.loss in ("ppo", "cispo") and cfg.stage == "rl"
+    clipped = cfg.loss in ("ppo", "cispo") and cfg.stage == "rl" and not cfg.correction_metrics_only
     old = old_logprobs(cfg, model, fwd, mbs) if clipped and cfg.epochs > 1 else None
     for epoch in range(cfg.epochs):
         metrics = backward_pass(cfg, model, fwd, mbs, denom, step, old)
@@ -388,7 +389,8 @@ class Logger:
 
     def line(self, step: int, m: dict, tokens: int, dt: float) -> None:
         eta = (time.time() - self.t0) / (step - self.start) * (self.cfg.steps - step)
-        masked = m.get("icepop/masked_fraction", m.get("ipo/masked_fraction", 0.0))
+        masks = ("icepop/masked_fraction", "ipo/masked_fraction", "seq_mask/masked_fraction", "kl_mask/masked_fraction")
+        masked = max((m[k] for k in masks if k in m), default=0.0)
         reward = f"{m['reward']:.3f}" if "reward" in m else "-"
         print0(f"step {step}/{self.cfg.steps} | reward {reward} | loss {m['loss']:+.4f} "
                f"| masked {masked:.4f} | mismatch kl {m.get('mismatch/kl', 0.0):.2e} | {tokens / dt:,.0f} tok/s "

@@ -101,7 +101,7 @@ def table(stats: dict[tuple[str, str], list[dict]]) -> str:
              "| wall s/run |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (loss, dtype), runs in stats.items():
         masked = [s["masked"] for s in runs]
-        masked_s = "-" if None in masked else f"{statistics.fmean(masked):.4f}"
+        masked_s = "-" if None in masked else f"{statistics.fmean(masked):.2e}"
         kl, wall = statistics.fmean(s["kl"] for s in runs), statistics.fmean(s["wall_s"] for s in runs)
         lines.append(f"| {loss} | {dtype} | {len(runs)} | {_mean_std([s['eval0'] for s in runs])} "
                      f"| {_mean_std([s['eval'] for s in runs])} | {masked_s} | {kl:.2e} | {wall:.1f} |")
