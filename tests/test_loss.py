@@ -364,13 +364,8 @@ def assert_metrics_close(got: dict, want: dict, tol: float = 1e-9):
         assert got[k] == pytest.approx(want[k], rel=tol, abs=tol), k
 
 
-@pytest.mark.parametrize("agg", ["token", "sequence"])
-@pytest.mark.parametrize("kl", list(KLS))
-@pytest.mark.parametrize("kind", ["replayed", "draws"])
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_matches_dense_reference(variant, kind, kl, agg):
-    loss_type, icepop, old = VARIANTS[variant]
-    cfg = cfg_for(loss_type, icepop=icepop, loss_agg=agg, **KLS[kl])
+def compare_with_reference(cfg, kind, old):
+    """loss.py against the dense reference on one micro-batch: loss, metrics, logit gradients."""
     docs = make_docs(kind)
     mb, logits, noise = assemble(docs, T=24)
     leaves = [d.logits for d in docs]
@@ -380,6 +375,16 @@ def test_matches_dense_reference(variant, kind, kl, agg):
     assert_metrics_close(got_m, want_m)
     for g1, g2 in zip(grads(got, leaves), grads(want, leaves)):
         assert torch.allclose(g1, g2, rtol=1e-9, atol=1e-12)
+    return want_m
+
+
+@pytest.mark.parametrize("agg", ["token", "sequence"])
+@pytest.mark.parametrize("kl", list(KLS))
+@pytest.mark.parametrize("kind", ["replayed", "draws"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_matches_dense_reference(variant, kind, kl, agg):
+    loss_type, icepop, old = VARIANTS[variant]
+    want_m = compare_with_reference(cfg_for(loss_type, icepop=icepop, loss_agg=agg, **KLS[kl]), kind, old)
     # the masks must actually act, or this test could not catch a wrong one
     for name in ("icepop/masked_fraction", "ipo/masked_fraction"):
         if name in want_m:
@@ -417,16 +422,7 @@ def test_corrections_match_dense_reference(name, kind, kl, agg):
     """TIS, sequence masks, KL masks and the metrics-only mode: loss, gradient and metrics."""
     variant, extra = CORRECTIONS[name]
     loss_type, icepop, old = VARIANTS[variant]
-    cfg = cfg_for(loss_type, icepop=icepop, loss_agg=agg, **KLS[kl], **extra)
-    docs = make_docs(kind)
-    mb, logits, noise = assemble(docs, T=24)
-    leaves = [d.logits for d in docs]
-    got, got_m = run_loss([mb], [logits], cfg, old_list=[noise] if old else None)
-    want, want_m = reference(docs, cfg, STEP, old)
-    assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)
-    assert_metrics_close(got_m, want_m)
-    for g1, g2 in zip(grads(got, leaves), grads(want, leaves)):
-        assert torch.allclose(g1, g2, rtol=1e-9, atol=1e-12)
+    want_m = compare_with_reference(cfg_for(loss_type, icepop=icepop, loss_agg=agg, **KLS[kl], **extra), kind, old)
     for k in ("tis/clip_fraction", "kl_mask/masked_fraction", "seq_mask/masked_fraction"):
         if k in want_m:  # the masks must act, and not on everything
             assert 0 < want_m[k] < 1, k
