@@ -231,7 +231,7 @@ def load(model_dir: str | Path, device="cpu", dtype=torch.float32) -> Qwen3:
     with torch.device("meta"):
         model = Qwen3(args)
     expected = {k: v.shape for k, v in model.state_dict().items()}
-    files = sorted(d.glob("model*.safetensors"))  # not trainer_state.safetensors
+    files = sorted(d.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{d}: no *.safetensors weights")
     state = {}
@@ -270,10 +270,12 @@ def save(model: Qwen3, out_dir: str | Path, tokenizer_dir: str | Path, extra: di
         if (Path(tokenizer_dir) / f).is_file():
             shutil.copy(Path(tokenizer_dir) / f, tmp / f)
     for name, blob in (extra or {}).items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp / name).write_bytes(blob)
-    for f in tmp.iterdir():  # data on disk before the rename makes it visible
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    for f in tmp.rglob("*"):  # data on disk before the rename makes it visible
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
     if out.exists():  # replace: move the old one aside first, so a crash leaves one readable copy
         old = out.with_name(out.name + ".old")
         shutil.rmtree(old, ignore_errors=True)

@@ -26,7 +26,7 @@ Simplifications:
     python train.py --model /path/to/Qwen3-0.6B --device cuda        # one GPU
     torchrun --nproc_per_node 2 train.py --loss icepop --steps 6     # two CPU processes (gloo)
     torchrun --nproc_per_node 8 train.py --model /path/to/Qwen3-8B   # 8 GPUs (NCCL)
-    python train.py --stage sft --model scratch --steps 400 --out-dir runs/sft   # rebuild the tiny model
+    python train.py --stage sft --model scratch --steps 100 --prompts-per-step 64 --micro-batch-tokens 2048  # the tiny model (README)
 """
 
 from __future__ import annotations
@@ -295,6 +295,8 @@ def evaluate(cfg, task, engine, n: int = 4) -> float:
 
 # ----------------------------------------------------------------------------- checkpoints
 
+STATE = "trainer_state"  # a sub-folder, so vLLM's *.safetensors glob sees only the model
+
 def gathered(named) -> dict[str, torch.Tensor]:
     """(name, tensor) pairs: every rank gathers each FSDP shard in turn, rank 0 alone keeps a CPU copy."""
     return {k: v.detach().cpu() for k, v in ((k, full(v)) for k, v in named) if RANK == 0}
@@ -311,8 +313,8 @@ def save_checkpoint(out: Path, step: int, model, opt, rng, engine, src) -> Path 
     tensors.update({"rng/engine" + (f"/{r}" if r else ""): g for r, g in enumerate(gens)})  # each rank's engine
     state = {"step": step, "python_rng": rng.getstate(), "world_size": WORLD}
     path = out / f"step_{step:06d}"
-    M.save(model, path, src, state=weights, extra={"trainer_state.json": json.dumps(state).encode(),
-                                                   "trainer_state.safetensors": st_save(tensors)})
+    M.save(model, path, src, state=weights, extra={f"{STATE}/state.json": json.dumps(state).encode(),
+                                                   f"{STATE}/optim_rng.safetensors": st_save(tensors)})
     link = out / "final.tmp"  # `final` points at the newest checkpoint; replaced atomically
     link.unlink(missing_ok=True)
     link.symlink_to(path.name)
@@ -321,13 +323,13 @@ def save_checkpoint(out: Path, step: int, model, opt, rng, engine, src) -> Path 
 
 
 def latest_checkpoint(out: Path) -> Path | None:
-    done = [p for p in out.glob("step_*") if re.fullmatch(r"step_\d{6}", p.name) and (p / "trainer_state.json").is_file()]
+    done = [p for p in out.glob("step_*") if re.fullmatch(r"step_\d{6}", p.name) and (p / STATE / "state.json").is_file()]
     return max(done, default=None)
 
 
 def load_training_state(path: Path, model, opt, rng, engine) -> int:
-    state = json.loads((path / "trainer_state.json").read_text())
-    tensors = st_load((path / "trainer_state.safetensors").read_bytes())
+    state = json.loads((path / STATE / "state.json").read_text())
+    tensors = st_load((path / STATE / "optim_rng.safetensors").read_bytes())
     params = dict(model.named_parameters())
     for key, v in sorted(tensors.items()):  # one order on every rank (safetensors' is not fixed)
         if key.startswith("optim/"):
@@ -347,9 +349,9 @@ def check_resumable(cfg: C.Config, out: Path) -> Path:
     """The checkpoint to resume from; the flags that shape the run must not change."""
     path = latest_checkpoint(out)
     if path is None:
-        raise C.ConfigError(f"--resume: no complete checkpoint in {out} (step_NNNNNN with trainer_state.json)")
+        raise C.ConfigError(f"--resume: no complete checkpoint in {out} (step_NNNNNN/{STATE}/state.json)")
     saved = json.loads((out / "config.json").read_text())
-    world = json.loads((path / "trainer_state.json").read_text()).get("world_size", 1)
+    world = json.loads((path / STATE / "state.json").read_text()).get("world_size", 1)
     if world != WORLD:
         raise C.ConfigError(f"--resume: the run in {out} ran on {world} processes, this one on {WORLD} "
                             f"(torchrun --nproc_per_node); start a new run with --model {path} instead")

@@ -81,6 +81,8 @@ def test_short_rl_and_sft_runs_write_their_files(tmp_path):
             assert k in r and r[k] == r[k], k  # present and not NaN
     assert json.loads((out / "config.json").read_text())["steps"] == 2
     assert M.load(out / "final").args.vocab_size == 32
+    # vLLM loads every top-level *.safetensors: the training state must not be one of them
+    assert [p.name for p in (out / "final").glob("*.safetensors")] == ["model.safetensors"]
     assert s["eval/reward@0"] == rows[0]["eval/reward"]
     sft = tmp_path / "sft"
     train.main(["--stage", "sft", "--model", "scratch", "--steps", "2", "--eval-every", "0",
