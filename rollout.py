@@ -19,7 +19,7 @@ Simplifications:
 4. Advantages are group-centered: A = r - mean(group), optionally / std(group). A group
    whose rewards are all equal gets A = 0 and trains nothing.
 
-    python bench/engine.py   # rollout tokens/s (to come with the vLLM engine)
+    python -m pytest -q tests/test_rollout.py tests/test_support.py   # against a full forward
 """
 
 from __future__ import annotations

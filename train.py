@@ -13,7 +13,8 @@ Simplifications:
    (loss.denominators), so any split into micro-batches gives the same gradient.
 3. Metrics stay on the device as (sum, count) pairs and are read once per step.
 4. torch.compile wraps the trainer forward only (static [T] shapes); on the CPU it is
-   off by default because for the tiny model compiling costs more than it saves (README).
+   off by default: for the tiny 80-step job it is a wash (README's experiment log), and
+   off needs no C++ toolchain.
 5. Under torchrun the trainer is FSDP2 (`shard`) and every rank runs its own engine (seed +
    rank; a full copy refreshed one gathered tensor at a time) on its share of the prompts,
    so rollouts scale with the ranks instead of waiting on rank 0. The ranks then swap
