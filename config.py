@@ -122,13 +122,15 @@ class Config:
         _check(self.adv_tau > 0, "--adv-tau", f"must be > 0, got {self.adv_tau}")
 
     def resolve(self, cuda_available: bool) -> Config:
-        """Fill in the derived values: device, compile, learning rate."""
+        """Fill in the derived values: device, compile, learning rate, engine."""
+        if self.engine == "vllm":
+            raise ConfigError("--engine vllm: the vLLM engine is not built yet; use --engine torch")
         device = self.device if self.device != "auto" else ("cuda" if cuda_available else "cpu")
         if device == "cuda" and not cuda_available:
             raise ConfigError("--device cuda: no CUDA device is available (use --device cpu)")
         compile_ = self.compile if self.compile != "auto" else ("on" if device == "cuda" else "off")
         lr = self.lr or (5e-4 if self.stage == "rl" else 3e-3)
-        return dataclasses.replace(self, device=device, compile=compile_, lr=lr)
+        return dataclasses.replace(self, device=device, compile=compile_, lr=lr, engine="torch")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

@@ -67,6 +67,11 @@ yard yeah year your zero zone
 # fmt: on
 
 
+class RunError(ValueError):
+    """Input the step cannot go on with (bad sampler evidence, a sample or prompt that does
+    not fit): train.py prints the message as one line and exits 1."""
+
+
 # ----------------------------------------------------------------------------- tokenizer
 
 def char_tokenizer() -> Tokenizer:
@@ -277,7 +282,7 @@ def pack(samples: list[Sample], micro_batch_tokens: int) -> list[MicroBatch]:
     for i in sorted(range(len(samples)), key=lambda i: -len(samples[i].ids)):
         n = len(samples[i].ids) - 1  # the last token is only ever a label
         if n > T:
-            raise ValueError(f"sample {i} has {n + 1} tokens, more than --micro-batch-tokens {T}")
+            raise RunError(f"sample {i} has {n + 1} tokens, more than --micro-batch-tokens {T}")
         j = next((j for j, r in enumerate(room) if r >= n), None)
         if j is None:
             bins.append([])

@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from config import Config
-from data import MicroBatch, TokenSupport
+from data import MicroBatch, RunError, TokenSupport
 
 Metrics = dict[str, tuple[Tensor, Tensor]]
 CENTERED = ("reinforce", "icepop", "ipo", "tis")  # the weightings w(r) that get score centering
@@ -374,7 +374,7 @@ def _evidence_fails(mb: MicroBatch, vocab_size: int, k: int) -> tuple[Tensor, Te
     sup, row = mb.support, None
     if sup is not None:
         if sup.offsets.numel() != T + 1:
-            raise ValueError(f"bad sampler evidence: support has {sup.offsets.numel() - 1} rows for {T} tokens")
+            raise RunError(f"bad sampler evidence: support has {sup.offsets.numel() - 1} rows for {T} tokens")
         off, ids, slq = sup.offsets, sup.ids.long(), sup.logq
         counts = off[1:] - off[:-1]
         row = _entry_rows(off, ids.numel())
@@ -442,7 +442,7 @@ def validate_evidence(micro_batches: list[MicroBatch], vocab_size: int, cfg: Con
         T = micro_batches[i].loss_mask.numel()
         c = next((c for c in range(C) if pos[c] < T), None)
         if c is not None and (cfg.bad_evidence == "error" or c == 0):
-            raise ValueError(f"bad sampler evidence: sample {sample[c]}, token {token[c]}: {CHECKS[c]} "
+            raise RunError(f"bad sampler evidence: sample {sample[c]}, token {token[c]}: {CHECKS[c]} "
                              f"(micro-batch {i}, position {pos[c]})")
     for mb, n in zip(micro_batches, host[-M:]):
         mb.num_loss_tokens = int(n)

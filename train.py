@@ -157,12 +157,6 @@ def build(cfg: C.Config, resume_from: Path | None = None):
     return src, model, fwd, codec, task, engine, opt
 
 
-def pick_engine(cfg: C.Config) -> C.Config:
-    if cfg.engine == "vllm":
-        raise C.ConfigError("--engine vllm: the vLLM engine is not built yet; use --engine torch")
-    return C.dataclasses.replace(cfg, engine="torch")
-
-
 # ----------------------------------------------------------------------------- phases
 
 def needs_support(cfg) -> bool:
@@ -181,7 +175,7 @@ def rollout_phase(cfg, task, engine, rng, step, context: int):
     raises, are skipped and counted (`skipped/too_long`, `skipped/reward_error`)."""
     drawn = task.sample(cfg.prompts_per_step, rng)  # the same on every rank
     if all(len(p.ids) + cfg.max_new_tokens > context for p in drawn):
-        raise ValueError(f"every prompt is longer than the context: {len(drawn[0].ids)} prompt tokens "
+        raise D.RunError(f"every prompt is longer than the context: {len(drawn[0].ids)} prompt tokens "
                          f"+ --max-new-tokens {cfg.max_new_tokens} > {context}")
     drawn = drawn[RANK::WORLD]  # this rank's share
     prompts = [p for p in drawn if len(p.ids) + cfg.max_new_tokens <= context]
@@ -218,9 +212,11 @@ def safe_reward(task, prompt, completion) -> float:
 
 
 def sft_samples(cfg, task, rng):
-    prompts = task.sample(cfg.prompts_per_step, rng)[RANK::WORLD]
-    return [D.Sample(p, task.completion_ids(p), [0.0] * len(task.completion_ids(p)), [0] * len(task.completion_ids(p)),
-                     "stop") for p in prompts], {}
+    samples = []
+    for p in task.sample(cfg.prompts_per_step, rng)[RANK::WORLD]:
+        ids = task.completion_ids(p)
+        samples.append(D.Sample(p, ids, [0.0] * len(ids), [0] * len(ids), "stop"))
+    return samples, {}
 
 
 def prepare(cfg, samples, vocab_size, device):
@@ -407,19 +403,24 @@ class Logger:
 
 # ----------------------------------------------------------------------------- main
 
+def fail(e: Exception, code: int):
+    """One line naming what was wrong, and the exit status: 2 bad input, 1 a step that cannot go on."""
+    print0(f"floe: error: {e}", file=sys.stderr)
+    raise SystemExit(code) from None
+
+
 def main(argv: list[str] | None = None) -> dict:
     cfg = C.parse(argv)
     out = Path(cfg.out_dir)
     try:
-        cfg = pick_engine(cfg).resolve(torch.cuda.is_available())
+        cfg = cfg.resolve(torch.cuda.is_available())
         setup_distributed(cfg.device)
         if cfg.prompts_per_step % WORLD:
             raise C.ConfigError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the {WORLD} "
                                 "torchrun processes (each rank samples its own share)")
         resume_from = check_resumable(cfg, out) if cfg.resume else None
     except C.ConfigError as e:
-        print0(f"floe: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        fail(e, 2)
     torch.manual_seed(cfg.seed)
     if RANK == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -428,8 +429,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         src, model, fwd, codec, task, engine, opt = build(cfg, resume_from)
     except (FileNotFoundError, ValueError) as e:  # a bad model directory: say which file and why
-        print0(f"floe: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        fail(e, 2)
     rng = random.Random(cfg.seed)
     start = load_training_state(resume_from, model, opt, rng, engine) if resume_from else 0
     print0(f"model {src}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params on {cfg.device}"
@@ -438,11 +438,8 @@ def main(argv: list[str] | None = None) -> dict:
     log = Logger(cfg, start)
     try:
         run(cfg, log, start, out, src, model, fwd, task, engine, opt, rng)
-    except ValueError as e:
-        if not str(e).startswith(("bad sampler evidence", "every prompt")):
-            raise
-        print0(f"floe: error: {e}", file=sys.stderr)  # what was logged and saved so far stays
-        raise SystemExit(1) from None
+    except D.RunError as e:
+        fail(e, 1)  # what was logged and saved so far stays
     finally:
         log.close()
     summary = finish(cfg, log)
