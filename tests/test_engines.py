@@ -161,6 +161,20 @@ def test_a_pushed_zero_head_gives_uniform_logq_and_versions_advance(engine):
 
 
 @pytest.mark.parametrize("engine", ENGINES, indirect=True)
+def test_pushed_weights_are_the_ones_sampled_from(engine):
+    """Every tensor lands: after pushing other weights the engine's logq is their full forward's
+    (a zero head alone cannot show this: with tied weights it zeroes every hidden state too)."""
+    other = M.Qwen3(M.ModelArgs(vocab_size=32, **M.TINY))
+    M.init_weights(other, std=0.15, seed=1)
+    for version, m in ((1, other), (2, _model())):
+        engine.load_weights(m, version)
+        for i, c in enumerate(engine.generate(PROMPTS, 2, Sampling(temperature=0.7, max_new_tokens=8))):
+            probs = _probs(m, PROMPTS[i // 2], c.ids, 0.7)
+            assert all(abs(lq - math.log(probs[t, v].item())) < TOL for t, (v, lq) in enumerate(zip(c.ids, c.logq)))
+            assert c.versions == [version] * len(c.ids)
+
+
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
 def test_a_fixed_seed_repeats_and_the_engine_generator_moves_on(engine):
     s = Sampling(max_new_tokens=8, seed=11)
     a, b = engine.generate(PROMPTS, 4, s), engine.generate(PROMPTS, 4, s)
