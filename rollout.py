@@ -241,10 +241,10 @@ def vllm_logprobs(s: Sampling, vocab: int) -> int:
     (-1: all of them), or a ConfigError naming the alternatives when it cannot serve it."""
     if not s.support or s.greedy:
         return 0  # the sampled token's own log-prob comes back anyway
-    if s.top_k > 0:
-        return s.top_k  # the kept set lies inside the top-k; top-p may trim it (-inf entries)
     if vocab <= FULL_ROW_VOCAB:
-        return -1  # the whole distribution, -inf outside a top-p set: exact rows, u = q
+        return -1  # the whole distribution, -inf outside a truncated set: exact rows, u = q
+    if s.top_k > 0:  # the kept set is the top-k, trimmed by top-p (-inf entries), plus ties with
+        return min(vocab, 2 * s.top_k)  # the k-th logit (common in bf16): ask for room to spare
     raise ConfigError(f"--engine vllm cannot report the sampler's support on a {vocab}-token vocabulary "
                       "without --top-k (it returns top log-probs, not K draws); add --top-k (e.g. 64), use "
                       "--engine torch, or a loss that needs no support (--loss ppo|cispo with --top-p 1)")
@@ -265,9 +265,11 @@ class VLLMEngine:
     use offset"). On a GPU the engine sleeps (level 1: weights
     offloaded, KV cache dropped) while the trainer works and wakes for the next push.
 
-    Support rows are the kept set under --top-k (top-k log-probs, -inf entries dropped) and,
-    on small vocabularies, the whole distribution (-inf outside a top-p set); every row is
-    replayed (u = q), and a row whose q does not sum to 1 stops the run with one line."""
+    Support rows are, on small vocabularies, the whole distribution (-inf entries, outside a
+    truncated set, dropped) and otherwise, under --top-k, the top 2k log-probs: vLLM's top-k
+    keeps every token tied with the k-th logit (as `truncate` does), and bf16 logits tie
+    often. Every row is replayed (u = q); a row whose q does not sum to 1 (the kept set did
+    not fit) stops the run with one line."""
 
     def __init__(self, model_dir, vocab: int, dtype: str, stop_ids: list[int], seed: int, memory: float,
                  device: str = "cpu", max_len: int | None = None):
