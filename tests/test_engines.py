@@ -265,3 +265,50 @@ def test_auto_picks_the_built_in_engine_on_a_cpu():
     assert Config(engine="auto").resolve(cuda_available=False).engine == "torch"
     if HAS_VLLM:
         assert Config(engine="vllm").resolve(cuda_available=False).engine == "vllm"
+
+
+LARGE_VOCAB = """
+import json, math, sys
+sys.path.insert(0, {root!r})
+import torch
+import data as D
+import model as M
+from rollout import Sampling, VLLMEngine
+from tests.test_engines import _probs
+from tests.test_rollout import _kept
+
+d = {dir!r}
+D.write_tokenizer(d)
+m = M.Qwen3(M.ModelArgs(vocab_size=8192, **M.TINY))
+M.init_weights(m, std=0.15, seed=2)
+M.save(m, d, d)
+e = VLLMEngine(d, 8192, "fp32", [2], seed=0, memory=0.2)
+s = Sampling(temperature=0.9, top_k=8, top_p=0.95, max_new_tokens=8, support=True)
+rows, worst = 0, 0.0
+for i, c in enumerate(e.generate([[1, 5, 6, 7], [1, 9, 10]], 2, s)):
+    sup = c.support
+    probs = _probs(m, [[1, 5, 6, 7], [1, 9, 10]][i // 2], c.ids, 0.9)
+    for t in range(len(c.ids)):
+        a, b = int(sup.host_offsets[t]), int(sup.host_offsets[t + 1])
+        row = probs[t].tolist()
+        kept = _kept(row, 8, 0.95)
+        assert set(sup.ids[a:b].tolist()) == kept, (t, sorted(sup.ids[a:b].tolist()), sorted(kept))
+        z = sum(row[v] for v in kept)
+        worst = max([worst] + [abs(q - math.log(row[v] / z)) for v, q in zip(sup.ids[a:b].tolist(), sup.logq[a:b].tolist())])
+        rows += 1
+print(json.dumps({{"rows": rows, "worst": worst}}))
+"""
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_kept_set_on_a_vocabulary_too_large_for_whole_rows(tmp_path):
+    """V = 8192 > 4096: the support comes from the top 2k log-probs, not whole rows; the kept
+    set and its q still equal the full forward's (fp32). Its own process: one vLLM each."""
+    d = tmp_path / "v8192"
+    d.mkdir()
+    proc = subprocess.run([sys.executable, "-c", LARGE_VOCAB.format(root=str(ROOT), dir=str(d))], text=True,
+                          capture_output=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["rows"] > 10 and r["worst"] < TOL
