@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import os
 import threading
 import time
@@ -305,7 +304,7 @@ class VLLMEngine:
         seed = s.seed if s.seed is not None else int(torch.randint(2**31 - 1, (1,), generator=self.gen))
         params = SamplingParams(n=n, temperature=0.0 if s.greedy else s.temperature, top_p=s.top_p, top_k=s.top_k,
                                 max_tokens=s.max_new_tokens, logprobs=vllm_logprobs(s, self.vocab),
-                                detokenize=False, stop_token_ids=self.stop_ids)
+                                detokenize=False, stop_token_ids=self.stop_ids, flat_logprobs=True)
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.sleeps else []):
             torch.manual_seed(seed)  # vLLM draws from the global generator; see the class docstring
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -316,27 +315,31 @@ class VLLMEngine:
         return done
 
     def _completion(self, c, s: Sampling) -> Completion:
-        ids = list(c.token_ids)
-        logq = [0.0] * len(ids) if s.greedy else [row[t].logprob for row, t in zip(c.logprobs, ids)]
-        support = self._support(c.logprobs) if s.support and not s.greedy else None
+        ids, flat = list(c.token_ids), c.logprobs  # FlatLogprobs: per token, the sampled entry, then the top ones
+        logq = [0.0] * len(ids) if s.greedy else [flat.logprobs[a] for a in flat.start_indices]
+        support = self._support(flat) if s.support and not s.greedy else None
         reason = "stop" if c.finish_reason == "stop" else "length"
         return Completion(ids, logq, [self.version] * len(ids), reason, support)
 
     @staticmethod
-    def _support(rows) -> TokenSupport:
-        ids, logq, counts = [], [], [0]
-        for row in rows:
-            kept = [(v, lp.logprob) for v, lp in row.items() if lp.logprob > float("-inf")]
-            mass = sum(math.exp(q) for _, q in kept)
-            if abs(mass - 1.0) > 1e-3:
-                raise RunError(f"vLLM returned {len(kept)} kept tokens holding q-mass {mass:.4f}, not the whole "
-                               "kept set; raise --top-k or use --engine torch")
-            ids += [v for v, _ in kept]
-            logq += [q for _, q in kept]
-            counts.append(len(kept))
-        host = np.cumsum(counts, dtype=np.int64)
-        return TokenSupport(torch.tensor(ids, dtype=torch.int32), torch.from_numpy(host.copy()),
-                            torch.tensor(logq, dtype=torch.float32), torch.ones(len(rows), dtype=torch.bool), host)
+    def _support(flat) -> TokenSupport:
+        """The finite top entries of each token (its first entry, the sampled one, is left out)."""
+        starts, ends = np.asarray(flat.start_indices), np.asarray(flat.end_indices)
+        tok, lp = np.asarray(flat.token_ids, dtype=np.int32), np.asarray(flat.logprobs, dtype=np.float64)
+        row = np.repeat(np.arange(len(starts)), ends - starts)
+        keep = np.isfinite(lp)
+        keep[starts] = False
+        counts = np.bincount(row[keep], minlength=len(starts))
+        mass = np.bincount(row[keep], weights=np.exp(lp[keep]), minlength=len(starts))
+        bad = np.flatnonzero(np.abs(mass - 1.0) > 1e-3)
+        if len(bad):
+            t = bad[0]
+            raise RunError(f"vLLM returned {counts[t]} kept tokens holding q-mass {mass[t]:.4f}, not the whole "
+                           "kept set; raise --top-k or use --engine torch")
+        host = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        return TokenSupport(torch.from_numpy(tok[keep]), torch.from_numpy(host.copy()),
+                            torch.from_numpy(lp[keep].astype(np.float32)), torch.ones(len(starts), dtype=torch.bool),
+                            host)
 
     def close(self) -> None:
         """Release vLLM's memory and its background state (the process may go on)."""

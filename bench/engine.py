@@ -9,9 +9,10 @@ new tokens, --dtype bf16 engine weights). Rows: without support capture, and wit
 centered loss like --loss icepop asks for: K = 16 draws per token from the built-in engine,
 the whole distribution per token from vLLM on a small vocabulary; with --top-k both
 report the kept set). tok/s counts completion tokens (the stop token included) over the
-median wall time of --repeats (7) calls after one warm-up call (a call lasts until its longest
-sample stops, so single calls vary by up to ~1.5x). Engine start-up (vLLM loads
-the directory and reserves its KV cache) is printed separately, not in the rate.
+median wall time of --repeats (7) calls, the two rows' calls taking turns after one
+warm-up call each (a call lasts until its longest sample stops, so single calls vary by
+up to ~1.5x). Engine start-up (vLLM loads the directory and reserves its KV cache) is
+printed separately, not in the rate.
 
 Simplifications:
 1. One process runs both engines in turn; vLLM runs in this process (as in train.py),
@@ -39,19 +40,23 @@ import model as M  # noqa: E402
 from rollout import Sampling, TorchEngine, VLLMEngine  # noqa: E402
 
 
-def timed(engine, prompts, n, s, repeats):
-    engine.generate(prompts, n, s)  # warm-up: first-call allocations, vLLM's profiling
-    times, tokens = [], 0
+def timed(engine, prompts, n, settings, repeats):
+    """Median seconds per call and tokens of the last call, per setting. The settings take turns
+    (round-robin, after one warm-up call each), so drift over the run hits them alike."""
+    for s in settings:
+        engine.generate(prompts, n, s)  # warm-up: first-call allocations, vLLM's profiling
+    times, tokens = [[] for _ in settings], [0] * len(settings)
     for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        out = engine.generate(prompts, n, s)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-        tokens = sum(len(c.ids) for c in out)
-    return tokens, statistics.median(times)
+        for i, s in enumerate(settings):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = engine.generate(prompts, n, s)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times[i].append(time.perf_counter() - t)
+            tokens[i] = sum(len(c.ids) for c in out)
+    return [(tok, statistics.median(ts)) for tok, ts in zip(tokens, times)]
 
 
 def main():
@@ -85,8 +90,8 @@ def main():
         t = time.perf_counter()
         engine = make()
         start = time.perf_counter() - t
-        for support, s in settings:
-            tokens, dt = timed(engine, prompts, a.n, s, a.repeats)
+        results = timed(engine, prompts, a.n, [s for _, s in settings], a.repeats)
+        for (support, _), (tokens, dt) in zip(settings, results):
             rows.append((name, f"{start:.1f}", support, tokens, f"{dt:.3f}", f"{tokens / dt:,.0f}"))
         del engine
     head = ("engine", "start s", "support", "tokens/call", "s/call", "tok/s")
