@@ -385,7 +385,7 @@ def group_advantages(rewards: list[float], group_size: int, std_norm: bool = Fal
 
 @dataclass
 class RolloutRNG:
-    """The rollout side's random state at one step, shaped as save_checkpoint reads it (rng, engine.gen)."""
+    """The rollout side's random state right after one step's batch: what save_checkpoint saves (rng, gen)."""
 
     rng: object  # random.Random: the prompts
     gen: torch.Generator  # the engine's sampling generator

@@ -42,97 +42,22 @@ import json
 import math
 import os
 import random
-import re
 import resource
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 import config as C
 import data as D
 import loss as L
 import model as M
+from checkpoint import check_resumable, load_training_state, save_checkpoint
 from kernels import head, sparse_ok
+from parallel import RANK, WORLD, full, gather, my_share, print0, setup_distributed, shard, sum_over_ranks
 from rollout import AsyncRollouts, Sampling, group_advantages, make_engine, vllm_logprobs
-
-
-RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets both
-
-
-def print0(*a, **k):
-    if RANK == 0:
-        print(*a, **k, flush=True)
-
-
-# ----------------------------------------------------------------------------- distributed
-
-def setup_distributed(device: str) -> None:
-    """Join the process group when launched by torchrun (WORLD_SIZE > 1): gloo on the CPU, NCCL on GPUs."""
-    if WORLD > 1 and not dist.is_initialized():
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
-
-
-def shard(model: M.Qwen3) -> M.Qwen3:
-    """FSDP2: one all-gather/reduce-scatter group per decoder block, then the root (embedding,
-    tied head, final norm; it stays gathered from forward to backward, so the head outside the
-    forward reads the full weight). Gradients are summed over ranks, not averaged: every rank's
-    loss is already divided by the global count (loss.denominators)."""
-    if WORLD == 1:
-        return model
-    # the forward returns hidden[0], a view that nothing edits in place
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
-    for block in model.model.layers:
-        fully_shard(block)
-    fully_shard(model)
-    for m in model.modules():
-        if isinstance(m, FSDPModule):  # a plain SUM (gloo has no PREMUL_SUM)
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)
-    return model
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def gather(items: list) -> list:
-    """Every rank's items, concatenated in rank order (pickled: host-side records only)."""
-    if WORLD == 1:
-        return items
-    parts = [None] * WORLD
-    dist.all_gather_object(parts, items)
-    return [x for part in parts for x in part]
-
-
-def my_share(mbs: list[D.MicroBatch]) -> list[D.MicroBatch]:
-    """This rank's micro-batches, dealt round-robin fullest first: loss tokens balance within one
-    micro-batch, and every rank runs the same number (each FSDP forward and backward is a
-    collective), a rank left one short running an all-masked copy, which adds exactly zero."""
-    order = sorted(range(len(mbs)), key=lambda i: -mbs[i].num_loss_tokens)
-    mine = [mbs[i] for i in sorted(order[RANK::WORLD])]
-    pad = [C.dataclasses.replace(mb, loss_mask=torch.zeros_like(mb.loss_mask), num_loss_tokens=0) for mb in mbs[:1]]
-    return mine + pad * (-(-len(mbs) // WORLD) - len(mine))
-
-
-def sum_over_ranks(total: L.Metrics, device) -> L.Metrics:
-    """Each (sum, count) pair summed over ranks in one all_reduce; a name missing on a rank counts 0 there."""
-    if WORLD == 1:
-        return total
-    names = list(dict.fromkeys(gather(list(total))))
-    pairs = [total.get(k, (0.0, 0.0)) for k in names]  # stats from the host, metrics from the device
-    flat = torch.stack([torch.stack([torch.as_tensor(x).to(device, torch.float64) for x in p]) for p in pairs])
-    dist.all_reduce(flat)
-    return {k: (s, c) for k, (s, c) in zip(names, flat)}
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -311,75 +236,6 @@ def evaluate(cfg, task, engine, n: int = 4) -> float:
     return sum(task.reward(prompts[i // n], c.ids) for i, c in enumerate(out)) / len(out)
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-STATE = "trainer_state"  # a sub-folder, so vLLM's *.safetensors glob sees only the model
-
-def gathered(named) -> dict[str, torch.Tensor]:
-    """(name, tensor) pairs: every rank gathers each FSDP shard in turn, rank 0 alone keeps a CPU copy."""
-    return {k: v.detach().cpu() for k, v in ((k, full(v)) for k, v in named) if RANK == 0}
-
-
-def save_checkpoint(out: Path, step: int, model, opt, rng, engine, src) -> Path | None:
-    """A HF directory plus the training state (optimizer, RNGs, step) in one atomic rename, by rank 0."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    tensors = gathered((f"optim/{names[id(p)]}/{k}", v) for p, st in opt.state.items() for k, v in st.items())
-    weights = gathered(model.state_dict().items())
-    gens = gather([engine.gen.get_state()])
-    if RANK:
-        return None
-    tensors.update({"rng/engine" + (f"/{r}" if r else ""): g for r, g in enumerate(gens)})  # each rank's engine
-    state = {"step": step, "python_rng": rng.getstate(), "world_size": WORLD}
-    path = out / f"step_{step:06d}"
-    M.save(model, path, src, state=weights, extra={f"{STATE}/state.json": json.dumps(state).encode(),
-                                                   f"{STATE}/optim_rng.safetensors": st_save(tensors)})
-    link = out / "final.tmp"  # `final` points at the newest checkpoint; replaced atomically
-    link.unlink(missing_ok=True)
-    link.symlink_to(path.name)
-    os.replace(link, out / "final")
-    return path
-
-
-def latest_checkpoint(out: Path) -> Path | None:
-    done = [p for p in out.glob("step_*") if re.fullmatch(r"step_\d{6}", p.name) and (p / STATE / "state.json").is_file()]
-    return max(done, default=None)
-
-
-def load_training_state(path: Path, model, opt, rng, engine) -> int:
-    state = json.loads((path / STATE / "state.json").read_text())
-    tensors = st_load((path / STATE / "optim_rng.safetensors").read_bytes())
-    params = dict(model.named_parameters())
-    for key, v in sorted(tensors.items()):  # one order on every rank (safetensors' is not fixed)
-        if key.startswith("optim/"):
-            name, k = key[len("optim/"):].rsplit("/", 1)
-            p = params[name]
-            if isinstance(p, DTensor) and v.dim():  # this rank's shard, cut like the parameter's
-                v = distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
-            opt.state[p][k] = v.to(p.device) if v.dim() else v
-    engine.gen.set_state(tensors["rng/engine" + (f"/{RANK}" if RANK else "")])
-    version, internal, gauss = state["python_rng"]
-    rng.setstate((version, tuple(internal), gauss))
-    engine.load_weights(model, version=state["step"])
-    return state["step"]
-
-
-def check_resumable(cfg: C.Config, out: Path) -> Path:
-    """The checkpoint to resume from; the flags that shape the run must not change."""
-    path = latest_checkpoint(out)
-    if path is None:
-        raise C.ConfigError(f"--resume: no complete checkpoint in {out} (step_NNNNNN/{STATE}/state.json)")
-    saved = json.loads((out / "config.json").read_text())
-    world = json.loads((path / STATE / "state.json").read_text()).get("world_size", 1)
-    if world != WORLD:
-        raise C.ConfigError(f"--resume: the run in {out} ran on {world} processes, this one on {WORLD} "
-                            f"(torchrun --nproc_per_node); start a new run with --model {path} instead")
-    free = {"steps", "resume", "eval_every", "save_every", "wandb_project", "model"}
-    for k, v in json.loads(cfg.to_json()).items():
-        if k not in free and saved.get(k) != v:
-            raise C.ConfigError(f"--resume: --{k.replace('_', '-')} is {v!r} but the run in {out} used {saved.get(k)!r}")
-    return path
-
-
 # ----------------------------------------------------------------------------- logging
 
 class Logger:
@@ -504,7 +360,7 @@ def run(cfg, log, start, out, src, model, fwd, task, engine, opt, rng):
             log.line(step, m, n_tok, t1 - t0)
             if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                 st = pipe.rng_after(step)  # the RNGs as the next batch found them (AsyncRollouts, 5)
-                save_checkpoint(out, step, model, opt, st.rng, st, src)
+                save_checkpoint(out, step, model, opt, st.rng, st.gen, src)
 
 
 def finish(cfg: C.Config, log: Logger) -> dict:
