@@ -316,11 +316,12 @@ def triton_available() -> bool:
 
 def _triton() -> SimpleNamespace:
     """The six kernels, decorated once, and whether Triton interprets them."""
-    global tl, _KERNELS
+    global tl, _KERNELS, _logits_tile
     if _KERNELS is None:
         import triton
         import triton.language
         tl = triton.language
+        _logits_tile = triton.jit(_logits_tile_fn)  # called by two kernels: a global when they compile
         fns = (_lse_kernel, _support_kernel, _softmax_grad_kernel, _matmul_kernel, _sparse_dh_kernel,
                _sparse_dw_kernel)
         _KERNELS = SimpleNamespace(interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
@@ -344,6 +345,22 @@ def _nonempty(x: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- forward kernels
 
+def _logits_tile_fn(h_ptr, w_ptr, n, n_ok, v, v_ok, H, stride_h, stride_w, BLOCK_N: tl.constexpr,
+                    BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, PREC: tl.constexpr):
+    """hidden[n] @ weight[v].T as one fp32 [BLOCK_N, BLOCK_V] tile (masked rows and columns 0),
+    over H in BLOCK_H steps: the GEMM the forward and the dense backward both recompute."""
+    acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
+    for k0 in range(0, H, BLOCK_H):
+        k = k0 + tl.arange(0, BLOCK_H)
+        k_ok = k < H
+        x = tl.load(h_ptr + n[:, None].to(tl.int64) * stride_h + k[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + v[None, :].to(tl.int64) * stride_w + k[:, None],
+                    mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=PREC)
+    return acc
+
+
 # Fuses the head GEMM with the log-softmax statistics: each program keeps a [BLOCK_N,
 # BLOCK_V] fp32 logits tile on chip and folds it into three running values per token, so
 # the forward writes 3 floats per token and split instead of N x V logits (4.6 GiB of bf16
@@ -363,16 +380,8 @@ def _lse_kernel(h_ptr, w_ptr, m_ptr, s_ptr, a_ptr, N, V, H, v_per_split, inv_t, 
     for v0 in range(v_lo, v_hi, BLOCK_V):
         v = v0 + tl.arange(0, BLOCK_V)
         v_ok = v < v_hi
-        acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-        for k0 in range(0, H, BLOCK_H):
-            k = k0 + tl.arange(0, BLOCK_H)
-            k_ok = k < H
-            x = tl.load(h_ptr + n[:, None].to(tl.int64) * stride_h + k[None, :],
-                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + v[None, :].to(tl.int64) * stride_w + k[:, None],
-                        mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-            acc = tl.dot(x, w, acc, input_precision=PREC)
-        logits = acc * inv_t  # finite; masked columns are 0 here and -inf below
+        logits = _logits_tile(h_ptr, w_ptr, n, n_ok, v, v_ok, H, stride_h, stride_w,
+                              BLOCK_N, BLOCK_V, BLOCK_H, PREC) * inv_t  # finite; masked columns are 0 here and -inf below
         m_new = tl.maximum(m, tl.max(tl.where(v_ok[None, :], logits, float("-inf")), 1))
         e = tl.where(v_ok[None, :], tl.exp(logits - m_new[:, None]), 0.0)
         alpha = tl.exp(m - m_new)
@@ -476,15 +485,7 @@ def _softmax_grad_kernel(h_ptr, w_ptr, lse_ptr, scale_ptr, toks_ptr, cols_ptr, c
     v = v_lo + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     n_ok = n < N
     v_ok = v < v_hi
-    acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-    for k0 in range(0, H, BLOCK_H):
-        k = k0 + tl.arange(0, BLOCK_H)
-        k_ok = k < H
-        x = tl.load(h_ptr + n[:, None].to(tl.int64) * stride_h + k[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + v[None, :].to(tl.int64) * stride_w + k[:, None],
-                    mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=PREC)
+    acc = _logits_tile(h_ptr, w_ptr, n, n_ok, v, v_ok, H, stride_h, stride_w, BLOCK_N, BLOCK_V, BLOCK_H, PREC)
     lse = tl.load(lse_ptr + n, mask=n_ok, other=0.0)
     scale = tl.load(scale_ptr + n, mask=n_ok, other=0.0)
     grad = scale[:, None] * tl.exp(acc * inv_t - lse[:, None])

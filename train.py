@@ -22,7 +22,7 @@ Simplifications:
    no all_reduce, a bad sample stops every rank with the same message, and the micro-batches
    are dealt out evenly. Metrics are summed over ranks in one all_reduce per step. Eval runs
    on rank 0 alone (the one-process number for the same weights); rank 0 writes the files.
-6. `--async-level a` (rollout.AsyncRollouts): step s trains on a batch sampled with the weights
+6. `--async-level a` (pipeline.AsyncRollouts): step s trains on a batch sampled with the weights
    after step s-1-a (exactly that version: a fixed seed repeats the run), made on a thread
    while earlier steps train; a = 0 is the synchronous loop, inline. Each rank has its own
    thread; gathers, weight pushes and eval stay on the main thread. The timeline line shows
@@ -57,7 +57,8 @@ import model as M
 from checkpoint import check_resumable, load_training_state, save_checkpoint
 from kernels import head, sparse_ok
 from parallel import RANK, WORLD, full, gather, my_share, print0, setup_distributed, shard, sum_over_ranks
-from rollout import AsyncRollouts, Sampling, group_advantages, make_engine, vllm_logprobs
+from pipeline import AsyncRollouts
+from rollout import Sampling, group_advantages, make_engine, vllm_logprobs
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -331,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def run(cfg, log, start, out, src, model, fwd, task, engine, opt, rng):
     """The loop: rollout, train, push weights, eval, log, checkpoint. The batches come from
-    rollout.AsyncRollouts: made inline, or with --async-level from a thread that samples ahead."""
+    pipeline.AsyncRollouts: made inline, or with --async-level from a thread that samples ahead."""
     if cfg.eval_every and not start and RANK == 0:
         log.row(0, {"eval/reward": evaluate(cfg, task, engine)})
         print0(f"eval step 0 | reward {log.rows[-1]['eval/reward']:.3f}")

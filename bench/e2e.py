@@ -83,16 +83,16 @@ def main():
     samples = a.prompts_per_step * a.group_size
     roll_tok = sum(r["length"] * samples for r in rows)
     roll_s = sum(r["time/rollout"] for r in rows)
-    train_tok = sum(r["tokens/packed"] for r in rows) if "tokens/packed" in rows[0] else None
+    train_tok = sum(r["tokens/packed"] for r in rows)
     train_s = sum(r["time/train"] for r in rows)
     name = torch.cuda.get_device_name(0) if cuda else "cpu"
     peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
     print(f"# {a.shape} shape, {params / 1e6:.0f}M params, {name}, engine {cfg['engine']}, "
           f"{a.prompts_per_step} x {a.group_size} samples x {a.max_new_tokens} new tokens, steps 2..{a.steps}")
     print("| rollout tok/s | train tok/s | MFU (vs bf16 peak) | s/step |\n|---|---|---|---|")
-    train_rate = train_tok / train_s if train_tok else float("nan")
-    mfu = f"{6 * params * train_rate / peak:.1%}" if peak and train_tok else "n/a"
-    step_s = sum(r.get("time/step", r["time/rollout"] + r["time/train"]) for r in rows) / len(rows)
+    train_rate = train_tok / train_s
+    mfu = f"{6 * params * train_rate / peak:.1%}" if peak else "n/a"
+    step_s = sum(r["time/step"] for r in rows) / len(rows)
     print(f"| {roll_tok / roll_s:,.0f} | {train_rate:,.0f} | {mfu} | {step_s:.2f} |")
 
 

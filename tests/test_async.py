@@ -16,7 +16,8 @@ import data as D
 import loss as L
 import model as M
 import train
-from rollout import AsyncRollouts, TorchEngine
+from pipeline import AsyncRollouts
+from rollout import TorchEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--engine", "torch", "--prompts-per-step", "3", "--group-size", "3", "--max-new-tokens", "10",
@@ -29,7 +30,7 @@ def _rows(out):
 
 
 def _main(*args: str) -> str:
-    """train.py in its own process: a threaded run sets torch's thread count (rollout.py, AsyncRollouts
+    """train.py in its own process: a threaded run sets torch's thread count (pipeline.py, AsyncRollouts
     6), which would change the last bits of every later run in this pytest process."""
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -24,14 +24,37 @@ import torch
 import data as D
 import model as M
 from rollout import Sampling, TorchEngine
-from tests.test_rollout import _kept
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 ROOT = Path(__file__).resolve().parent.parent
 needs_vllm = pytest.mark.skipif(not HAS_VLLM and not os.environ.get("CI"), reason="vllm does not import here")
 ENGINES = ["torch", pytest.param("vllm", marks=[pytest.mark.vllm, needs_vllm])]
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11]]
-TOL = 1e-4  # the issue's bound for two fp32 implementations; the built-in engine also meets 1e-5 (test_rollout.py)
+TOL = 1e-4  # the bound for two fp32 implementations (vLLM against the trainer)
+
+
+def _tols(engine) -> tuple[float, float]:
+    """(sampled tokens, other kept entries). The built-in engine is held to 1e-5 on what it
+    samples; on the rest of a kept set fp32 cached decode and the full forward sum in
+    different orders, and the worst entry seen differs by 1.2e-5 in log q."""
+    return (1e-5, 2e-5) if isinstance(engine, TorchEngine) else (TOL, TOL)
+
+
+def _kept(probs: list[float], top_k: int, top_p: float) -> set[int]:
+    """Independent top-k then top-p, by sorting in plain python (vLLM's order)."""
+    order = sorted(range(len(probs)), key=lambda v: -probs[v])
+    if top_k:
+        order = order[:top_k]
+    if top_p < 1:
+        z = sum(probs[v] for v in order)
+        kept, mass = [], 0.0
+        for v in order:
+            kept.append(v)
+            mass += probs[v] / z
+            if mass >= top_p:
+                break
+        order = kept
+    return set(order)
 
 
 def _model():
@@ -92,7 +115,7 @@ def test_logq_equals_a_full_forward(engine, sampling):
             row = probs[t].tolist()
             kept = _kept(row, s.top_k, s.top_p)
             assert tok in kept, (t, tok, sorted(kept))
-            assert abs(logq - math.log(row[tok] / sum(row[v] for v in kept))) < TOL
+            assert abs(logq - math.log(row[tok] / sum(row[v] for v in kept))) < _tols(engine)[0]
             checked += 1
         assert len(c.logq) == len(c.versions) == len(c.ids) and c.versions == [0] * len(c.ids)
         assert c.finish_reason == ("stop" if c.ids[-1] == 2 else "length")
@@ -115,10 +138,11 @@ def test_kept_set_and_q_equal_a_full_forward(engine, top_k, top_p):
             a, b = int(sup.host_offsets[t]), int(sup.host_offsets[t + 1])
             row = probs[t].tolist()
             kept = _kept(row, top_k, top_p)
-            assert set(sup.ids[a:b].tolist()) == kept
+            assert set(sup.ids[a:b].tolist()) == kept and b - a == len(kept)
+            assert c.ids[t] in kept
             z = sum(row[v] for v in kept)
             for v, q in zip(sup.ids[a:b].tolist(), sup.logq[a:b].tolist()):
-                assert abs(q - math.log(row[v] / z)) < TOL
+                assert abs(q - math.log(row[v] / z)) < _tols(engine)[1]
             rows += 1
     assert rows > 10
 
@@ -274,8 +298,7 @@ import torch
 import data as D
 import model as M
 from rollout import Sampling, VLLMEngine
-from tests.test_engines import _probs
-from tests.test_rollout import _kept
+from tests.test_engines import _kept, _probs
 
 d = {dir!r}
 D.write_tokenizer(d)

@@ -1,0 +1,172 @@
+"""Async rollouts (--async-level a): one thread owns the engine and samples a batch ahead while
+the trainer trains, every batch with exactly the weights the version rule names, so a run
+repeats whatever the threads' timing. `AsyncRollouts` has the rule and the decisions; with
+a = 0 it makes each batch inline and train.py's loop is the synchronous one.
+
+    python -m pytest -q tests/test_async.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from model import Qwen3
+from rollout import Engine
+
+
+@dataclass
+class RolloutRNG:
+    """The rollout side's random state right after one step's batch: what save_checkpoint saves (rng, gen)."""
+
+    rng: object  # random.Random: the prompts
+    gen: torch.Generator  # the engine's sampling generator
+
+
+class AsyncRollouts:
+    """--async-level a: the batch trained at step s (1-based: the trainer has made s - 1 optimizer
+    steps) is sampled with the weights of exactly version v(s) = max(start, s - 1 - a), version k
+    being the weights after k steps. a = 0 is the synchronous loop; with a = 1 the rollout of step
+    s + 1 runs while step s trains, and every token is a steps old (fewer in the first a steps
+    after a start or a resume).
+
+    Decisions:
+    1. One engine holds one version: `publish(model, s)` pushes version s in place once every batch
+       that needs an older one is made (the batches up to s + a); the thread starts batch s + a + 1
+       only then. No snapshot of the weights is kept, and under FSDP2 the gather inside
+       load_weights (collectives) stays on the trainer's thread, in step order, on every rank.
+    2. The exact version, not the newest: the thread waits for v(s) and `_make` asserts it, so a
+       fixed seed gives the same batches, hence the same metrics, whatever the thread timing. Only
+       the rollout side draws prompts (`rng`) and samples (`engine.gen`), one batch after another.
+    3. a = 0 makes each batch inline when `get` asks for it: no thread, today's loop exactly.
+       a >= 1 runs one daemon thread; torch ops release the GIL, so it overlaps on a CPU too. a >= 2
+       adds staleness but no speed: the push after step s waits for batch s + a, which needs the
+       version before, so each training step still overlaps exactly one rollout.
+    4. `lock` keeps generate and load_weights apart. The trainer evaluates between
+       `publish(model, s, hold=True)` and `release()`: on the step's own weights, with the thread
+       parked, so eval's place in the engine's call order is fixed (whatever an engine does with
+       its RNG) and the thread's next batch then overlaps the next training step.
+    5. A checkpoint saves the RNG states right after the step's own batch was made (`rng_after`).
+       A resume at step k refills the pipeline from the checkpoint's weights: batches k+1..k+a draw
+       the same prompts and samples, but from version k instead of k-a..k-1. The resumed run is
+       valid, and for a >= 1 not bit-identical to the uninterrupted one (a = 0: exact, as before).
+    6. On CUDA the thread samples on its own stream, after the weights pushed on the default one.
+       `threads` > 0 sets torch's intra-op threads, for each side, while the thread runs (restored
+       at close): train.py gives each half the cores on a CPU, where two full OpenMP teams would
+       oversubscribe them (measured on 2 busy cores: 4-5 s per default step against 11-19 s).
+       An explicit set_num_threads changes how later CPU matmuls split in that process, so a
+       later run in the same process may differ from a fresh one in the last bits.
+    7. An exception on the thread reaches the trainer at its next `get` or `publish`."""
+
+    def __init__(self, produce, engine: Engine, rng, level: int, start: int, steps: int, threads: int = 0):
+        self.produce, self.engine, self.rng = produce, engine, rng  # produce(step) -> (samples, stats)
+        self.level, self.start, self.steps = level, start, steps
+        self.lock = threading.Lock()  # a generate and a weight push never overlap on the engine
+        self.cv = threading.Condition()  # guards the fields below
+        self.pushed = self.made = start  # the engine's version; the newest batch made
+        self.ready, self.after = {}, {}  # step -> (samples, stats, seconds); step -> RNG states after its batch
+        self.error, self.closed, self.thread = None, False, None
+        self.threads = None  # torch's intra-op thread count, while the pipeline sets its own
+        assert engine.version == start, f"the engine holds version {engine.version}, the run starts at {start}"
+        if level > 0:
+            if threads:
+                self.threads = torch.get_num_threads()
+                torch.set_num_threads(threads)
+            self.thread = threading.Thread(target=self._loop, name="floe-rollouts", daemon=True)
+            self.thread.start()
+
+    def __enter__(self) -> AsyncRollouts:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def version(self, step: int) -> int:
+        """The weights that sample the batch of `step`."""
+        return max(self.start, step - 1 - self.level)
+
+    def get(self, step: int):
+        """The batch of `step`: (samples, stats, seconds its rollout took)."""
+        if self.thread is None:
+            self._make(step)
+        self._wait(lambda: step in self.ready)
+        with self.cv:
+            return self.ready.pop(step)
+
+    def publish(self, model: Qwen3, step: int, hold: bool = False) -> None:
+        """Push the weights after `step` as version `step` once no batch needs older ones. hold: the
+        batches that sample with them wait for `release()` (the trainer evaluates them first)."""
+        self._wait(lambda: self.made >= min(step + self.level, self.steps))
+        with self.lock:
+            self.engine.load_weights(model, version=step)
+        with self.cv:
+            self.after.pop(step - 1, None)
+        if not hold:
+            self.release()
+
+    def release(self) -> None:
+        """Let the thread sample with the version just published."""
+        with self.cv:
+            self.pushed = self.engine.version
+            self.cv.notify_all()
+
+    def rng_after(self, step: int) -> RolloutRNG:
+        """Copies of the prompt and sampling RNGs as they were right after the batch of `step`."""
+        with self.cv:
+            py, gen = self.after[step]
+        rng = copy.copy(self.rng)
+        rng.setstate(py)
+        g = torch.Generator(device=self.engine.gen.device)
+        g.set_state(gen)
+        return RolloutRNG(rng, g)
+
+    def close(self) -> None:
+        """Stop the thread after the batch it is making, if any; give torch its threads back."""
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+        if self.thread is not None:
+            self.thread.join()
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+
+    def _make(self, step: int) -> None:
+        with self.lock:
+            assert self.engine.version == self.version(step), \
+                f"step {step} needs version {self.version(step)}, the engine holds {self.engine.version}"
+            t = time.perf_counter()
+            samples, stats = self.produce(step)
+            seconds = time.perf_counter() - t
+            after = (self.rng.getstate(), self.engine.gen.get_state())
+        with self.cv:
+            self.ready[step], self.after[step], self.made = (samples, stats, seconds), after, step
+            self.cv.notify_all()
+
+    def _loop(self) -> None:
+        dev = self.engine.gen.device
+        side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        try:
+            for step in range(self.start + 1, self.steps + 1):
+                with self.cv:
+                    self.cv.wait_for(lambda: self.closed or self.pushed >= self.version(step))
+                    if self.closed:
+                        return
+                if side is not None:  # after the weights the trainer pushed on its stream
+                    side.wait_stream(torch.cuda.default_stream(dev))
+                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                    self._make(step)
+        except BaseException as e:  # handed to the trainer
+            with self.cv:
+                self.error = e
+                self.cv.notify_all()
+
+    def _wait(self, done) -> None:
+        with self.cv:
+            self.cv.wait_for(lambda: done() or self.error is not None)
+            if not done():
+                raise self.error
