@@ -351,11 +351,9 @@ def _reload(worker, tensors) -> None:
 
 def make_engine(cfg, model: Qwen3, model_dir, stop_ids: list[int], seed: int):
     """The engine `cfg.engine` names (resolved by Config.resolve), holding `model`'s weights."""
-    if cfg.engine == "vllm":
-        engine = VLLMEngine(model_dir, model.args.vocab_size, cfg.engine_dtype, stop_ids, seed, cfg.vllm_memory,
-                            cfg.device, model.args.max_position_embeddings)
-        engine.load_weights(model, version=0)  # a resumed run's weights may differ from the directory's
-        return engine
+    if cfg.engine == "vllm":  # it loads `model_dir`, where `model` came from (a resume pushes its step after)
+        return VLLMEngine(model_dir, model.args.vocab_size, cfg.engine_dtype, stop_ids, seed, cfg.vllm_memory,
+                          cfg.device, model.args.max_position_embeddings)
     return TorchEngine(model, cfg.engine_dtype, stop_ids, seed, compile_step=cfg.compile == "on")
 
 
