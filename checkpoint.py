@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import config as C
 import model as M
-from parallel import RANK, WORLD, full, gather
+import parallel as P
+from parallel import RANK, full, gather
 
 STATE = "trainer_state"  # a sub-folder, so vLLM's *.safetensors glob sees only the model
 
@@ -39,7 +40,7 @@ def save_checkpoint(out: Path, step: int, model, opt, rng, gen: torch.Generator,
     if RANK:
         return None
     tensors.update({"rng/engine" + (f"/{r}" if r else ""): g for r, g in enumerate(gens)})  # each rank's engine
-    state = {"step": step, "python_rng": rng.getstate(), "world_size": WORLD}
+    state = {"step": step, "python_rng": rng.getstate(), "world_size": P.WORLD}
     path = out / f"step_{step:06d}"
     M.save(model, path, src, state=weights, extra={f"{STATE}/state.json": json.dumps(state).encode(),
                                                    f"{STATE}/optim_rng.safetensors": st_save(tensors)})
@@ -80,8 +81,8 @@ def check_resumable(cfg: C.Config, out: Path) -> Path:
         raise C.ConfigError(f"--resume: no complete checkpoint in {out} (step_NNNNNN/{STATE}/state.json)")
     saved = json.loads((out / "config.json").read_text())
     world = json.loads((path / STATE / "state.json").read_text()).get("world_size", 1)
-    if world != WORLD:
-        raise C.ConfigError(f"--resume: the run in {out} ran on {world} processes, this one on {WORLD} "
+    if world != P.WORLD:
+        raise C.ConfigError(f"--resume: the run in {out} ran on {world} trainer processes, this one on {P.WORLD} "
                             f"(torchrun --nproc_per_node); start a new run with --model {path} instead")
     free = {"steps", "resume", "eval_every", "save_every", "wandb_project", "model"}
     for k, v in json.loads(cfg.to_json()).items():

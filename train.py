@@ -22,6 +22,8 @@ Simplifications:
    no all_reduce, a bad sample stops every rank with the same message, and the micro-batches
    are dealt out evenly. Metrics are summed over ranks in one all_reduce per step. Eval runs
    on rank 0 alone (the one-process number for the same weights); rank 0 writes the files.
+   With --inference-gpus k the last k ranks only sample (remote.py): rank 0 sends them the
+   whole batch's prompts through a `RemoteEngine`, and everything else here is unchanged.
 6. `--async-level a` (pipeline.AsyncRollouts): step s trains on a batch sampled with the weights
    after step s-1-a (exactly that version: a fixed seed repeats the run), made on a thread
    while earlier steps train; a = 0 is the synchronous loop, inline. Each rank has its own
@@ -33,6 +35,7 @@ Simplifications:
     python train.py --model /path/to/Qwen3-0.6B --device cuda        # one GPU
     torchrun --nproc_per_node 2 train.py --loss icepop --steps 6     # two CPU processes (gloo)
     torchrun --nproc_per_node 8 train.py --model /path/to/Qwen3-8B   # 8 GPUs (NCCL)
+    torchrun --nproc_per_node 3 train.py --inference-gpus 1 --steps 6 # 2 CPU trainers + 1 sampler
     python train.py --stage sft --model scratch --steps 100 --prompts-per-step 64 --micro-batch-tokens 2048  # the tiny model (README)
 """
 
@@ -56,8 +59,10 @@ import loss as L
 import model as M
 from checkpoint import check_resumable, load_training_state, save_checkpoint
 from kernels import head, sparse_ok
-from parallel import RANK, WORLD, full, gather, my_share, print0, setup_distributed, shard, sum_over_ranks
+import parallel as P
+from parallel import RANK, full, gather, my_share, print0, setup_distributed, shard, sum_over_ranks
 from pipeline import AsyncRollouts
+from remote import RemoteEngine, serve
 from rollout import Sampling, group_advantages, make_engine, vllm_logprobs
 
 
@@ -77,14 +82,19 @@ def build(cfg: C.Config, resume_from: Path | None = None):
             tiny = M.Qwen3(M.ModelArgs(vocab, **M.TINY, eos_token_id=D.TextCodec.load(src).stop_ids[0]))
             M.init_weights(tiny, seed=cfg.seed)
             M.save(tiny, src, src)
-        if WORLD > 1:
+        if P.WORLD > 1:
             dist.barrier()
     model = M.load(src, device=cfg.device)
     codec = D.TextCodec.load(src)
     task = D.ReverseText(codec, cfg.min_words, cfg.max_words, cfg.eval_prompts)
     if cfg.engine == "vllm":  # can vLLM report the support this loss needs? Ask before starting it
         vllm_logprobs(rl_sampling(cfg), model.args.vocab_size)
-    engine = make_engine(cfg, model, src, codec.stop_ids, cfg.seed + RANK)
+    if cfg.inference_gpus:  # the last ranks sample (remote.py): they load `src` once rank 0 says so
+        engine = RemoteEngine(P.LINK, cfg.seed + RANK)
+        if RANK == 0:
+            engine.start(src)
+    else:
+        engine = make_engine(cfg, model, src, codec.stop_ids, cfg.seed + RANK)
     shard(model)  # after the engine took its full copy
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
     fwd = torch.compile(model) if cfg.compile == "on" else model
@@ -116,7 +126,7 @@ def rollout_phase(cfg, task, engine, rng, step, context: int):
     if all(len(p.ids) + cfg.max_new_tokens > context for p in drawn):
         raise D.RunError(f"every prompt is longer than the context: {len(drawn[0].ids)} prompt tokens "
                          f"+ --max-new-tokens {cfg.max_new_tokens} > {context}")
-    drawn = drawn[RANK::WORLD]  # this rank's share
+    drawn = my_prompts(cfg, drawn)
     prompts = [p for p in drawn if len(p.ids) + cfg.max_new_tokens <= context]
     completions = engine.generate([p.ids for p in prompts], cfg.group_size, rl_sampling(cfg)) if prompts else []
     samples = []
@@ -136,6 +146,13 @@ def rollout_phase(cfg, task, engine, rng, step, context: int):
              "skipped/too_long": (float(len(drawn) - len(prompts)), float(len(drawn))),
              "skipped/reward_error": (float(len(samples) - len(scored)), float(len(samples)))}
     return scored, {k: (torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b)) for k, (a, b) in stats.items()}
+
+
+def my_prompts(cfg, drawn: list) -> list:
+    """This rank's share of the step's prompts; with --inference-gpus rank 0 sends them all out."""
+    if cfg.inference_gpus:
+        return drawn if RANK == 0 else []
+    return drawn[RANK::P.WORLD]
 
 
 def batches(cfg, task, engine, rng, model, start: int) -> AsyncRollouts:
@@ -160,7 +177,7 @@ def safe_reward(task, prompt, completion) -> float:
 
 def sft_samples(cfg, task, rng):
     samples = []
-    for p in task.sample(cfg.prompts_per_step, rng)[RANK::WORLD]:
+    for p in task.sample(cfg.prompts_per_step, rng)[RANK::P.WORLD]:
         ids = task.completion_ids(p)
         samples.append(D.Sample(p, ids, [0.0] * len(ids), [0] * len(ids), "stop"))
     return samples, {}
@@ -214,7 +231,7 @@ def train_phase(cfg, model, fwd, opt, samples, step):
         metrics.update(optimizer_step(cfg, model, opt, step + 1))
         if epoch == 0:
             L.accumulate(total, metrics)
-    return total, denom.tokens, len(mbs) * cfg.micro_batch_tokens * WORLD
+    return total, denom.tokens, len(mbs) * cfg.micro_batch_tokens * P.WORLD
 
 
 def optimizer_step(cfg, model, opt, step):
@@ -296,9 +313,12 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(cfg.out_dir)
     try:
         cfg = cfg.resolve(torch.cuda.is_available())
-        setup_distributed(cfg.device)
-        if cfg.prompts_per_step % WORLD:
-            raise C.ConfigError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the {WORLD} "
+        setup_distributed(cfg.device, cfg.inference_gpus)
+        if P.serving():  # an --inference-gpus rank: it samples for the trainers until they stop it
+            serve(cfg, P.LINK)
+            return {}
+        if cfg.prompts_per_step % P.WORLD and not cfg.inference_gpus:
+            raise C.ConfigError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the {P.WORLD} "
                                 "torchrun processes (each rank samples its own share)")
         resume_from = check_resumable(cfg, out) if cfg.resume else None
     except C.ConfigError as e:
@@ -315,7 +335,8 @@ def main(argv: list[str] | None = None) -> dict:
     rng = random.Random(cfg.seed)
     start = load_training_state(resume_from, model, opt, rng, engine) if resume_from else 0
     print0(f"model {src}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params on {cfg.device}"
-           + (f" x {WORLD} ranks (FSDP2)" if WORLD > 1 else "")
+           + (f" x {P.WORLD} ranks (FSDP2)" if P.WORLD > 1 else "")
+           + (f", sampling on {cfg.inference_gpus} more" if cfg.inference_gpus else "")
            + (f" | resuming at step {start}" if start else "") + (" | compiling, ~1 min" if cfg.compile == "on" else ""))
     log = Logger(cfg, start)
     try:
@@ -324,8 +345,10 @@ def main(argv: list[str] | None = None) -> dict:
         fail(e, 1)  # what was logged and saved so far stays
     finally:
         log.close()
+        if isinstance(engine, RemoteEngine):
+            engine.stop()
     summary = finish(cfg, log)
-    if WORLD > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
     return summary
 

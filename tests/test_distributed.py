@@ -23,11 +23,11 @@ from rollout import TorchEngine
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def torchrun(*args: str) -> subprocess.CompletedProcess:
+def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     with socket.socket() as s:  # a free port for this launch's rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-addr", "127.0.0.1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master-addr", "127.0.0.1",
            "--master-port", str(port), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
@@ -39,7 +39,7 @@ import torch, train
 from test_distributed import one_step, only_on_rank1
 train.setup_distributed("cpu")
 cases = pickle.loads(open(sys.argv[1] + "/cases.pkl", "rb").read())
-n = len(cases[0][2]) // train.WORLD  # each rank gets its contiguous share of the samples
+n = len(cases[0][2]) // train.P.WORLD  # each rank gets its contiguous share of the samples
 out = [one_step(cfg, state, samples[train.RANK * n:(train.RANK + 1) * n]) for cfg, state, samples in cases]
 torch.save({{"steps": out, "names": only_on_rank1()}}, f"{{sys.argv[1]}}/rank{{train.RANK}}.pt")
 torch.distributed.destroy_process_group()
@@ -53,7 +53,7 @@ def one_step(cfg, state, samples):
         model = M.Qwen3(M.ModelArgs(vocab_size=32, **M.TINY))
         model.load_state_dict(state)
         train.shard(model)
-        assert isinstance(model.head_weight, DTensor) == (train.WORLD > 1)
+        assert isinstance(model.head_weight, DTensor) == (train.P.WORLD > 1)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         batch = train.gather(samples)
         if phase == "grads":

@@ -1,0 +1,195 @@
+"""Split inference (--inference-gpus k): the last k torchrun ranks only sample; the trainers
+reach them through `RemoteEngine`, which keeps the `Engine` contract, so the loop, the async
+pipeline and checkpoints are the ones colocated runs use.
+
+    torchrun --nproc_per_node 3 train.py --inference-gpus 1 --steps 6   # CPU: 2 trainers, 1 sampler (gloo)
+    torchrun --nproc_per_node 8 train.py --inference-gpus 2 --model /path/to/Qwen3-8B --engine vllm
+
+Simplifications:
+1. Trainer rank 0 is the only client. It draws the whole batch's prompts and splits them into
+   k contiguous chunks, one per inference rank, which sample them at once; the other trainer
+   ranks sample nothing and get their share of the batch through train.py's usual gather.
+2. Each call carries a seed drawn from the trainer's `gen` (chunk j gets seed + j), so the sampling
+   RNG that a checkpoint saves lives on the trainer and the inference ranks keep no state worth
+   saving. With one inference rank a call with a fixed seed (eval) draws what a local engine would.
+3. A weight push is the trainer's state dict, one full tensor at a time in fp32 (under FSDP2 every
+   trainer rank joins the gather; rank 0 broadcasts), into an fp32 copy of the model on each
+   inference rank, whose engine then loads it as a colocated engine would (same cast, same
+   version). NCCL on GPUs, gloo on the CPU; the requests and replies are host tensors over gloo.
+4. The inference ranks are outside torch.distributed's default group (parallel.setup_distributed):
+   an in-process vLLM makes that group its own. The link's groups are built on torchrun's store.
+5. Messages are lists of 1-D tensors with a small header (dtype codes and lengths): no pickle.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import data as D
+import model as M
+from rollout import Completion, Sampling, make_engine
+
+GEN, PUSH, STOP = 1, 2, 3
+CODES = [torch.int64, torch.float64, torch.int32, torch.float32, torch.bool, torch.uint8]
+
+
+class Link:
+    """Trainer rank 0 (link rank 0) and the k inference ranks (1..k)."""
+
+    def __init__(self, store, rank: int, size: int, device: str):
+        self.rank, self.size, self.device = rank, size, device
+        wait = timedelta(hours=6)  # an inference rank waits through whole training steps
+        self.host = dist.ProcessGroupGloo(dist.PrefixStore("floe/link", store), rank, size, wait)
+        self.fast = self.host
+        if device == "cuda":  # weights go GPU to GPU
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = wait
+            self.fast = dist.ProcessGroupNCCL(dist.PrefixStore("floe/link-nccl", store), rank, size, opts)
+
+    def send(self, tensors: list[torch.Tensor], dst: int) -> None:
+        """A message: the tensor count, then each one's dtype code and length, then the tensors."""
+        head = torch.tensor([x for t in tensors for x in (CODES.index(t.dtype), t.numel())], dtype=torch.int64)
+        for t in [torch.tensor([len(tensors)]), head] + [t.detach().cpu().contiguous().view(-1) for t in tensors]:
+            if t.numel():  # an empty tensor is all header
+                self.host.send([t], dst, 0).wait()
+
+    def recv(self, src: int) -> list[torch.Tensor]:
+        n = torch.zeros(1, dtype=torch.int64)
+        self.host.recv([n], src, 0).wait()
+        head = torch.zeros(2 * int(n), dtype=torch.int64)
+        self.host.recv([head], src, 0).wait()
+        out = []
+        for code, numel in head.view(-1, 2).tolist():
+            out.append(torch.empty(numel, dtype=CODES[code]))
+            if numel:
+                self.host.recv([out[-1]], src, 0).wait()
+        return out
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        """Link rank 0's `t` into every inference rank's `t`, in place."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.fast.broadcast([t], opts).wait()
+
+
+
+# ----------------------------------------------------------------------------- the wire format
+
+def _request(prompts: list[list[int]], n: int, s: Sampling, seed: int, version: int) -> list[torch.Tensor]:
+    ints = [GEN, version, n, s.max_new_tokens, s.top_k, s.support, s.draws, s.greedy, seed]
+    return [torch.tensor(ints), torch.tensor([s.temperature, s.top_p], dtype=torch.float64),
+            torch.tensor([len(p) for p in prompts]), torch.tensor([t for p in prompts for t in p], dtype=torch.int64)]
+
+
+def _read_request(msg: list[torch.Tensor]):
+    (_, version, n, max_new, top_k, support, draws, greedy, seed), (temperature, top_p) = msg[0].tolist(), msg[1].tolist()
+    prompts = [p.tolist() for p in msg[3].split(msg[2].tolist())]
+    sampling = Sampling(temperature, top_p, top_k, max_new, bool(greedy), seed, bool(support), draws)
+    return prompts, n, sampling, version
+
+
+def _reply(done: list[Completion]) -> list[torch.Tensor]:
+    """Completions as flat tensors; logq in float64, so nothing is rounded on the way."""
+    sup = [c.support for c in done if c.support is not None]
+    if sup and len(sup) < len(done):
+        raise ValueError("some completions carry a support and some do not")
+    out = [torch.tensor([len(c.ids) for c in done]), torch.tensor([c.finish_reason == "stop" for c in done]),
+           torch.tensor([t for c in done for t in c.ids], dtype=torch.int64),
+           torch.tensor([x for c in done for x in c.logq], dtype=torch.float64),
+           torch.tensor([v for c in done for v in c.versions], dtype=torch.int64)]
+    if sup:
+        rows = D.TokenSupport.cat(sup)
+        out += [torch.from_numpy(np.diff(rows.host_offsets)), rows.ids.int(), rows.logq.float(), rows.replayed]
+    return out
+
+
+def _read_reply(msg: list[torch.Tensor]) -> list[Completion]:
+    lens = msg[0].tolist()
+    ids, logq, versions = (t.split(lens) for t in msg[2:5])
+    supports = [None] * len(lens)
+    if len(msg) > 5:
+        counts = msg[5].numpy()
+        host = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        rows = D.TokenSupport(msg[6], torch.from_numpy(host.copy()), msg[7], msg[8], host)
+        ends = np.cumsum([0] + lens)
+        supports = [rows.slice(int(a), int(b)) for a, b in zip(ends[:-1], ends[1:])]
+    return [Completion(i.tolist(), q.tolist(), v.tolist(), "stop" if stop else "length", sup)
+            for i, q, v, stop, sup in zip(ids, logq, versions, msg[1].tolist(), supports)]
+
+
+# ----------------------------------------------------------------------------- both sides
+
+class RemoteEngine:
+    """The `Engine` on the trainer ranks: rank 0 (which holds `link`) sends the calls; every trainer
+    rank joins the weight gathers of a push. `gen` seeds the calls (simplification 2)."""
+
+    def __init__(self, link: Link | None, seed: int):
+        self.link, self.version = link, 0
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def start(self, model_dir) -> None:
+        """Tell the inference ranks which directory to load (after rank 0 wrote it, for --model scratch)."""
+        for j in range(1, self.link.size):
+            self.link.send([torch.tensor(list(str(model_dir).encode()), dtype=torch.uint8)], j)
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> list[Completion]:
+        if not prompts:
+            return []
+        assert self.link is not None, "only trainer rank 0 samples under --inference-gpus"
+        seed = sampling.seed if sampling.seed is not None else int(torch.randint(2**31 - 1, (1,), generator=self.gen))
+        chunks = [c for c in np.array_split(np.arange(len(prompts)), self.link.size - 1) if len(c)]
+        for j, c in enumerate(chunks, 1):  # every inference rank starts on its chunk before any reply is read
+            self.link.send(_request([prompts[i] for i in c], n, sampling, seed + j - 1, self.version), j)
+        replies = [self.link.recv(j) for j in range(1, len(chunks) + 1)]
+        for r in replies:
+            if r[0].dtype == torch.uint8:  # an inference rank could not serve the call (serve)
+                raise D.RunError(bytes(r[0].tolist()).decode())
+        return [x for r in replies for x in _read_reply(r)]
+
+    @torch.no_grad()
+    def load_weights(self, model: M.Qwen3, version: int) -> None:
+        if self.link is not None:
+            for j in range(1, self.link.size):
+                self.link.send([torch.tensor([PUSH, version])], j)
+        for v in model.state_dict().values():
+            t = v.full_tensor() if isinstance(v, DTensor) else v  # a collective over the trainers
+            if self.link is not None:
+                self.link.broadcast(t.detach().float().contiguous())
+        self.version = version
+
+    def stop(self) -> None:
+        """Let the inference ranks exit (trainer rank 0, at the end of the run, whatever ended it)."""
+        if self.link is not None:
+            for j in range(1, self.link.size):
+                self.link.send([torch.tensor([STOP, 0])], j)
+
+
+def serve(cfg, link: Link) -> None:
+    """An inference rank: load the directory trainer rank 0 names, then generate and take weight
+    pushes in the order it sends them, until STOP."""
+    src = bytes(link.recv(0)[0].tolist()).decode()
+    model = M.load(src, device=cfg.device)  # fp32: the pushes land here, then the engine casts
+    seed = cfg.seed + 1000 * link.rank  # unused by sampling (each call brings its seed); vLLM's init takes one
+    engine = make_engine(cfg, model, src, D.TextCodec.load(src).stop_ids, seed)
+    while True:
+        msg = link.recv(0)
+        cmd = int(msg[0][0])
+        if cmd == STOP:
+            return
+        if cmd == PUSH:
+            for t in model.state_dict().values():
+                link.broadcast(t)
+            engine.load_weights(model, version=int(msg[0][1]))
+            continue
+        prompts, n, sampling, version = _read_request(msg)
+        if version != engine.version:
+            raise RuntimeError(f"inference rank {link.rank}: asked for version {version}, holds {engine.version}")
+        try:
+            link.send(_reply(engine.generate(prompts, n, sampling)), 0)
+        except D.RunError as e:  # the trainer stops with this one line (train.fail)
+            link.send([torch.tensor(list(f"inference rank {link.rank}: {e}".encode()), dtype=torch.uint8)], 0)

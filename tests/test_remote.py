@@ -1,0 +1,119 @@
+"""--inference-gpus: the remote engine draws exactly what a local one does, a split run trains,
+resumes exactly and runs vLLM on its inference rank, and bad splits are refused."""
+
+import json
+import os
+
+import pytest
+
+import config as C
+from test_distributed import ROOT, torchrun
+from test_engines import needs_vllm
+
+WORKER = """
+import sys
+sys.path[:0] = [{root!r}]
+import torch
+import config as C, data as D, model as M, parallel as P
+from remote import RemoteEngine, serve
+from rollout import Sampling, TorchEngine
+
+src = {src!r}
+cfg = C.Config(model=src, engine="torch", inference_gpus=2).resolve(False)
+P.setup_distributed("cpu", 2)
+if P.serving():
+    serve(cfg, P.LINK)
+    raise SystemExit
+model = M.load(src)
+stops = D.TextCodec.load(src).stop_ids
+remote, local = RemoteEngine(P.LINK, 0), TorchEngine(model, "bf16", stops)
+remote.start(src)
+prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [6, 6], [7]]
+cases = [Sampling(support=True, draws=4, seed=11), Sampling(top_p=0.9, support=True, seed=11),
+         Sampling(top_k=5, temperature=0.7, seed=11), Sampling(greedy=True)]
+for push in (False, True):
+    if push:  # different weights, version 7, into both
+        torch.manual_seed(0)
+        for p in model.parameters():
+            p.data += 0.05 * torch.randn_like(p)
+        remote.load_weights(model, 7)
+        local.load_weights(model, 7)
+    for s in cases:
+        got = remote.generate(prompts, 3, s)
+        seeds = [None, None] if s.seed is None else [s.seed, s.seed + 1]  # chunk j draws with seed + j
+        want = [c for part, seed in zip((prompts[:3], prompts[3:]), seeds)
+                for c in local.generate(part, 3, Sampling(**{{**vars(s), "seed": seed}}))]
+        assert len(got) == len(want) == 15
+        for g, w in zip(got, want):
+            assert (g.ids, g.logq, g.versions, g.finish_reason) == (w.ids, w.logq, w.versions, w.finish_reason)
+            assert (g.support is None) == (w.support is None)
+            if g.support is not None:
+                assert (g.support.host_offsets == w.support.host_offsets).all()
+                for a in ("ids", "offsets", "logq", "replayed"):
+                    assert torch.equal(getattr(g.support, a), getattr(w.support, a)), a
+        assert {{v for c in got for v in c.versions}} == {{7 if push else 0}}
+remote.stop()
+print("REMOTE OK")
+"""
+
+SMALL = ["--engine", "torch", "--loss", "icepop", "--prompts-per-step", "4", "--group-size", "3",
+         "--max-new-tokens", "8", "--eval-prompts", "4"]
+
+
+def _rows(out):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def test_remote_engine_draws_what_a_local_engine_draws(tmp_path):
+    """Two inference ranks each sample their chunk of a call; every id, logq, version and support
+    row equals a local engine's with the chunk's seed, before and after a push of other weights."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(root=str(ROOT), src=str(ROOT / "checkpoints" / "reverse-tiny")))
+    r = torchrun(str(script), nproc=3)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "REMOTE OK" in r.stdout
+
+
+def test_split_run_trains_and_resumes_exactly(tmp_path):
+    """2 trainer ranks + 1 inference rank; a run stopped at step 2 and resumed gives the
+    uninterrupted run's rows (the sampling RNG lives on the trainer)."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    base = [str(ROOT / "train.py"), "--inference-gpus", "1", "--eval-every", "2", "--save-every", "2", *SMALL]
+    r = torchrun(*base, "--steps", "4", "--out-dir", str(whole), nproc=3)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "x 2 ranks (FSDP2), sampling on 1 more" in r.stdout
+    rows = _rows(whole)
+    assert [x["step"] for x in rows] == [0, 1, 2, 3, 4] and "eval/reward" in rows[-1]
+    assert all(0 < x["mismatch/kl"] < 1e-3 for x in rows[1:])
+    assert json.loads((whole / "final" / "trainer_state" / "state.json").read_text())["world_size"] == 2
+    for steps, more in (("2", []), ("4", ["--resume"])):
+        r = torchrun(*base, "--steps", steps, "--out-dir", str(cut), *more, nproc=3)
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert _rows(cut) == rows
+
+
+@needs_vllm
+def test_split_run_samples_with_vllm(tmp_path):
+    """vLLM under torchrun, on the inference rank: the run trains and its sampler agrees with the trainer."""
+    out = tmp_path / "run"
+    args = [str(ROOT / "train.py"), "--inference-gpus", "1", "--steps", "2", "--eval-every", "2",
+            "--out-dir", str(out), *SMALL[2:], "--engine", "vllm"]
+    r = torchrun(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = _rows(out)
+    assert [x["step"] for x in rows] == [0, 1, 2] and rows[-1]["eval/reward"] > 0
+    assert all(0 < x["mismatch/kl"] < 1e-3 for x in rows[1:])
+
+
+@pytest.mark.parametrize("world,flags,says", [
+    ("2", ["--inference-gpus", "2"], "--inference-gpus 2 needs torchrun with more processes"),
+    ("1", ["--inference-gpus", "1"], "--inference-gpus 1 needs torchrun"),
+    ("2", ["--engine", "vllm"], "--engine vllm under torchrun needs --inference-gpus"),
+])
+def test_bad_splits_are_refused(monkeypatch, world, flags, says):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    if "vllm" in flags and not __import__("importlib").util.find_spec("vllm"):
+        pytest.skip("vllm does not import here")
+    with pytest.raises(C.ConfigError, match=says):
+        C.parse(flags).resolve(False)
