@@ -63,6 +63,7 @@ class Config:
     engine: Literal["auto", "torch", "vllm"] = "auto"  # auto: vllm on a GPU when it imports, else the built-in torch engine
     vllm_memory: float = 0.2  # vllm: the share of GPU memory (on a CPU: of RAM) it reserves for weights and KV cache
     engine_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"  # the engine's weights; the trainer keeps fp32
+    train_dtype: Literal["fp32", "bf16"] = "fp32"  # the trainer's matmuls (bf16: autocast and a bf16 head); weights stay fp32
     temperature: float = 1.0  # sampling temperature; the trainer scores at the same temperature
     top_p: float = 1.0  # nucleus sampling; 1: off
     top_k: int = 0  # top-k sampling; 0: off

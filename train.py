@@ -194,11 +194,18 @@ def prepare(cfg, samples, vocab_size, device):
 
 
 def _head(cfg, model, fwd, mb):
-    hidden = fwd(mb.tokens, mb.positions, mb.doc_ids)
+    """--train-dtype bf16: the forward's matmuls under autocast, and the head on bf16 copies of the
+    hidden states and the weight (the cast is differentiable: the fp32 weight gets the gradient)."""
+    bf16 = cfg.train_dtype == "bf16"
+    with torch.autocast(mb.tokens.device.type, torch.bfloat16, enabled=bf16):
+        hidden = fwd(mb.tokens, mb.positions, mb.doc_ids)
+    weight = model.head_weight
+    if bf16:
+        hidden, weight = hidden.bfloat16(), weight.bfloat16()
     if cfg.stage == "sft":
-        return head(hidden, model.head_weight, mb.labels)
+        return head(hidden, weight, mb.labels)
     sparse = sparse_ok(cfg, mb.support)  # the gradient lies on label and support rows only
-    return head(hidden, model.head_weight, mb.labels, mb.support, cfg.temperature, sparse=sparse)
+    return head(hidden, weight, mb.labels, mb.support, cfg.temperature, sparse=sparse)
 
 
 @torch.no_grad()

@@ -3,6 +3,7 @@ through train.py's RL loop, printing rollout and train tokens/s and the trainer'
 
     python bench/e2e.py                      # CUDA: the 0.6B shape; CPU: a scaled-down shape it names
     python bench/e2e.py --shape cpu --steps 3
+    python bench/e2e.py --train-dtype bf16   # the trainer's matmuls in bf16
 
 The model has Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 query / 8 KV heads of 128,
 MLP 3072, vocabulary 151,936, tied embeddings), random weights and floe's character
@@ -14,9 +15,10 @@ the rates; the rest come from metrics.jsonl:
   that is the work done) / time/train;
 - MFU: 6 x parameters x train tokens / time/train / peak, the usual dense estimate
   (attention's T^2 term left out; short sequences). Peak is the H200's dense bf16 figure
-  from NVIDIA's sheet (989 TFLOP/s); the trainer computes in fp32 today (fp32 master
-  weights, no autocast), so the figure says how far that is from the hardware, not how
-  good the kernels are. On a CPU no peak is known and MFU is not printed.
+  from NVIDIA's sheet (989 TFLOP/s), whatever --train-dtype: with fp32 (the default, exact
+  fp32 matmuls) the figure says how far that is from the hardware; bf16 (autocast and a
+  bf16 head, fp32 weights) is the comparable one. On a CPU no peak is known and MFU is
+  not printed.
 
 Simplifications: one process, the engine train.py picks (`--engine auto`: vLLM on a GPU
 when it imports, else the built-in engine); eval off; the model directory is written to
@@ -68,6 +70,7 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=128 if cuda else 16)
     ap.add_argument("--micro-batch-tokens", type=int, default=8192 if cuda else 1024)
     ap.add_argument("--engine", default="auto")
+    ap.add_argument("--train-dtype", choices=["fp32", "bf16"], default="fp32")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         d, out = Path(tmp) / "model", Path(tmp) / "run"
@@ -76,7 +79,7 @@ def main():
         train.main(["--model", str(d), "--steps", str(a.steps), "--eval-every", "0", "--engine", a.engine,
                     "--prompts-per-step", str(a.prompts_per_step), "--group-size", str(a.group_size),
                     "--max-new-tokens", str(a.max_new_tokens), "--micro-batch-tokens", str(a.micro_batch_tokens),
-                    "--loss", "icepop", "--top-k", "64", "--out-dir", str(out)])
+                    "--loss", "icepop", "--top-k", "64", "--train-dtype", a.train_dtype, "--out-dir", str(out)])
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         cfg = json.loads((out / "config.json").read_text())
     rows = [r for r in rows if r.get("step", 0) >= 2] or rows  # step 1 compiles and allocates
@@ -87,7 +90,7 @@ def main():
     train_s = sum(r["time/train"] for r in rows)
     name = torch.cuda.get_device_name(0) if cuda else "cpu"
     peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
-    print(f"# {a.shape} shape, {params / 1e6:.0f}M params, {name}, engine {cfg['engine']}, "
+    print(f"# {a.shape} shape, {params / 1e6:.0f}M params, {name}, engine {cfg['engine']}, train {cfg['train_dtype']}, "
           f"{a.prompts_per_step} x {a.group_size} samples x {a.max_new_tokens} new tokens, steps 2..{a.steps}")
     print("| rollout tok/s | train tok/s | MFU (vs bf16 peak) | s/step |\n|---|---|---|---|")
     train_rate = train_tok / train_s

@@ -165,6 +165,9 @@ def main() -> None:
     print()
     print(table(["support", "rows N", "nnz", "mean row", "K_max", "ragged MiB", "padded MiB", "ragged/padded"],
                 [bytes_row("(a) reverse-tiny rollouts", real), bytes_row("(b) synthetic 64k, Zipf 1.5", synth)]))
+    V = M.load(ROOT / "checkpoints" / "reverse-tiny").args.vocab_size
+    print(f"(a) cannot reach 1/20 on this vocabulary: a ragged row costs at least 8 + 1 + 8 = 17 bytes (offset, "
+          f"replayed, one entry) and a padded one at most V x 9 = {V * 9}, so 1/{V * 9 / 17:.1f} at best")
     print()
     print(f"(c) head fwd+bwd on CPU, fp32: N={HEAD_SHAPE['N']}, H={HEAD_SHAPE['H']}, V={HEAD_SHAPE['V']}, "
           f"replayed rows of min(Zipf(1.5), {HEAD_SHAPE['max_row']}) ids (default_rng(1)); one subprocess each;")

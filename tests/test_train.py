@@ -144,3 +144,29 @@ def test_a_kill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path
     train.main([*args, "--resume"])
     train.main(["--steps", "3", "--out-dir", str(tmp_path / "clean"), *SMALL])
     assert _rows(out) == _rows(tmp_path / "clean")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_bf16_training_takes_the_fp32_step_to_bf16_rounding(device):
+    """--train-dtype bf16 (autocast + a bf16 head, the Triton one on CUDA): the metrics and gradient
+    of one step stay within bf16 rounding of the fp32 step on the same batch; the weights stay fp32."""
+    codec, m, task = _setup()
+    cfg = C.Config(loss="icepop", prompts_per_step=4, group_size=3, max_new_tokens=10)
+    samples = _samples(cfg, m, codec, task)
+    runs = []
+    for dtype in ("fp32", "bf16"):
+        model = M.Qwen3(m.args)
+        model.load_state_dict(m.state_dict())
+        model.to(device)
+        cfg_d = C.dataclasses.replace(cfg, train_dtype=dtype)
+        mbs, denom, _ = train.prepare(cfg_d, samples, 32, device)
+        metrics = import_reduce(train.backward_pass(cfg_d, model, model, mbs, denom, step=0))
+        assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+        runs.append((metrics, torch.cat([p.grad.flatten() for p in model.parameters()]).cpu()))
+    (m32, g32), (m16, g16) = runs
+    for k in ("entropy", "mismatch/kl", "mismatch/abs_logratio", "score_centering/support_mass"):
+        assert m32[k] == pytest.approx(m16[k], rel=1e-2), k  # (the surrogate loss's value cancels, not compared)
+    cos = torch.nn.functional.cosine_similarity(g32, g16, dim=0)
+    assert cos > 0.99 and (g16.norm() / g32.norm() - 1).abs() < 0.05, (cos, g16.norm(), g32.norm())
+    assert not torch.equal(g32, g16)  # it did compute in bf16
