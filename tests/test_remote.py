@@ -94,16 +94,18 @@ def test_split_run_trains_and_resumes_exactly(tmp_path):
 
 
 @needs_vllm
-def test_split_run_samples_with_vllm(tmp_path):
-    """vLLM under torchrun, on the inference rank: the run trains and its sampler agrees with the trainer."""
+def test_split_run_samples_with_vllm_a_step_ahead(tmp_path):
+    """vLLM under torchrun, on the inference rank, with --async-level 1: the run trains, its sampler
+    agrees with the trainer on fresh tokens, and step 2 trains on tokens one version old."""
     out = tmp_path / "run"
-    args = [str(ROOT / "train.py"), "--inference-gpus", "1", "--steps", "2", "--eval-every", "2",
-            "--out-dir", str(out), *SMALL[2:], "--engine", "vllm"]
+    args = [str(ROOT / "train.py"), "--inference-gpus", "1", "--async-level", "1", "--steps", "2",
+            "--eval-every", "2", "--out-dir", str(out), *SMALL[2:], "--engine", "vllm"]
     r = torchrun(*args)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = _rows(out)
     assert [x["step"] for x in rows] == [0, 1, 2] and rows[-1]["eval/reward"] > 0
-    assert all(0 < x["mismatch/kl"] < 1e-3 for x in rows[1:])
+    assert 0 < rows[1]["mismatch/kl"] < 1e-3 and rows[1]["staleness/mean"] == 0
+    assert rows[2]["staleness/mean"] == 1
 
 
 @pytest.mark.parametrize("world,flags,says", [
