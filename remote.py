@@ -12,10 +12,12 @@ Simplifications:
 2. Each call carries a seed drawn from the trainer's `gen` (chunk j gets seed + j), so the sampling
    RNG that a checkpoint saves lives on the trainer and the inference ranks keep no state worth
    saving. With one inference rank a call with a fixed seed (eval) draws what a local engine would.
-3. A weight push is the trainer's state dict, one full tensor at a time in fp32 (under FSDP2 every
-   trainer rank joins the gather; rank 0 broadcasts), into an fp32 copy of the model on each
-   inference rank, whose engine then loads it as a colocated engine would (same cast, same
-   version). NCCL on GPUs, gloo on the CPU; the requests and replies are host tensors over gloo.
+3. A weight push is the trainer's state dict, one full tensor at a time cast to --engine-dtype
+   (under FSDP2 every trainer rank joins the gather; rank 0 casts and broadcasts), into a copy of
+   the model in that dtype on each inference rank, whose engine then loads it. Both engines
+   round fp32 to their dtype the same way, so this is the colocated push bit for bit, at half
+   the bytes for bf16. NCCL on GPUs, gloo on the CPU; requests and replies are host tensors
+   over gloo.
 4. The inference ranks are outside torch.distributed's default group (parallel.setup_distributed):
    an in-process vLLM makes that group its own. The link's groups are built on torchrun's store.
 5. Messages are lists of 1-D tensors with a small header (dtype codes and lengths): no pickle.
@@ -32,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 import data as D
 import model as M
-from rollout import Completion, Sampling, make_engine
+from rollout import DTYPES, Completion, Sampling, make_engine
 
 GEN, PUSH, STOP = 1, 2, 3
 CODES = [torch.int64, torch.float64, torch.int32, torch.float32, torch.bool, torch.uint8]
@@ -128,8 +130,8 @@ class RemoteEngine:
     """The `Engine` on the trainer ranks: rank 0 (which holds `link`) sends the calls; every trainer
     rank joins the weight gathers of a push. `gen` seeds the calls (simplification 2)."""
 
-    def __init__(self, link: Link | None, seed: int):
-        self.link, self.version = link, 0
+    def __init__(self, link: Link | None, seed: int, dtype: str):
+        self.link, self.version, self.dtype = link, 0, DTYPES[dtype]
         self.gen = torch.Generator().manual_seed(seed)
 
     def start(self, model_dir) -> None:
@@ -159,7 +161,7 @@ class RemoteEngine:
         for v in model.state_dict().values():
             t = v.full_tensor() if isinstance(v, DTensor) else v  # a collective over the trainers
             if self.link is not None:
-                self.link.broadcast(t.detach().float().contiguous())
+                self.link.broadcast(t.detach().to(self.dtype).contiguous())
         self.version = version
 
     def stop(self) -> None:
@@ -173,7 +175,7 @@ def serve(cfg, link: Link) -> None:
     """An inference rank: load the directory trainer rank 0 names, then generate and take weight
     pushes in the order it sends them, until STOP."""
     src = bytes(link.recv(0)[0].tolist()).decode()
-    model = M.load(src, device=cfg.device)  # fp32: the pushes land here, then the engine casts
+    model = M.load(src, device=cfg.device, dtype=DTYPES[cfg.engine_dtype])  # the pushes land here
     seed = cfg.seed + 1000 * link.rank  # unused by sampling (each call brings its seed); vLLM's init takes one
     engine = make_engine(cfg, model, src, D.TextCodec.load(src).stop_ids, seed)
     while True:

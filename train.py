@@ -90,7 +90,7 @@ def build(cfg: C.Config, resume_from: Path | None = None):
     if cfg.engine == "vllm":  # can vLLM report the support this loss needs? Ask before starting it
         vllm_logprobs(rl_sampling(cfg), model.args.vocab_size)
     if cfg.inference_gpus:  # the last ranks sample (remote.py): they load `src` once rank 0 says so
-        engine = RemoteEngine(P.LINK, cfg.seed + RANK)
+        engine = RemoteEngine(P.LINK, cfg.seed + RANK, cfg.engine_dtype)
         if RANK == 0:
             engine.start(src)
     else:

@@ -26,7 +26,7 @@ if P.serving():
     raise SystemExit
 model = M.load(src)
 stops = D.TextCodec.load(src).stop_ids
-remote, local = RemoteEngine(P.LINK, 0), TorchEngine(model, "bf16", stops)
+remote, local = RemoteEngine(P.LINK, 0, "bf16"), TorchEngine(model, "bf16", stops)
 remote.start(src)
 prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [6, 6], [7]]
 cases = [Sampling(support=True, draws=4, seed=11), Sampling(top_p=0.9, support=True, seed=11),
