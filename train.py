@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> dict:
         if isinstance(engine, RemoteEngine):
             engine.stop()
     summary = finish(cfg, log)
-    if dist.is_initialized():
+    if P.WORLD > 1 or cfg.inference_gpus:  # the group setup_distributed made (vLLM may own another one)
         dist.destroy_process_group()
     return summary
 
