@@ -91,7 +91,8 @@ def _request(prompts: list[list[int]], n: int, s: Sampling, seed: int, version: 
 def _read_request(msg: list[torch.Tensor]):
     (_, version, n, max_new, top_k, support, draws, greedy, seed), (temperature, top_p) = msg[0].tolist(), msg[1].tolist()
     prompts = [p.tolist() for p in msg[3].split(msg[2].tolist())]
-    sampling = Sampling(temperature, top_p, top_k, max_new, bool(greedy), seed, bool(support), draws)
+    sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new,
+                        greedy=bool(greedy), seed=seed, support=bool(support), draws=draws)
     return prompts, n, sampling, version
 
 
