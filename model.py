@@ -5,11 +5,13 @@ transformers loads here with no rename table, and one saved here loads in transf
 and vLLM. No transformers at run time.
 
 Simplifications:
-1. One attention path for everything: keys are masked by a boolean [B, 1, S, S_kv] mask
-   and fed to SDPA. Training packs documents into one row (mask: same document and
-   causal); decoding writes each row's new keys into a static cache at that row's own
-   position (mask: key slot <= position). Static shapes throughout, so torch.compile
-   traces each path once.
+1. Training packs documents into one row (mask: same document and causal); decoding writes
+   each row's new keys into a static cache at that row's own position (mask: key slot <=
+   position), a boolean [B, 1, S, S_kv] mask fed to SDPA. The packed mask is dense [T, T] on
+   the CPU; on CUDA it is a flex-attention BlockMask, so the blocks between documents are
+   skipped (RL documents are short: at T = 8192 a dense mask would spend more FLOPs on
+   attention than on the linear layers). `ATTENTION` picks; the CPU tests run flex eagerly
+   against the dense path. Static shapes throughout, so torch.compile traces each path once.
 2. RoPE angles are computed from the position tensor on the fly (no table), so packed
    documents restart at position 0 and padding can have any position.
 3. The forward returns the final hidden states, not logits: the LM head lives in
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -87,6 +90,35 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+ATTENTION = "auto"  # the packed forward's attention: auto (flex on CUDA, dense on the CPU) | flex | dense
+_compiled_flex = None
+
+
+@torch.compiler.disable  # built eagerly, outside a compiled forward
+def document_mask(doc_ids: torch.Tensor):
+    """Same document and not the future, for packed rows: a dense [1, 1, T, T] bool mask, or a BlockMask."""
+    T = doc_ids.shape[0]
+    if ATTENTION == "flex" or (ATTENTION == "auto" and doc_ids.is_cuda):
+        def causal_same_doc(b, h, q, k):
+            return (doc_ids[q] == doc_ids[k]) & (k <= q)
+
+        return create_block_mask(causal_same_doc, None, None, T, T, device=doc_ids.device)
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return ((doc_ids[:, None] == doc_ids[None, :]) & causal)[None, None]
+
+
+def attend(q, k, v, mask) -> torch.Tensor:
+    """SDPA under a bool mask, or flex attention under a BlockMask (compiled on CUDA, eager on the CPU)."""
+    global _compiled_flex
+    if not isinstance(mask, BlockMask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    if not q.is_cuda:
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=mask, enable_gqa=True)
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE (HF's convention). x (B, n, S, hd); cos, sin (B, 1, S, hd)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -114,7 +146,7 @@ class Attention(nn.Module):
             k_cache, v_cache = cache
             idx = positions[:, None, :, None].expand(B, self.n_kv, S, self.hd)
             k, v = k_cache.scatter_(2, idx, k), v_cache.scatter_(2, idx, v)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, n_head, S, hd)
+        y = attend(q, k, v, mask)  # (B, n_head, S, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, self.n_head * self.hd))
 
 
@@ -179,10 +211,7 @@ class Qwen3(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
         """Packed documents: tokens, positions, doc_ids (T,) -> hidden (T, H)."""
-        T = tokens.shape[0]
-        causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
-        mask = (doc_ids[:, None] == doc_ids[None, :]) & causal  # (T, T): same document, not the future
-        return self._run(tokens[None], positions[None], mask[None, None])[0]
+        return self._run(tokens[None], positions[None], document_mask(doc_ids))[0]
 
     def forward_cached(self, tokens, positions, cache: KVCache) -> torch.Tensor:
         """Rows with their own positions: tokens, positions (B, S) -> hidden (B, S, H).

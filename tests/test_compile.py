@@ -74,3 +74,37 @@ def test_cuda_engine_logq_equals_full_forward():
             assert tok in keep.tolist()
             ref = (probs[t, tok] / probs[t, keep].sum()).log().item()
             assert abs(lq - ref) < 1e-4
+
+
+def _flex_against_dense(monkeypatch, device: str, grads: bool):
+    """The packed forward with a flex BlockMask against the dense [T, T] mask: hidden states (and,
+    with grads, every parameter's gradient), fp32, documents that straddle 128-token blocks."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+    tokens, positions, docs = _batch(device, T=300)
+    runs = []
+    for mode in ("dense", "flex"):
+        monkeypatch.setattr(M, "ATTENTION", mode)
+        m = _model(device)
+        with torch.set_grad_enabled(grads):
+            h = m(tokens, positions, docs)
+            if grads:
+                (h * torch.linspace(-1, 1, h.numel(), device=device).view_as(h)).sum().backward()
+        runs.append((h.detach(), [p.grad for p in m.parameters()] if grads else []))
+    assert isinstance(M.document_mask(docs), M.BlockMask)  # flex was on for the second run
+    (h0, g0), (h1, g1) = runs
+    torch.testing.assert_close(h1, h0, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
+def test_flex_attention_equals_the_dense_mask(monkeypatch):
+    """What CUDA runs, eagerly on the CPU (flex has no CPU backward: the gradients are the GPU test's)."""
+    _flex_against_dense(monkeypatch, "cpu", grads=False)
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_flex_attention_and_its_gradients_equal_the_dense_mask(monkeypatch):
+    _flex_against_dense(monkeypatch, "cuda", grads=True)
