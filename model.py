@@ -94,7 +94,6 @@ ATTENTION = "auto"  # the packed forward's attention: auto (flex on CUDA, dense 
 _compiled_flex = None
 
 
-@torch.compiler.disable  # built eagerly, outside a compiled forward
 def document_mask(doc_ids: torch.Tensor):
     """Same document and not the future, for packed rows: a dense [1, 1, T, T] bool mask, or a BlockMask."""
     T = doc_ids.shape[0]
