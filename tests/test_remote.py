@@ -22,6 +22,12 @@ src = {src!r}
 cfg = C.Config(model=src, engine="torch", inference_gpus=2).resolve(False)
 P.setup_distributed("cpu", 2)
 if P.serving():
+    plain = TorchEngine.generate
+    def generate(self, prompts, n, sampling):  # a call the engine refuses (as vLLM refuses a short kept set)
+        if prompts == [[31]]:
+            raise D.RunError("the engine refused this call")
+        return plain(self, prompts, n, sampling)
+    TorchEngine.generate = generate
     serve(cfg, P.LINK)
     raise SystemExit
 model = M.load(src)
@@ -52,6 +58,12 @@ for push in (False, True):
                 for a in ("ids", "offsets", "logq", "replayed"):
                     assert torch.equal(getattr(g.support, a), getattr(w.support, a)), a
         assert {{v for c in got for v in c.versions}} == {{7 if push else 0}}
+try:  # the inference rank's one-line error reaches the trainer, and it keeps serving
+    remote.generate([[31]], 1, Sampling(seed=1))
+    raise AssertionError("no error")
+except D.RunError as e:
+    assert str(e) == "inference rank 1: the engine refused this call", e
+assert len(remote.generate(prompts, 1, Sampling(seed=1))) == 5
 remote.stop()
 print("REMOTE OK")
 """
@@ -67,7 +79,8 @@ def _rows(out):
 
 def test_remote_engine_draws_what_a_local_engine_draws(tmp_path):
     """Two inference ranks each sample their chunk of a call; every id, logq, version and support
-    row equals a local engine's with the chunk's seed, before and after a push of other weights."""
+    row equals a local engine's with the chunk's seed, before and after a push of other weights.
+    An engine's refusal comes back as the trainer's one-line RunError."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(root=str(ROOT), src=str(ROOT / "checkpoints" / "reverse-tiny")))
     r = torchrun(str(script), nproc=3)
