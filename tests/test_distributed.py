@@ -92,7 +92,8 @@ def _cases():
         samples[7].logq[0] = 0.5  # bad evidence: dropped on every rank, counted once
         T = sum(len(s.ids) - 1 for s in samples) // 3 + 40  # three micro-batches: one rank runs a masked copy
         cases.append((C.dataclasses.replace(cfg, micro_batch_tokens=T).resolve(False), m.state_dict(), samples))
-    return cases
+    cfg, state, samples = cases[0]  # --train-dtype bf16: autocast around FSDP2's fp32 weights, as in 1 process
+    return cases + [(C.dataclasses.replace(cfg, train_dtype="bf16"), state, samples)]
 
 
 def test_two_gloo_ranks_match_one_process(tmp_path):
