@@ -106,6 +106,7 @@ def test_split_run_trains_and_resumes_exactly(tmp_path):
     assert _rows(cut) == rows
 
 
+@pytest.mark.vllm
 @needs_vllm
 def test_split_run_samples_with_vllm_a_step_ahead(tmp_path):
     """vLLM under torchrun, on the inference rank, with --async-level 1: the run trains, its sampler
