@@ -12,7 +12,10 @@ Rows (the loss on top is a random linear combination of the outputs, like the RL
   LinearCrossEntropyOptions() on CUDA (torch's tuned "auto"); on the CPU batch_chunk_size =
   kernels.TILE_ELEMENTS // V tokens, the reference's own chunk ("auto" took 4-7 s per step
   at the CPU shape here, varying from run to run); logp only; "n/a" where torch lacks it (< 2.13);
-- "materialized logits": hidden @ W.T, then float().log_softmax(-1) and a gather; logp only.
+- "materialized logits": hidden @ W.T, then float().log_softmax(-1) and a gather; logp only;
+- "4 GEMMs (torch.mm)": the dense path's four matmuls alone (forward logits, the backward's
+  recompute, d_hidden, d_W) as torch.mm in the inputs' dtype (cuBLAS on CUDA), no softmax,
+  no autograd: the dense path at the GEMM library's speed, the yardstick for its kernels.
 CUDA: N = 16,384 and 65,536 tokens, H = 2048, V = 151,936 (Qwen3), bf16, the Triton kernels;
 the time is the median of 5 fwd+bwd after 2 warm-ups (CUDA events around each step); peak is
 torch.cuda.max_memory_allocated() over one fwd+bwd minus the memory allocated before it
@@ -51,7 +54,7 @@ from kernels import TILE_ELEMENTS, head  # noqa: E402
 CUDA_SHAPE = dict(Ns=(16_384, 65_536), H=2048, V=151_936, max_row=2048, dtype=torch.bfloat16)
 CPU_SHAPE = dict(Ns=(1024, 4096), H=256, V=8192, max_row=256, dtype=torch.float32)
 ROWS = ("no support", "ragged, dense backward", "ragged, sparse backward", "linear_cross_entropy",
-        "materialized logits")
+        "materialized logits", "4 GEMMs (torch.mm)")
 HAS_LCE = hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions")
 
 
@@ -87,9 +90,15 @@ def step(row: str, p: dict, impl: str) -> None:
         nll = F.linear_cross_entropy(hidden, weight, labels, reduction="none",
                                      options=torch.nn.LinearCrossEntropyOptions(**chunk))
         loss = -(nll.float() * cl).sum()
-    else:
+    elif row == "materialized logits":
         logp = (hidden @ weight.T).float().log_softmax(-1).gather(1, labels[:, None])[:, 0]
         loss = (logp * cl).sum()
+    else:  # the four GEMMs: the logits stand in for dlogits
+        with torch.no_grad():
+            hidden @ weight.T
+            logits = hidden @ weight.T
+            logits @ weight, logits.T @ hidden
+        return
     torch.autograd.grad(loss, (hidden, weight))
 
 
