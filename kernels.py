@@ -306,6 +306,10 @@ GPU_TILES = Tiles(n=128, v=128, h=64, mm=(128, 128, 64), group=8, rows=16, row_h
 INTERPRET_TILES = Tiles(n=8, v=8, h=8, mm=(8, 8, 8), group=2, rows=4, row_h=8, warps=1, stages=1,
                         chunk_elements=96)
 GATHER_WARPS = 4
+# the dense backward's two GEMMs per vocabulary chunk: "triton" (matmul_kernel below) or "torch"
+# (cuBLAS on CUDA, bf16 products summed in fp32 through mm's out_dtype). bench/head.py times both
+# on a GPU; whichever wins there should become the default.
+BACKWARD_GEMM = "triton"
 
 _KERNELS: SimpleNamespace | None = None
 
@@ -549,6 +553,15 @@ def _launch_matmul(k, t: Tiles, a, b, c, accumulate: bool):
                           PREC=_precision(a), num_warps=t.warps, num_stages=t.stages)
 
 
+def _gemm(k, t: Tiles, a, b, c, accumulate: bool):
+    """c = a @ b, or c += a @ b into fp32, by BACKWARD_GEMM's implementation."""
+    if BACKWARD_GEMM == "triton":
+        return _launch_matmul(k, t, a, b, c, accumulate)
+    if not accumulate:
+        return torch.mm(a, b, out=c)
+    c.add_(torch.mm(a, b) if a.dtype == torch.float32 else torch.mm(a, b, out_dtype=torch.float32))
+
+
 def _dense_grads(k, t: Tiles, hidden, weight, lse, scale, toks, cols, coefs, inv_t: float, need_dh: bool,
                  need_dw: bool):
     """d_hidden (fp32) and d_W (weight dtype) of the dense backward, one vocabulary chunk at a
@@ -572,9 +585,9 @@ def _dense_grads(k, t: Tiles, hidden, weight, lse, scale, toks, cols, coefs, inv
             hidden.stride(0), weight.stride(0), part.stride(0), BLOCK_N=t.n, BLOCK_V=t.v, BLOCK_H=t.h,
             BLOCK_R=t.rows, PREC=_precision(hidden), num_warps=t.warps, num_stages=t.stages)
         if need_dh:
-            _launch_matmul(k, t, part, weight[v_lo:v_hi], d_hidden, accumulate=True)
+            _gemm(k, t, part, weight[v_lo:v_hi], d_hidden, accumulate=True)
         if need_dw:
-            _launch_matmul(k, t, part.T, hidden, d_weight[v_lo:v_hi], accumulate=False)
+            _gemm(k, t, part.T, hidden, d_weight[v_lo:v_hi], accumulate=False)
     return d_hidden, d_weight
 
 

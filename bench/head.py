@@ -13,6 +13,8 @@ Rows (the loss on top is a random linear combination of the outputs, like the RL
   kernels.TILE_ELEMENTS // V tokens, the reference's own chunk ("auto" took 4-7 s per step
   at the CPU shape here, varying from run to run); logp only; "n/a" where torch lacks it (< 2.13);
 - "materialized logits": hidden @ W.T, then float().log_softmax(-1) and a gather; logp only;
+- CUDA only, "..., torch.mm bwd GEMMs": the same two dense rows with kernels.BACKWARD_GEMM =
+  "torch" (the backward's two GEMMs by cuBLAS instead of floe's Triton matmul);
 - "4 GEMMs (torch.mm)": the dense path's four matmuls alone (forward logits, the backward's
   recompute, d_hidden, d_W) as torch.mm in the inputs' dtype (cuBLAS on CUDA), no softmax,
   no autograd: the dense path at the GEMM library's speed, the yardstick for its kernels.
@@ -49,12 +51,15 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from data import TokenSupport  # noqa: E402
+import kernels  # noqa: E402
 from kernels import TILE_ELEMENTS, head  # noqa: E402
 
 CUDA_SHAPE = dict(Ns=(16_384, 65_536), H=2048, V=151_936, max_row=2048, dtype=torch.bfloat16)
 CPU_SHAPE = dict(Ns=(1024, 4096), H=256, V=8192, max_row=256, dtype=torch.float32)
 ROWS = ("no support", "ragged, dense backward", "ragged, sparse backward", "linear_cross_entropy",
         "materialized logits", "4 GEMMs (torch.mm)")
+CUDA_ROWS = ROWS[:2] + tuple(f"{r}, torch.mm bwd GEMMs" for r in ROWS[:2]) + ROWS[2:]
+TORCH_GEMMS = ", torch.mm bwd GEMMs"
 HAS_LCE = hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions")
 
 
@@ -79,6 +84,8 @@ def problem(N: int, H: int, V: int, max_row: int, dtype: torch.dtype, device: st
 def step(row: str, p: dict, impl: str) -> None:
     """One forward + backward of a row; the gradients are dropped."""
     hidden, weight, labels, cl = p["hidden"], p["weight"], p["labels"], p["cl"]
+    kernels.BACKWARD_GEMM = "torch" if row.endswith(TORCH_GEMMS) else "triton"
+    row = row.removesuffix(TORCH_GEMMS)
     if row == "no support":
         logp, _, _ = head(hidden, weight, labels, None, impl=impl)
         loss = (logp * cl).sum()
@@ -199,7 +206,7 @@ def main() -> None:
         print(f"N={N:,}: support nnz={int(lengths.sum()):,}, mean row {lengths.mean():.1f}, K_max={int(lengths.max()):,}")
     print()
     header = ["variant"] + [c for N in shape["Ns"] for c in (f"N={N:,} ms", "peak GiB")]
-    rows = [[row] + [c for N in shape["Ns"] for c in measure(row, N)] for row in ROWS]
+    rows = [[row] + [c for N in shape["Ns"] for c in measure(row, N)] for row in (CUDA_ROWS if cuda else ROWS)]
     print(table(header, rows))
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
 

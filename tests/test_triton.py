@@ -117,7 +117,9 @@ def test_forward_matches_reference(kinds):
 
 @interpreted
 @pytest.mark.parametrize("kinds", ["mixed", "none"])
-def test_dense_backward_matches_reference(kinds):
+@pytest.mark.parametrize("gemm", ["triton", "torch"])
+def test_dense_backward_matches_reference(kinds, gemm, monkeypatch):
+    monkeypatch.setattr(kernels, "BACKWARD_GEMM", gemm)
     hidden, weight, labels, support = _problem(KINDS[kinds], seed=1)
     cl, cs = _coefs(support, hidden.shape[0], torch.Generator().manual_seed(2), centered=False)
     (logp, ent, slp), (dh, dw) = _run(hidden, weight, labels, support, cl, cs, 0.7, "triton")
@@ -293,12 +295,15 @@ def _rel(a, b):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype,N,H,V", [(torch.bfloat16, 4000, 2048, 151936), (torch.float32, 500, 512, 32003)])
-def test_gpu_matches_reference(dtype, N, H, V):
+@pytest.mark.parametrize("gemm", ["triton", "torch"])
+def test_gpu_matches_reference(dtype, N, H, V, gemm, monkeypatch):
     """Compiled kernels in `dtype` against the reference on fp32 copies of the same values (the
     bf16 reference rounds its logits to bf16, the kernels do not). Forward to 1e-3 (bf16) /
     1e-4; gradients to a relative Frobenius error of 1e-2 (bf16: dlogits and the outputs are
     rounded once each) / 1e-4. N (and V in fp32) are not multiples of the tiles: masked edges.
-    One shape per dtype keeps the compiles to one set each (bench/gpu.sh's time budget)."""
+    One shape per dtype keeps the compiles to one set each (bench/gpu.sh's time budget); the
+    dense backward's GEMMs run both ways (kernels.BACKWARD_GEMM)."""
+    monkeypatch.setattr(kernels, "BACKWARD_GEMM", gemm)
     kinds = _zipf_kinds(N, seed=N)
     hidden, weight, labels, support = _problem(kinds, H=H, V=V, seed=1, dtype=dtype, device="cuda", pool=64, max_row=64)
     h32, w32 = (x.detach().float().requires_grad_() for x in (hidden, weight))
