@@ -318,6 +318,7 @@ def fail(e: Exception, code: int):
 def main(argv: list[str] | None = None) -> dict:
     cfg = C.parse(argv)
     out = Path(cfg.out_dir)
+    P.pin_inference_gpu(cfg.inference_gpus)
     try:
         cfg = cfg.resolve(torch.cuda.is_available())
         setup_distributed(cfg.device, cfg.inference_gpus)
