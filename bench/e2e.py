@@ -71,6 +71,7 @@ def main():
     ap.add_argument("--micro-batch-tokens", type=int, default=8192 if cuda else 1024)
     ap.add_argument("--engine", default="auto")
     ap.add_argument("--train-dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         d, out = Path(tmp) / "model", Path(tmp) / "run"
@@ -79,7 +80,8 @@ def main():
         train.main(["--model", str(d), "--steps", str(a.steps), "--eval-every", "0", "--engine", a.engine,
                     "--prompts-per-step", str(a.prompts_per_step), "--group-size", str(a.group_size),
                     "--max-new-tokens", str(a.max_new_tokens), "--micro-batch-tokens", str(a.micro_batch_tokens),
-                    "--loss", "icepop", "--top-k", "64", "--train-dtype", a.train_dtype, "--out-dir", str(out)])
+                    "--loss", "icepop", "--top-k", "64", "--train-dtype", a.train_dtype, "--compile", a.compile,
+                    "--out-dir", str(out)])
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         cfg = json.loads((out / "config.json").read_text())
     rows = [r for r in rows if r.get("step", 0) >= 2] or rows  # step 1 compiles and allocates
@@ -90,7 +92,7 @@ def main():
     train_s = sum(r["time/train"] for r in rows)
     name = torch.cuda.get_device_name(0) if cuda else "cpu"
     peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
-    print(f"# {a.shape} shape, {params / 1e6:.0f}M params, {name}, engine {cfg['engine']}, train {cfg['train_dtype']}, "
+    print(f"# {a.shape} shape, {params / 1e6:.0f}M params, {name}, engine {cfg['engine']}, train {cfg['train_dtype']}, compile {cfg['compile']}, "
           f"{a.prompts_per_step} x {a.group_size} samples x {a.max_new_tokens} new tokens, steps 2..{a.steps}")
     print("| rollout tok/s | train tok/s | MFU (vs bf16 peak) | s/step |\n|---|---|---|---|")
     train_rate = train_tok / train_s
