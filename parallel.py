@@ -63,12 +63,13 @@ def pin_inference_gpu(inference: int) -> None:
     """Before CUDA starts: an --inference-gpus rank sees only its own GPU, as cuda:0. An in-process
     vLLM puts its engine on cuda:0 of what the process sees (its uniproc executor's local rank is
     0), so without this every inference rank's engine would land on the first GPU."""
-    if not inference or RANK < WORLD - inference:
+    if not inference or not 0 < WORLD - inference <= RANK:  # (a bad split is Config.resolve's to refuse)
         return
     local = int(os.environ.get("LOCAL_RANK", 0))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(local + 1)]
-    os.environ["CUDA_VISIBLE_DEVICES"], os.environ["LOCAL_RANK"] = ids[local], "0"
+    if local < len(ids):
+        os.environ["CUDA_VISIBLE_DEVICES"], os.environ["LOCAL_RANK"] = ids[local], "0"
 
 
 def serving() -> bool:

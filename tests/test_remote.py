@@ -133,3 +133,20 @@ def test_bad_splits_are_refused(monkeypatch, world, flags, says):
         pytest.skip("vllm does not import here")
     with pytest.raises(C.ConfigError, match=says):
         C.parse(flags).resolve(False)
+
+
+@pytest.mark.parametrize("rank,visible,want", [(2, "4,5,6", ("6", "0")), (2, None, ("2", "0")), (1, "4,5,6", (None, "1"))])
+def test_an_inference_rank_sees_only_its_own_gpu(monkeypatch, rank, visible, want):
+    """Set before CUDA starts: vLLM in-process takes cuda:0 of what the process sees."""
+    import parallel as P
+
+    monkeypatch.setattr(P, "RANK", rank)
+    monkeypatch.setattr(P, "WORLD", 3)
+    monkeypatch.setenv("LOCAL_RANK", str(rank))
+    if visible:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    else:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    P.pin_inference_gpu(1)
+    got = (os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ["LOCAL_RANK"])
+    assert got == (want[0] or visible, want[1])
