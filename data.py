@@ -191,6 +191,12 @@ class TokenSupport:
                             np.zeros(n + 1, dtype=np.int64))
 
     @staticmethod
+    def from_counts(ids: torch.Tensor, counts: np.ndarray, logq: torch.Tensor, replayed: torch.Tensor) -> TokenSupport:
+        """Rows of counts[t] entries each, on the CPU; the offsets are their running sum."""
+        host = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        return TokenSupport(ids, torch.from_numpy(host.copy()), logq, replayed, host)
+
+    @staticmethod
     def cat(parts: list[TokenSupport]) -> TokenSupport:
         host = [np.zeros(1, dtype=np.int64)]
         base = 0

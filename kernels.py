@@ -320,12 +320,13 @@ def triton_available() -> bool:
 
 def _triton() -> SimpleNamespace:
     """The six kernels, decorated once, and whether Triton interprets them."""
-    global tl, _KERNELS, _logits_tile
+    global tl, _KERNELS, _logits_tile, _gathered_sum
     if _KERNELS is None:
         import triton
         import triton.language
         tl = triton.language
-        _logits_tile = triton.jit(_logits_tile_fn)  # called by two kernels: a global when they compile
+        _logits_tile = triton.jit(_logits_tile_fn)  # each called by two kernels: globals when they compile
+        _gathered_sum = triton.jit(_gathered_sum_fn)
         fns = (_lse_kernel, _support_kernel, _softmax_grad_kernel, _matmul_kernel, _sparse_dh_kernel,
                _sparse_dw_kernel)
         _KERNELS = SimpleNamespace(interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
@@ -593,6 +594,18 @@ def _dense_grads(k, t: Tiles, hidden, weight, lse, scale, toks, cols, coefs, inv
 
 # ----------------------------------------------------------------------------- sparse backward kernels
 
+def _gathered_sum_fn(acc, src_ptr, idx_ptr, coef_ptr, start, end, k, k_ok, stride, BLOCK: tl.constexpr):
+    """acc + sum over entries e in [start, end) of coef[e] * src[idx[e], k], in fp32, in entry order."""
+    for e0 in range(start, end, BLOCK):
+        e = e0 + tl.arange(0, BLOCK)
+        e_ok = e < end
+        row = tl.load(idx_ptr + e, mask=e_ok, other=0).to(tl.int64)
+        coef = tl.load(coef_ptr + e, mask=e_ok, other=0.0)
+        x = tl.load(src_ptr + row[:, None] * stride + k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.sum(x.to(tl.float32) * coef[:, None], 0)
+    return acc
+
+
 # d_hidden[t] = g_label[t]*W[label_t] + sum over row t of coef_e*W[v_e] (coefficients already
 # divided by T): one program per token and block of H, gathering only the W rows the token's
 # gradient lies on, summed in fp32 in row order.
@@ -603,15 +616,8 @@ def _sparse_dh_kernel(w_ptr, labels_ptr, ids_ptr, offsets_ptr, g_label_ptr, coef
     k_ok = k < H
     label = tl.load(labels_ptr + t).to(tl.int64)
     acc = tl.load(g_label_ptr + t) * tl.load(w_ptr + label * stride_w + k, mask=k_ok, other=0.0).to(tl.float32)
-    start = tl.load(offsets_ptr + t)
-    end = tl.load(offsets_ptr + t + 1)
-    for e0 in range(start, end, BLOCK_E):
-        e = e0 + tl.arange(0, BLOCK_E)
-        e_ok = e < end
-        v = tl.load(ids_ptr + e, mask=e_ok, other=0).to(tl.int64)
-        coef = tl.load(coef_ptr + e, mask=e_ok, other=0.0)
-        w = tl.load(w_ptr + v[:, None] * stride_w + k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * coef[:, None], 0)
+    acc = _gathered_sum(acc, w_ptr, ids_ptr, coef_ptr, tl.load(offsets_ptr + t), tl.load(offsets_ptr + t + 1), k, k_ok,
+                        stride_w, BLOCK_E)
     tl.store(dh_ptr + t.to(tl.int64) * stride_dh + k, acc.to(dh_ptr.dtype.element_ty), mask=k_ok)
 
 
@@ -624,16 +630,8 @@ def _sparse_dw_kernel(h_ptr, toks_ptr, coefs_ptr, starts_ptr, dw_ptr, H, stride_
     v = tl.program_id(0)
     k = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     k_ok = k < H
-    start = tl.load(starts_ptr + v)
-    end = tl.load(starts_ptr + v + 1)
-    acc = tl.zeros([BLOCK_H], tl.float32)
-    for r0 in range(start, end, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        r_ok = r < end
-        tok = tl.load(toks_ptr + r, mask=r_ok, other=0).to(tl.int64)
-        coef = tl.load(coefs_ptr + r, mask=r_ok, other=0.0)
-        x = tl.load(h_ptr + tok[:, None] * stride_h + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.sum(x.to(tl.float32) * coef[:, None], 0)
+    acc = _gathered_sum(tl.zeros([BLOCK_H], tl.float32), h_ptr, toks_ptr, coefs_ptr, tl.load(starts_ptr + v),
+                        tl.load(starts_ptr + v + 1), k, k_ok, stride_h, BLOCK_R)
     tl.store(dw_ptr + v.to(tl.int64) * stride_dw + k, acc.to(dw_ptr.dtype.element_ty), mask=k_ok)
 
 

@@ -30,10 +30,10 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import data as D
 import model as M
+from parallel import full
 from rollout import DTYPES, Completion, Sampling, make_engine
 
 GEN, PUSH, STOP = 1, 2, 3
@@ -116,9 +116,7 @@ def _read_reply(msg: list[torch.Tensor]) -> list[Completion]:
     ids, logq, versions = (t.split(lens) for t in msg[2:5])
     supports = [None] * len(lens)
     if len(msg) > 5:
-        counts = msg[5].numpy()
-        host = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        rows = D.TokenSupport(msg[6], torch.from_numpy(host.copy()), msg[7], msg[8], host)
+        rows = D.TokenSupport.from_counts(msg[6], msg[5].numpy(), msg[7], msg[8])
         ends = np.cumsum([0] + lens)
         supports = [rows.slice(int(a), int(b)) for a, b in zip(ends[:-1], ends[1:])]
     return [Completion(i.tolist(), q.tolist(), v.tolist(), "stop" if stop else "length", sup)
@@ -160,7 +158,7 @@ class RemoteEngine:
             for j in range(1, self.link.size):
                 self.link.send([torch.tensor([PUSH, version])], j)
         for v in model.state_dict().values():
-            t = v.full_tensor() if isinstance(v, DTensor) else v  # a collective over the trainers
+            t = full(v)  # a collective over the trainers
             if self.link is not None:
                 self.link.broadcast(t.detach().to(self.dtype).contiguous())
         self.version = version

@@ -39,11 +39,11 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
 from config import ConfigError
 from data import RunError, TokenSupport
 from model import KVCache, Qwen3
+from parallel import full
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -174,7 +174,7 @@ class TorchEngine:
     def load_weights(self, model: Qwen3, version: int) -> None:
         src = model.state_dict()
         for k, v in self.model.state_dict().items():  # FSDP2 shards are gathered one tensor at a time
-            v.copy_(src[k].full_tensor() if isinstance(src[k], DTensor) else src[k])
+            v.copy_(full(src[k]))
         self.version = version
 
     def _step(self, tok, pos, cache):
@@ -286,7 +286,7 @@ class VLLMEngine:
     @torch.no_grad()
     def load_weights(self, model: Qwen3, version: int) -> None:
         self._wake()
-        tensors = ((k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items())
+        tensors = ((k, full(v)) for k, v in model.state_dict().items())
         self.llm.collective_rpc(_reload, args=(tensors,))  # in-process: the generator is read where it is
         self.llm.reset_prefix_cache()
         self.version = version
@@ -332,10 +332,8 @@ class VLLMEngine:
             t = bad[0]
             raise RunError(f"vLLM returned {counts[t]} kept tokens holding q-mass {mass[t]:.4f}, not the whole "
                            "kept set; raise --top-k or use --engine torch")
-        host = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        return TokenSupport(torch.from_numpy(tok[keep]), torch.from_numpy(host.copy()),
-                            torch.from_numpy(lp[keep].astype(np.float32)), torch.ones(len(starts), dtype=torch.bool),
-                            host)
+        return TokenSupport.from_counts(torch.from_numpy(tok[keep]), counts, torch.from_numpy(lp[keep].astype(np.float32)),
+                                        torch.ones(len(starts), dtype=torch.bool))
 
 
 def _reload(worker, tensors) -> None:

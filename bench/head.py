@@ -67,16 +67,16 @@ def problem(N: int, H: int, V: int, max_row: int, dtype: torch.dtype, device: st
     """Inputs of every row: hidden, W, labels, the Zipf-sized replayed support, coefficients."""
     rng = np.random.default_rng(0)
     lengths = np.minimum(rng.zipf(1.5, N), max_row)
-    host = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    nnz = int(host[-1])
+    nnz = int(lengths.sum())
+    first = np.cumsum(lengths) - lengths  # each row's first entry
     start = np.repeat(rng.integers(0, V, N), lengths)
-    ids = ((start + np.arange(nnz) - np.repeat(host[:-1], lengths)) % V).astype(np.int32)  # distinct in a row
-    support = TokenSupport(torch.from_numpy(ids), torch.from_numpy(host.copy()), torch.zeros(nnz),
-                           torch.ones(N, dtype=torch.bool), host).to(device)
+    ids = ((start + np.arange(nnz) - np.repeat(first, lengths)) % V).astype(np.int32)  # distinct in a row
+    support = TokenSupport.from_counts(torch.from_numpy(ids), lengths, torch.zeros(nnz),
+                                       torch.ones(N, dtype=torch.bool)).to(device)
     gen = torch.Generator(device).manual_seed(0)  # drawn on the device: W has 311M entries
     return dict(hidden=torch.randn(N, H, generator=gen, device=device).to(dtype).requires_grad_(),
                 weight=(torch.randn(V, H, generator=gen, device=device) / H**0.5).to(dtype).requires_grad_(),
-                labels=torch.from_numpy(ids[host[:-1]]).long().to(device),  # a replayed row holds its label
+                labels=torch.from_numpy(ids[first]).long().to(device),  # a replayed row holds its label
                 support=support, cl=torch.randn(N, generator=gen, device=device),
                 cs=torch.randn(nnz, generator=gen, device=device))
 

@@ -62,13 +62,12 @@ def padded_bytes(rows: int, k_max: int) -> int:
 def support_from_lengths(lengths: np.ndarray, V: int, rng: np.random.Generator) -> D.TokenSupport:
     """Replayed rows of the given sizes: distinct ids per row (the first is the label); logq is
     random, since neither the bytes nor the head read it."""
-    host = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    nnz = int(host[-1])
+    nnz = int(lengths.sum())
     start = np.repeat(rng.integers(0, V, len(lengths)), lengths)
-    within = np.arange(nnz) - np.repeat(host[:-1], lengths)
+    within = np.arange(nnz) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     ids = torch.from_numpy(((start + within) % V).astype(np.int32))  # consecutive ids mod V: distinct in a row
     logq = torch.from_numpy(-rng.exponential(3.0, nnz).astype(np.float32))  # a row's q need not sum to 1 here
-    return D.TokenSupport(ids, torch.from_numpy(host.copy()), logq, torch.ones(len(lengths), dtype=torch.bool), host)
+    return D.TokenSupport.from_counts(ids, lengths, logq, torch.ones(len(lengths), dtype=torch.bool))
 
 
 def rollout_support() -> D.TokenSupport:

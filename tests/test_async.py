@@ -18,15 +18,11 @@ import model as M
 import train
 from pipeline import AsyncRollouts
 from rollout import TorchEngine
+from test_distributed import _rows
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--engine", "torch", "--prompts-per-step", "3", "--group-size", "3", "--max-new-tokens", "10",
          "--eval-prompts", "4"]
-
-
-def _rows(out):
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
 
 
 def _main(*args: str) -> str:

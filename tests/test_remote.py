@@ -7,7 +7,7 @@ import os
 import pytest
 
 import config as C
-from test_distributed import ROOT, torchrun
+from test_distributed import ROOT, _rows, torchrun
 from test_engines import needs_vllm
 
 WORKER = """
@@ -70,11 +70,6 @@ print("REMOTE OK")
 
 SMALL = ["--engine", "torch", "--loss", "icepop", "--prompts-per-step", "4", "--group-size", "3",
          "--max-new-tokens", "8", "--eval-prompts", "4"]
-
-
-def _rows(out):
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
 
 
 def test_remote_engine_draws_what_a_local_engine_draws(tmp_path):
