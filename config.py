@@ -18,10 +18,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
+
+import tyro
 
 
 class ConfigError(Exception):
@@ -44,14 +47,22 @@ class Config:
     eval_prompts: int = 64  # held-out prompts per eval, 4 samples each at the training sampling settings
     wandb_project: str = ""  # log to wandb when given (WANDB_MODE=offline works); nothing is sent otherwise
 
-    # --- task and batch
+    # --- the task (tasks.py: the Task contract, the built-in tasks and rewards)
+    task: str = "reverse-text"  # reverse-text | arithmetic | jsonl:PATH (prompts from a JSON-lines file)
+    reward: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()  # repeatable: a built-in (numeric_match, exact_match, similarity), path/to/file.py:fn or module:fn; none: the task's own
+    reward_weights: tuple[float, ...] = ()  # one weight per --reward (the total is the weighted sum); none: 1 each
+    eval_file: str = ""  # jsonl task: the held-out prompts; empty: --eval-prompts rows of the file, held out by a fixed seed
+    chat_template_kwargs: str = "{}"  # a JSON object for the chat template, e.g. '{"enable_thinking": false}' (Qwen3)
+    min_words: int = 1  # reverse-text: words per prompt, at least
+    max_words: int = 3  # reverse-text: words per prompt, at most
+    max_operand: int = 99  # arithmetic: a + b or a - b with a in [0, max_operand], b a digit
+
+    # --- the batch
     prompts_per_step: int = 32  # distinct prompts per rl step (sft: sequences per step)
     group_size: int = 16  # completions per prompt; advantages are centered within a group
     adv_std_norm: bool = False  # also divide advantages by the group's reward std
     max_new_tokens: int = 24  # completion budget per sample
     micro_batch_tokens: int = 1024  # fixed token budget of one packed micro-batch
-    min_words: int = 1  # reverse-text: words per prompt, at least
-    max_words: int = 3  # reverse-text: words per prompt, at most
 
     # --- optimizer
     lr: float = 0.0  # 0: the stage's default (rl 5e-4, sft 3e-3)
@@ -96,6 +107,11 @@ class Config:
     bad_evidence: Literal["error", "drop"] = "error"  # sampler evidence that fails validation
 
     def __post_init__(self) -> None:
+        for name in ("lr", "weight_decay", "temperature", "adv_tau", "kl_coeff", "icepop_alpha", "icepop_beta",
+                     "ipo_eps", "clip_low", "clip_high", "tis_floor", "seq_mask_low", "top_p", "vllm_memory"):
+            v = getattr(self, name)  # caps whose inf means "no cap" (--tis-cap, --grad-clip, ...) may stay inf
+            _check(math.isfinite(v), f"--{name.replace('_', '-')}", f"must be a finite number, got {v}")
+        _check(self.weight_decay >= 0, "--weight-decay", f"must be >= 0, got {self.weight_decay}")
         _check(self.steps >= 1, "--steps", f"must be >= 1, got {self.steps}")
         _check(self.temperature > 0, "--temperature", f"must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "--top-p", f"must be in (0, 1], got {self.top_p}")
@@ -119,6 +135,15 @@ class Config:
         _check(self.micro_batch_tokens >= 64, "--micro-batch-tokens", f"must be >= 64, got {self.micro_batch_tokens}")
         _check(1 <= self.min_words <= self.max_words, "--min-words/--max-words",
                f"need 1 <= min <= max, got {self.min_words}, {self.max_words}")
+        _check(self.max_operand >= 1, "--max-operand", f"must be >= 1, got {self.max_operand}")
+        _check(self.task in ("reverse-text", "arithmetic") or (self.task.startswith("jsonl:") and len(self.task) > 6),
+               "--task", f"must be reverse-text, arithmetic or jsonl:PATH, got {self.task!r}")
+        _check(not self.eval_file or self.task.startswith("jsonl:"), "--eval-file", "is for --task jsonl:PATH")
+        try:
+            kwargs = json.loads(self.chat_template_kwargs)
+        except json.JSONDecodeError:
+            kwargs = None
+        _check(isinstance(kwargs, dict), "--chat-template-kwargs", f"must be a JSON object, got {self.chat_template_kwargs!r}")
         _check(self.lr >= 0, "--lr", f"must be >= 0 (0: the stage's default), got {self.lr}")
         _check(self.grad_clip >= 0, "--grad-clip", f"must be >= 0 (0: off), got {self.grad_clip}")
         _check(self.epochs >= 1, "--epochs", f"must be >= 1, got {self.epochs}")
@@ -171,8 +196,6 @@ def _check(ok: bool, flag: str, what: str) -> None:
 
 def parse(args: list[str] | None = None) -> Config:
     """Flags -> Config. A bad value prints one line and exits with status 2."""
-    import tyro
-
     try:
         return tyro.cli(Config, args=args)
     except ConfigError as e:

@@ -1,70 +1,39 @@
-"""Tasks, tokenizers, the records every module passes around, and packing.
-
-The reverse-text task: a prompt holds a few words from a built-in list, the completion
-should be that text reversed character by character, and the reward is difflib's
-SequenceMatcher ratio between the completion (up to end-of-sequence) and the target.
+"""Tokenizers and chat templates, the records every module passes around, and packing.
 
 Simplifications:
-1. Prompts come from a seeded generator over a fixed word list, so a run is reproducible
-   and the held-out eval set (its own seed) is disjoint from training by construction:
-   the training sampler rejects any text that is in the eval set.
-2. The prompt is ChatML (`<|im_start|>user ...`), the format Qwen3 checkpoints expect;
-   the tiny model's character-level tokenizer has those three special tokens too, so the
-   tiny model and real HF checkpoints share one loading path (`tokenizers`, tokenizer.json).
-3. Packing is greedy first-fit-decreasing into fixed-size buffers of
+1. One loading path for the tiny models and real HF checkpoints: `tokenizers` reads
+   tokenizer.json, a chat template (tokenizer_config.json or chat_template.jinja) renders
+   `messages` prompts with jinja2 the way transformers does, and generation stops at the
+   directory's own stop ids (generation_config.json eos_token_id, else the tokenizer's eos).
+   The tiny models' tokenizers are one token per character with the ChatML specials; a
+   character outside a tokenizer is an error, never a silent unknown id.
+2. Packing is greedy first-fit-decreasing into fixed-size buffers of
    `--micro-batch-tokens` tokens: every micro-batch has the same shape, so a compiled
    forward never recompiles. Attention stays inside a document (`doc_ids`).
-4. `TokenSupport` is CSR: per-token rows of ids and sampler log-probs, never padded. Its
+3. `TokenSupport` is CSR: per-token rows of ids and sampler log-probs, never padded. Its
    offsets live on the device and on the host, so slicing a micro-batch needs no sync.
+
+Tasks (prompts, rewards, the held-out set) live in tasks.py.
 """
 
 from __future__ import annotations
 
-import difflib
+import functools
 import json
-import random
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-STOP_TOKENS = ["<|im_end|>", "<|endoftext|>"]  # generation ends at the first of these
-
-# fmt: off
-WORDS = """
-able acid aged also area army away baby back ball band bank base bath bear beat been beer
-bell belt best bill bird blow blue boat body bomb bond bone book boom born boss both bowl
-bulk burn bush busy call calm came camp card care case cash cast cell chat chip city club
-coal coat code cold come cook cool cope copy core cost crew crop dark data date dawn days
-dead deal dean dear debt deep deny desk dial diet disk done door dose down draw drew drop
-drug dual duke dust duty each earn ease east easy edge else even ever evil exit face fact
-fail fair fall farm fast fate fear feed feel fell felt file fill film find fine fire firm
-fish five flat flow food foot form fort four free from fuel full fund gain game gate gave
-gear gene gift girl give glad goal goes gold golf gone good gray grew grey grow gulf hair
-half hall hand hang hard harm hate have head hear heat held hell help here hero high hill
-hire hold hole holy home hope host hour huge hung hunt hurt idea inch into iron item jack
-jane jean john join jump jury just keen keep kent kept kick kill kind king knee knew know
-lack lady laid lake land lane last late lead left less life lift like line link list live
-load loan lock logo long look lord lose loss lost love luck made mail main make male many
-mark mass matt meal mean meat meet menu mere mike mile milk mill mind mine miss mode mood
-moon more most move much must name navy near neck need news next nice nick nine none nose
-note okay once only open oral over pace pack page paid pain pair palm park part pass past
-path peak pick pink pipe plan play plot plug plus poll pool poor port post pull pure push
-race rail rain rank rare rate read real rear rely rent rest rice rich ride ring rise risk
-road rock role roll roof room root rose rule rush safe said sake sale salt same sand save
-seat seed seek seem seen self sell send sent ship shop shot show shut sick side sign site
-size skin slip slow snow soft soil sold sole some song soon sort soul spot star stay step
-stop such suit sure take tale talk tall tank tape task team tech tell tend term test text
-than that them then they thin this thus tide till time tiny told tone tony took tool tour
-town tree trip true tune turn twin type unit upon used user vary vast very vice view vote
-wage wait wake walk wall want ward warm wash wave ways weak wear week well went were west
-what when whom wide wife wild will wind wine wing wire wise wish with wood word wore work
-yard yeah year your zero zone
-""".split()
-# fmt: on
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # the tiny tokenizers' ids 0, 1, 2
+# The tiny models' chat template: ChatML, the format Qwen checkpoints use. A real model directory
+# brings its own (tokenizer_config.json or chat_template.jinja), rendered the same way.
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LETTERS = "abcdefghijklmnopqrstuvwxyz :\n"  # reverse-tiny's alphabet (the role names need the letters)
 
 
 class RunError(ValueError):
@@ -72,39 +41,111 @@ class RunError(ValueError):
     not fit): train.py prints the message as one line and exits 1."""
 
 
-# ----------------------------------------------------------------------------- tokenizer
+# ----------------------------------------------------------------------------- tokenizer and chat
 
-def char_tokenizer() -> Tokenizer:
-    """The tiny model's tokenizer: one token per character plus the ChatML specials."""
-    chars = list("abcdefghijklmnopqrstuvwxyz :\n")
-    vocab = {t: i for i, t in enumerate(SPECIALS + chars)}
+def char_tokenizer(alphabet: str = LETTERS) -> Tokenizer:
+    """A tiny model's tokenizer: one token per character of `alphabet`, after the ChatML specials."""
+    vocab = {t: i for i, t in enumerate(SPECIALS + list(dict.fromkeys(alphabet)))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")  # every character, newlines too
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
     return tok
 
 
+def write_tokenizer(out_dir: str | Path, alphabet: str = LETTERS) -> None:
+    """A tiny model's tokenizer files: tokenizer.json, tokenizer_config.json (with the ChatML
+    template) and generation_config.json (generation stops at <|im_end|> or <|endoftext|>)."""
+    out = Path(out_dir)
+    char_tokenizer(alphabet).save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+         "bos_token": None, "unk_token": "<|endoftext|>", "model_max_length": 512, "chat_template": CHATML}, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}, indent=2))
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _token(x) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or {"content": ...}."""
+    return x.get("content") if isinstance(x, dict) else x
+
+
 @dataclass
 class TextCodec:
-    """A `tokenizers.Tokenizer` plus the ids generation stops at."""
+    """A model directory's text side: its `tokenizers.Tokenizer`, the ids generation stops at, and
+    its chat template (rendered with jinja2 as transformers renders it)."""
 
     tok: Tokenizer
-    stop_ids: list[int]
+    stop_ids: list[int]  # the first is the end of a reference completion (--stage sft)
+    template: str | None = None  # the jinja chat template; None: the directory has none
+    specials: dict = field(default_factory=dict)  # bos_token, eos_token, ...: what the template may read
 
     @staticmethod
     def load(model_dir: str | Path) -> TextCodec:
-        path = Path(model_dir) / "tokenizer.json"
+        """tokenizer.json; stop ids from generation_config.json's eos_token_id, else the tokenizer's
+        eos token; the chat template from tokenizer_config.json, else chat_template.jinja."""
+        d = Path(model_dir)
+        path = d / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path}: missing; a model directory needs tokenizer.json")
-        tok = Tokenizer.from_file(str(path))
-        stop_ids = [i for s in STOP_TOKENS if (i := tok.token_to_id(s)) is not None]
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises its own exception type for a damaged file
+            raise ValueError(f"{path}: unreadable tokenizer ({e})") from None
+        tc = _read_json(d / "tokenizer_config.json")
+        specials = {k: _token(v) for k, v in tc.items() if k.endswith("_token") and _token(v) is not None}
+        stop = _read_json(d / "generation_config.json").get("eos_token_id")
+        if stop is None and specials.get("eos_token") is not None:
+            stop = tok.token_to_id(specials["eos_token"])
+        stop_ids = [stop] if isinstance(stop, int) else list(stop or [])
         if not stop_ids:
-            raise ValueError(f"{path}: has none of the stop tokens {STOP_TOKENS}")
-        return TextCodec(tok, stop_ids)
+            raise ValueError(f"{d}: no stop token: generation_config.json has no eos_token_id and "
+                             "tokenizer_config.json no eos_token")
+        template = tc.get("chat_template")
+        if isinstance(template, list):  # named templates: transformers takes "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if template is None and (d / "chat_template.jinja").is_file():
+            template = (d / "chat_template.jinja").read_text()
+        return TextCodec(tok, stop_ids, template, specials)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+    @staticmethod
+    def tiny(alphabet: str = LETTERS) -> TextCodec:
+        """The codec a tiny model's directory loads to (write_tokenizer), built in memory."""
+        specials = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
+        return TextCodec(char_tokenizer(alphabet), [2, 0], CHATML, specials)
+
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        """Token ids of `text`; special: let the tokenizer add its own (a BOS, for a plain-string
+        prompt). A character the tokenizer cannot represent is an error, not a silent unknown id."""
+        enc = self.tok.encode(text, add_special_tokens=special)
+        unk = self.specials.get("unk_token") or getattr(self.tok.model, "unk_token", None)
+        unk_id = self.tok.token_to_id(unk) if unk else None
+        if unk_id is not None:
+            for i, (a, b) in zip(enc.ids, enc.offsets):
+                if i == unk_id and text[a:b] != unk:
+                    raise ValueError(f"{text[a:b]!r} is not in the tokenizer (it would become {unk})")
+        return enc.ids
+
+    def render(self, prompt: str | list[dict], **template_kwargs) -> list[int]:
+        """A prompt's ids: a string as it is (with the tokenizer's own BOS, if it adds one), a chat
+        `messages` list through the chat template with the generation prompt (BOS as the
+        template writes it)."""
+        if isinstance(prompt, str):
+            return self.encode(prompt, special=True)
+        if self.template is None:
+            raise ValueError("a chat `messages` prompt needs a chat template, and the model directory has none "
+                             "(tokenizer_config.json chat_template or chat_template.jinja); give the prompt as a string")
+        text = _jinja(self.template).render(messages=prompt, add_generation_prompt=True,
+                                            **{**self.specials, **template_kwargs})
+        return self.encode(text)
 
     def decode(self, ids: list[int]) -> str:
         """Decode up to (not including) the first stop token."""
@@ -115,54 +156,37 @@ class TextCodec:
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
-# ----------------------------------------------------------------------------- the task
+@functools.lru_cache(maxsize=8)
+def _jinja(source: str):
+    """A chat template compiled as transformers compiles it: a sandbox, trim_blocks and lstrip_blocks,
+    loop controls, and the helpers templates call (raise_exception, tojson, strftime_now)."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-@dataclass
-class Prompt:
-    ids: list[int]  # chat-formatted prompt tokens
-    text: str  # the words to reverse
-    target: str  # text[::-1]
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
 
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-class ReverseText:
-    """Reverse a few words character by character; reward = SequenceMatcher ratio."""
-
-    def __init__(self, codec: TextCodec, min_words: int = 1, max_words: int = 3, eval_size: int = 64):
-        self.codec, self.min_words, self.max_words = codec, min_words, max_words
-        rng = random.Random(10_000)  # one held-out set for every --seed, so runs compare
-        texts: list[str] = []
-        while len(texts) < eval_size:
-            t = self._text(rng)
-            if t not in texts:
-                texts.append(t)
-        self.eval_texts = set(texts)
-        self.eval_set = [self.prompt(t) for t in texts]
-
-    def _text(self, rng: random.Random) -> str:
-        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(self.min_words, self.max_words)))
-
-    def prompt(self, text: str) -> Prompt:
-        chat = f"<|im_start|>user\nreverse: {text}<|im_end|>\n<|im_start|>assistant\n"
-        return Prompt(self.codec.encode(chat), text, text[::-1])
-
-    def sample(self, n: int, rng: random.Random) -> list[Prompt]:
-        out = []
-        while len(out) < n:
-            t = self._text(rng)
-            if t not in self.eval_texts:
-                out.append(self.prompt(t))
-        return out
-
-    def completion_ids(self, p: Prompt) -> list[int]:
-        """The reference completion (for SFT): the target then end-of-turn."""
-        return self.codec.encode(p.target) + [self.codec.stop_ids[0]]
-
-    def reward(self, p: Prompt, completion: list[int]) -> float:
-        text = self.codec.decode(completion)
-        return difflib.SequenceMatcher(None, text, p.target).ratio()
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
+    return env.from_string(source)
 
 
 # ----------------------------------------------------------------------------- records
+
+@dataclass
+class Prompt:
+    """One prompt of a task (tasks.py), rendered to token ids."""
+
+    ids: list[int]  # the rendered prompt's tokens
+    prompt: str | list[dict]  # as the task gave it (a string or chat messages): what a reward function receives
+    columns: dict = field(default_factory=dict)  # the row's other columns (answer, target, ...), for the reward
+    reference: str | None = None  # the reference completion (--stage sft); None where the task has none
+
 
 @dataclass
 class TokenSupport:
@@ -330,12 +354,3 @@ def _fill(samples: list[Sample], idx: list[int], T: int) -> MicroBatch:
                       torch.from_numpy(adv), torch.from_numpy(logq), t["versions"], torch.from_numpy(sample_idx),
                       TokenSupport.cat(rows) if has_support else None,
                       int(mask.sum()), len(idx), list(idx))
-
-
-def write_tokenizer(out_dir: str | Path) -> None:
-    """Save the character tokenizer as tokenizer.json (and the ids a config.json needs)."""
-    tok = char_tokenizer()
-    tok.save(str(Path(out_dir) / "tokenizer.json"))
-    (Path(out_dir) / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-         "bos_token": None, "unk_token": "<|endoftext|>", "model_max_length": 512}, indent=2))

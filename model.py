@@ -1,8 +1,15 @@
-"""The Qwen3 decoder, with Hugging Face parameter names, and its HF-directory I/O.
+"""Three decoder families with Hugging Face parameter names, and their HF-directory I/O.
 
-A checkpoint directory (config.json, model.safetensors, tokenizer.json) saved by
-transformers loads here with no rename table, and one saved here loads in transformers
-and vLLM. No transformers at run time.
+One `Transformer` serves Qwen3, Qwen2/Qwen2.5 and Llama 3.x: the same pre-norm decoder (RMSNorm,
+grouped-query attention with rotate-half RoPE, SiLU-gated MLP), differing only by switches in
+`ModelArgs` that `from_hf` reads from config.json (`model_type`, then):
+- `qk_norm`: an RMSNorm on each query and key head before RoPE (Qwen3 only);
+- `attention_bias`: a bias on q/k/v (Qwen2 always), and `o_bias` on o_proj (Qwen3 and Llama
+  with attention_bias, never Qwen2); `mlp_bias` on gate/up/down (Llama's key);
+- `rope_scaling`: Llama 3.x's "llama3" RoPE, which slows the low frequencies (`rope_frequencies`).
+A checkpoint directory (config.json, model.safetensors, tokenizer.json) saved by transformers
+loads here with no rename table, and one saved here loads in transformers and vLLM: `save`
+writes the source's own config.json back. No transformers at run time.
 
 Simplifications:
 1. Training packs documents into one row (mask: same document and causal); decoding writes
@@ -16,13 +23,16 @@ Simplifications:
    documents restart at position 0 and padding can have any position.
 3. The forward returns the final hidden states, not logits: the LM head lives in
    kernels.py, fused with the log-softmax so [N, V] logits are never held.
-4. Real Qwen3 checkpoints are bf16; the trainer keeps fp32 master weights and the engine
-   casts its own copy (`--engine-dtype`).
+4. Real checkpoints are bf16; the trainer keeps fp32 master weights and the engine casts
+   its own copy (`--engine-dtype`).
+5. No sliding-window attention and no RoPE scaling but llama3: configs asking for them are
+   refused at load, not served wrongly.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from dataclasses import asdict, dataclass
@@ -34,6 +44,10 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+
+
+FAMILIES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass
@@ -51,24 +65,72 @@ class ModelArgs:
     tie_word_embeddings: bool = True
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    model_type: str = "qwen3"  # a key of FAMILIES; the switches below default to the family's
+    attention_bias: bool | None = None  # q, k, v projections carry a bias (always for qwen2)
+    o_bias: bool | None = None  # o_proj carries one (qwen3/llama: attention_bias; qwen2: never)
+    mlp_bias: bool = False  # gate/up/down carry one (llama's mlp_bias)
+    qk_norm: bool | None = None  # an RMSNorm on each query and key head (qwen3 only)
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", **LLAMA3_KEYS}, or None
+
+    def __post_init__(self):
+        """Fill the family's switches, and refuse a mix its config.json could not say."""
+        if self.model_type not in FAMILIES:
+            raise ValueError(f"model_type {self.model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
+        qwen3, qwen2, llama = (self.model_type == f for f in ("qwen3", "qwen2", "llama"))
+        self.attention_bias = qwen2 if self.attention_bias is None else self.attention_bias
+        self.o_bias = self.attention_bias and not qwen2 if self.o_bias is None else self.o_bias
+        self.qk_norm = qwen3 if self.qk_norm is None else self.qk_norm
+        if (self.o_bias != (self.attention_bias and not qwen2) or self.qk_norm != qwen3
+                or (qwen2 and not self.attention_bias) or (self.mlp_bias and not llama)):
+            raise ValueError(f"{self.model_type}: no config.json of this family has attention_bias="
+                             f"{self.attention_bias}, o_bias={self.o_bias}, mlp_bias={self.mlp_bias}, qk_norm={self.qk_norm}")
 
     @staticmethod
-    def from_hf(cfg: dict) -> ModelArgs:
-        if cfg.get("model_type") not in (None, "qwen3"):
-            raise ValueError(f"config.json: model_type {cfg.get('model_type')!r} is not qwen3")
-        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        return ModelArgs(cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
-                         cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim,
-                         cfg.get("max_position_embeddings", 4096), cfg.get("rms_norm_eps", 1e-6), float(theta),
-                         cfg.get("tie_word_embeddings", True), cfg.get("bos_token_id"), cfg.get("eos_token_id"))
+    def from_hf(cfg: dict, source: str = "config.json") -> ModelArgs:
+        """A parsed config.json -> ModelArgs; every refusal is one line naming `source`."""
+        family = cfg.get("model_type", "qwen3")
+        if family not in FAMILIES:
+            raise ValueError(f"{source}: model_type {family!r} is not supported (supported: {', '.join(FAMILIES)})")
+        if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
+            raise ValueError(f"{source}: sliding-window attention is not supported")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (silu)")
+        # transformers 5 writes rope_parameters (rope_theta inside); older files rope_scaling and a top-level
+        # rope_theta. As transformers reads them: rope_scaling wins, then the dict's theta, then 10000
+        rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+        theta = rope.get("rope_theta") or cfg.get("rope_theta") or 10_000.0
+        kind, scaling = rope.get("rope_type", rope.get("type", "default")), None
+        if kind not in ("default", "llama3"):
+            raise ValueError(f"{source}: rope_type {kind!r} is not supported (default, llama3)")
+        try:
+            if kind == "llama3":  # the pretraining context: top level first, then the dict, then the model's own
+                rope["original_max_position_embeddings"] = (cfg.get("original_max_position_embeddings") or rope.get(
+                    "original_max_position_embeddings") or cfg["max_position_embeddings"])
+                scaling = {"rope_type": "llama3", **{k: float(rope[k]) for k in LLAMA3_KEYS}}
+            # transformers gives a Qwen3 without head_dim 128, whatever its width: ask rather than guess
+            width = cfg["hidden_size"] // cfg["num_attention_heads"]
+            head_dim = cfg["head_dim"] if family == "qwen3" else cfg.get("head_dim") or width
+            bias = None if family == "qwen2" else bool(cfg.get("attention_bias", False))
+            return ModelArgs(cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
+                             cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim,
+                             cfg.get("max_position_embeddings", 4096), cfg.get("rms_norm_eps", 1e-6), float(theta),
+                             cfg.get("tie_word_embeddings", False), cfg.get("bos_token_id"), cfg.get("eos_token_id"),
+                             family, bias, bias, family == "llama" and bool(cfg.get("mlp_bias")), None, scaling)
+        except KeyError as e:
+            raise ValueError(f"{source}: missing key {e.args[0]!r}") from None
 
     def to_hf(self) -> dict:
-        d = asdict(self)
-        d.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu", attention_bias=False,
-                 attention_dropout=0.0, use_sliding_window=False, sliding_window=None, initializer_range=0.02,
-                 torch_dtype="float32", rope_scaling=None,
-                 rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta})
+        """A config.json for a model with no source directory: the family's architecture and keys."""
+        d = {k: v for k, v in asdict(self).items() if k not in ("o_bias", "mlp_bias", "qk_norm", "rope_scaling")}
+        d.update(architectures=[FAMILIES[self.model_type]], hidden_act="silu", attention_dropout=0.0,
+                 initializer_range=0.02, torch_dtype="float32",
+                 rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling or {})})
+        if self.model_type == "llama":
+            d.update(mlp_bias=self.mlp_bias, pretraining_tp=1)
+        else:  # the Qwen families' sliding-window keys, off; Qwen2 has no attention_bias key (always on)
+            d.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers)
+            if self.model_type == "qwen2":
+                del d["attention_bias"]
         return d
 
 
@@ -128,12 +190,13 @@ class Attention(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.n_head, self.n_kv, self.hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-        self.q_proj = nn.Linear(a.hidden_size, self.n_head * self.hd, bias=False)
-        self.k_proj = nn.Linear(a.hidden_size, self.n_kv * self.hd, bias=False)
-        self.v_proj = nn.Linear(a.hidden_size, self.n_kv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.n_head * self.hd, a.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.hd, a.rms_norm_eps)
-        self.k_norm = RMSNorm(self.hd, a.rms_norm_eps)
+        self.q_proj = nn.Linear(a.hidden_size, self.n_head * self.hd, bias=a.attention_bias)
+        self.k_proj = nn.Linear(a.hidden_size, self.n_kv * self.hd, bias=a.attention_bias)
+        self.v_proj = nn.Linear(a.hidden_size, self.n_kv * self.hd, bias=a.attention_bias)
+        self.o_proj = nn.Linear(self.n_head * self.hd, a.hidden_size, bias=a.o_bias)
+        # Qwen3 normalizes each head's query and key before RoPE; Identity holds no weights, so no names
+        self.q_norm = RMSNorm(self.hd, a.rms_norm_eps) if a.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(self.hd, a.rms_norm_eps) if a.qk_norm else nn.Identity()
 
     def forward(self, x, cos, sin, mask, cache=None, positions=None):
         B, S, _ = x.shape
@@ -152,9 +215,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
+        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -174,7 +237,7 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    """HF's `Qwen3Model`: the `model.` prefix of every parameter name."""
+    """HF's `Qwen3Model` / `Qwen2Model` / `LlamaModel`: the `model.` prefix of every parameter name."""
 
     def __init__(self, a: ModelArgs):
         super().__init__()
@@ -183,14 +246,32 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
 
-class Qwen3(nn.Module):
+def rope_frequencies(a: ModelArgs) -> torch.Tensor:
+    """RoPE's inverse frequencies (hd/2,), fp32, with Llama 3.x's scaling when asked.
+
+    llama3 measures each frequency by how many of its wavelengths fit in the context the model
+    was pretrained on (r = original_max_position_embeddings / wavelength): those that fit more
+    than high_freq_factor times already resolve local order and stay; those that fit fewer than
+    low_freq_factor times would meet angles never seen in pretraining at long range, so they
+    slow down by `factor`; in between it blends the two linearly in r. The attention scale is 1."""
+    inv = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.float32) / a.head_dim))
+    s = a.rope_scaling
+    if s is None:
+        return inv
+    r = s["original_max_position_embeddings"] / (2 * math.pi / inv)
+    keep = ((r - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])).clamp(0, 1)
+    return (1 - keep) * inv / s["factor"] + keep * inv
+
+
+class Transformer(nn.Module):
+    """The decoder and its head, for every family in FAMILIES (the switches live in ModelArgs)."""
+
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.args = a
         self.model = Decoder(a)
         self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
-        inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.float32) / a.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_frequencies(a), persistent=False)
 
     @property
     def head_weight(self) -> torch.Tensor:  # (V, H)
@@ -238,26 +319,39 @@ class KVCache:
         return out
 
 
-def init_weights(model: Qwen3, std: float = 0.02, seed: int = 0) -> None:
+def init_weights(model: Transformer, std: float = 0.02, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         with torch.no_grad():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()  # as transformers initializes them
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
-def load(model_dir: str | Path, device="cpu", dtype=torch.float32) -> Qwen3:
-    """A HF Qwen3 directory -> Qwen3 with every key and shape checked."""
+def read_config(path: Path) -> dict:
+    """config.json as a dict, or one line naming the file."""
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return cfg
+
+
+def load(model_dir: str | Path, device="cpu", dtype=torch.float32) -> Transformer:
+    """A HF directory of a family in FAMILIES -> Transformer, every key, shape and value checked."""
     d = Path(model_dir)
     for f in ("config.json", "tokenizer.json"):
         if not (d / f).is_file():
             raise FileNotFoundError(f"{d / f}: missing; --model must be a HF directory with config.json, "
                                     "model.safetensors and tokenizer.json")
-    args = ModelArgs.from_hf(json.loads((d / "config.json").read_text()))
+    args = ModelArgs.from_hf(read_config(d / "config.json"), str(d / "config.json"))
     with torch.device("meta"):
-        model = Qwen3(args)
+        model = Transformer(args)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     files = sorted(d.glob("*.safetensors"))
     if not files:
@@ -266,12 +360,14 @@ def load(model_dir: str | Path, device="cpu", dtype=torch.float32) -> Qwen3:
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as st:
-                for k in st.keys():
-                    if k == "lm_head.weight" and args.tie_word_embeddings:
-                        continue  # some tied checkpoints store the head anyway
-                    state[k] = st.get_tensor(k).to(dtype)
+                names = [k for k in st.keys() if not (k == "lm_head.weight" and args.tie_word_embeddings)]
+                state.update((k, st.get_tensor(k).to(dtype)) for k in names)  # tied: a stored head is dropped
         except Exception as e:  # safetensors raises several types for a damaged file
             raise ValueError(f"{f}: unreadable safetensors file ({e})") from None
+        # a NaN or inf weight would surface as a NaN loss at step 1, far from its cause
+        bad = next((k for k in names if not torch.isfinite(state[k]).all()), None)
+        if bad is not None:
+            raise ValueError(f"{f}: {bad} holds NaN or inf")
     missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or extra:
         raise ValueError(f"{d}: weights do not match config.json: missing {missing[:3]}, unexpected {extra[:3]}")
@@ -279,24 +375,48 @@ def load(model_dir: str | Path, device="cpu", dtype=torch.float32) -> Qwen3:
         if state[k].shape != shape:
             raise ValueError(f"{d}: {k} has shape {tuple(state[k].shape)}, config.json implies {tuple(shape)}")
     model.load_state_dict(state, strict=True, assign=True)
-    model.inv_freq = (1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim)))
+    model.inv_freq = rope_frequencies(args)  # buffers are not in the file: made on meta, made again here
     return model.to(device)
 
 
-def save(model: Qwen3, out_dir: str | Path, tokenizer_dir: str | Path, extra: dict[str, bytes] | None = None,
+# what a HF directory holds besides weights and config.json, copied as they are
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   "added_tokens.json")
+
+
+def saved_config(args: ModelArgs, src_dir: Path) -> dict:
+    """The source's config.json with what training changed (fp32 weights now), every other key
+    as it was. A source without one, or whose config describes another model (a fresh model
+    saved where an old one stood), gets `args.to_hf()`."""
+    f = src_dir / "config.json"
+    try:
+        cfg = read_config(f) if f.is_file() else None
+        same = cfg is not None and ModelArgs.from_hf(cfg, str(f)) == args
+    except ValueError:
+        same = False
+    if not same:
+        return args.to_hf()
+    keys = [k for k in ("torch_dtype", "dtype") if k in cfg] or ["torch_dtype"]
+    return {**cfg, **dict.fromkeys(keys, "float32")}
+
+
+def save(model: Transformer, out_dir: str | Path, src_dir: str | Path, extra: dict[str, bytes] | None = None,
          state: dict[str, torch.Tensor] | None = None) -> None:
     """Write a HF directory (plus `extra` files) under a temporary name, then rename it into place.
+    `src_dir` is where the model came from: its config.json, tokenizer and generation files.
     `state` replaces model.state_dict(): the full weights gathered from FSDP shards (train.py)."""
-    out = Path(out_dir)
+    out, src = Path(out_dir), Path(src_dir)
+    config = saved_config(model.args, src)  # read before anything is written: src may be out
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in (state or model.state_dict()).items()}
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(model.args.to_hf(), indent=2))
-    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (Path(tokenizer_dir) / f).is_file():
-            shutil.copy(Path(tokenizer_dir) / f, tmp / f)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    for f in TOKENIZER_FILES:
+        if (src / f).is_file():
+            shutil.copy(src / f, tmp / f)
     for name, blob in (extra or {}).items():
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp / name).write_bytes(blob)

@@ -77,7 +77,7 @@ def serving() -> bool:
     return RANK >= WORLD
 
 
-def shard(model: M.Qwen3) -> M.Qwen3:
+def shard(model: M.Transformer) -> M.Transformer:
     """FSDP2: one all-gather/reduce-scatter group per decoder block, then the root (embedding,
     tied head, final norm; it stays gathered from forward to backward, so the head outside the
     forward reads the full weight). Gradients are summed over ranks, not averaged: every rank's

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model import Qwen3
+from model import Transformer
 from rollout import Engine
 
 
@@ -98,7 +98,7 @@ class AsyncRollouts:
         with self.cv:
             return self.ready.pop(step)
 
-    def publish(self, model: Qwen3, step: int, hold: bool = False) -> None:
+    def publish(self, model: Transformer, step: int, hold: bool = False) -> None:
         """Push the weights after `step` as version `step` once no batch needs older ones. hold: the
         batches that sample with them wait for `release()` (the trainer evaluates them first)."""
         self._wait(lambda: self.made >= min(step + self.level, self.steps))

@@ -153,7 +153,7 @@ class RemoteEngine:
         return [x for r in replies for x in _read_reply(r)]
 
     @torch.no_grad()
-    def load_weights(self, model: M.Qwen3, version: int) -> None:
+    def load_weights(self, model: M.Transformer, version: int) -> None:
         if self.link is not None:
             for j in range(1, self.link.size):
                 self.link.send([torch.tensor([PUSH, version])], j)

@@ -42,7 +42,7 @@ import torch
 
 from config import ConfigError
 from data import RunError, TokenSupport
-from model import KVCache, Qwen3
+from model import KVCache, Transformer
 from parallel import full
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -76,7 +76,7 @@ class Engine(Protocol):
         """len(prompts) * n completions, prompt by prompt (a prompt's n are adjacent)."""
         ...
 
-    def load_weights(self, model: Qwen3, version: int) -> None:
+    def load_weights(self, model: Transformer, version: int) -> None:
         """Take the trainer's current weights; later tokens carry `version`."""
         ...
 
@@ -162,7 +162,7 @@ class SupportRecorder:
 
 
 class TorchEngine:
-    def __init__(self, model: Qwen3, dtype: str, stop_ids: list[int], seed: int = 0, compile_step: bool = False):
+    def __init__(self, model: Transformer, dtype: str, stop_ids: list[int], seed: int = 0, compile_step: bool = False):
         self.model = copy.deepcopy(model).to(DTYPES[dtype]).eval().requires_grad_(False)
         self.device = next(model.parameters()).device
         self.stop_ids = torch.tensor(stop_ids, device=self.device)
@@ -171,7 +171,7 @@ class TorchEngine:
         self.step = torch.compile(self._step) if compile_step else self._step
 
     @torch.no_grad()
-    def load_weights(self, model: Qwen3, version: int) -> None:
+    def load_weights(self, model: Transformer, version: int) -> None:
         src = model.state_dict()
         for k, v in self.model.state_dict().items():  # FSDP2 shards are gathered one tensor at a time
             v.copy_(full(src[k]))
@@ -284,7 +284,7 @@ class VLLMEngine:
             self.asleep = False
 
     @torch.no_grad()
-    def load_weights(self, model: Qwen3, version: int) -> None:
+    def load_weights(self, model: Transformer, version: int) -> None:
         self._wake()
         tensors = ((k, full(v)) for k, v in model.state_dict().items())
         self.llm.collective_rpc(_reload, args=(tensors,))  # in-process: the generator is read where it is
@@ -347,7 +347,7 @@ def _reload(worker, tensors) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
-def make_engine(cfg, model: Qwen3, model_dir, stop_ids: list[int], seed: int):
+def make_engine(cfg, model: Transformer, model_dir, stop_ids: list[int], seed: int):
     """The engine `cfg.engine` names (resolved by Config.resolve), holding `model`'s weights. vLLM
     sleeps between calls only when it shares its GPU with a trainer (no --inference-gpus)."""
     if cfg.engine == "vllm":  # it loads `model_dir`, where `model` came from (a resume pushes its step after)

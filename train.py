@@ -48,6 +48,7 @@ import random
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -57,7 +58,9 @@ import config as C
 import data as D
 import loss as L
 import model as M
-from checkpoint import check_resumable, load_training_state, save_checkpoint
+import tasks as T
+from checkpoint import (Logger, check_fresh, check_resumable, kept_metrics, load_training_state,
+                        note_changed_rewards, save_checkpoint)
 from kernels import head, sparse_ok
 import parallel as P
 from parallel import RANK, full, gather, my_share, print0, setup_distributed, shard, sum_over_ranks
@@ -68,27 +71,30 @@ from rollout import Sampling, group_advantages, make_engine, vllm_logprobs
 
 # ----------------------------------------------------------------------------- set-up
 
-def build(cfg: C.Config, resume_from: Path | None = None):
-    """Model, tokenizer, task, engine, optimizer; `--model scratch` makes a fresh tiny model."""
-    src = Path(cfg.model)
-    if resume_from is not None:
-        src = resume_from
-    elif cfg.model == "scratch":
-        src = Path(cfg.out_dir) / "scratch"
-        if RANK == 0:
-            src.mkdir(parents=True, exist_ok=True)
-            D.write_tokenizer(src)
-            vocab = D.TextCodec.load(src).tok.get_vocab_size()
-            tiny = M.Qwen3(M.ModelArgs(vocab, **M.TINY, eos_token_id=D.TextCodec.load(src).stop_ids[0]))
-            M.init_weights(tiny, seed=cfg.seed)
-            M.save(tiny, src, src)
-        if P.WORLD > 1:
-            dist.barrier()
-    model = M.load(src, device=cfg.device)
-    codec = D.TextCodec.load(src)
-    task = D.ReverseText(codec, cfg.min_words, cfg.max_words, cfg.eval_prompts)
-    if cfg.engine == "vllm":  # can vLLM report the support this loss needs? Ask before starting it
-        vllm_logprobs(rl_sampling(cfg), model.args.vocab_size)
+def load_model(cfg: C.Config, src: Path | None, codec: D.TextCodec) -> M.Transformer:
+    """The model in `src`, or with `--model scratch` (src None) a fresh tiny one in memory."""
+    if src is not None:
+        return M.load(src, device=cfg.device)
+    args = M.ModelArgs(codec.tok.get_vocab_size(), **M.TINY, eos_token_id=codec.stop_ids[0])
+    model = M.Transformer(args)
+    M.init_weights(model, seed=cfg.seed)
+    return model.to(cfg.device)
+
+
+def write_scratch(cfg: C.Config, out: Path, model: M.Transformer, task: T.Task) -> Path:
+    """`--model scratch`: the fresh model as a HF directory in the run, for the engine and checkpoints."""
+    src = out / "scratch"
+    if RANK == 0:
+        src.mkdir(parents=True, exist_ok=True)
+        D.write_tokenizer(src, task.alphabet)
+        M.save(model, src, src)
+    if P.WORLD > 1:
+        dist.barrier()
+    return src
+
+
+def build(cfg: C.Config, src: Path, model: M.Transformer, codec: D.TextCodec):
+    """Engine, sharded model, optimizer and the (compiled) forward, around the loaded model."""
     if cfg.inference_gpus:  # the last ranks sample (remote.py): they load `src` once rank 0 says so
         engine = RemoteEngine(P.LINK, cfg.seed + RANK, cfg.engine_dtype)
         if RANK == 0:
@@ -98,7 +104,7 @@ def build(cfg: C.Config, resume_from: Path | None = None):
     shard(model)  # after the engine took its full copy
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
     fwd = torch.compile(model) if cfg.compile == "on" else model
-    return src, model, fwd, codec, task, engine, opt
+    return fwd, engine, opt
 
 
 # ----------------------------------------------------------------------------- phases
@@ -120,8 +126,9 @@ def rl_sampling(cfg) -> Sampling:
 def rollout_phase(cfg, task, engine, rng, step, context: int):
     """Prompts -> completions -> rewards -> advantages, as Samples.
 
-    A prompt that cannot fit its completion in the context, and a sample whose reward
-    raises, are skipped and counted (`skipped/too_long`, `skipped/reward_error`)."""
+    A prompt that cannot fit its completion in the context, and a sample the task could not
+    score (tasks.py: its reward raised or gave NaN), are skipped and counted
+    (`skipped/too_long`, `skipped/reward_error`)."""
     drawn = task.sample(cfg.prompts_per_step, rng)  # the same on every rank
     if all(len(p.ids) + cfg.max_new_tokens > context for p in drawn):
         raise D.RunError(f"every prompt is longer than the context: {len(drawn[0].ids)} prompt tokens "
@@ -129,11 +136,10 @@ def rollout_phase(cfg, task, engine, rng, step, context: int):
     drawn = my_prompts(cfg, drawn)
     prompts = [p for p in drawn if len(p.ids) + cfg.max_new_tokens <= context]
     completions = engine.generate([p.ids for p in prompts], cfg.group_size, rl_sampling(cfg)) if prompts else []
-    samples = []
-    for i, c in enumerate(completions):
-        p = prompts[i // cfg.group_size]
-        samples.append(D.Sample(p, c.ids, c.logq, c.versions, c.finish_reason, c.support,
-                                reward=safe_reward(task, p, c.ids), group=i // cfg.group_size))
+    owners = [prompts[i // cfg.group_size] for i in range(len(completions))]
+    rewards = task.score(owners, [c.ids for c in completions], cfg.group_size)
+    samples = [D.Sample(p, c.ids, c.logq, c.versions, c.finish_reason, c.support, reward=r, group=i // cfg.group_size)
+               for i, (p, c, r) in enumerate(zip(owners, completions, rewards))]
     advs = group_advantages([s.reward for s in samples], cfg.group_size, cfg.adv_std_norm)
     for s, a in zip(samples, advs):
         s.advantage = a
@@ -163,16 +169,6 @@ def batches(cfg, task, engine, rng, model, start: int) -> AsyncRollouts:
     threads = max(1, torch.get_num_threads() // 2) if cfg.device == "cpu" else 0  # half the cores each
     return AsyncRollouts(lambda step: rollout_phase(cfg, task, engine, rng, step - 1, context), engine, rng,
                          cfg.async_level, start, cfg.steps, threads)
-
-
-def safe_reward(task, prompt, completion) -> float:
-    """The task's reward, or NaN (the sample is skipped) when the reward function raises."""
-    try:
-        return float(task.reward(prompt, completion))
-    except Exception as e:  # a user's reward function: any failure skips the sample, loudly
-        print(f"warning: reward raised {type(e).__name__}: {e} (sample skipped, counted in skipped/reward_error)",
-              flush=True)  # on every rank: each scores its own samples
-        return float("nan")
 
 
 def sft_samples(cfg, task, rng):
@@ -242,69 +238,48 @@ def train_phase(cfg, model, fwd, opt, samples, step):
 
 
 def optimizer_step(cfg, model, opt, step):
+    """Clip and step. A non-finite gradient norm (NaN advantages, an overflowing loss) skips the
+    update, so no NaN ever reaches the weights, the optimizer state or a checkpoint; the norm is
+    global over FSDP2 ranks, so every rank skips the same steps."""
     lr = cfg.lr * min(1.0, step / 5)  # a 5-step linear warm-up
     for g in opt.param_groups:
         g["lr"] = lr
     clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    opt.step()
+    norm = full(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)).detach().double()
+    finite = bool(torch.isfinite(norm))  # the step's one extra host sync
+    if finite:
+        opt.step()
     opt.zero_grad(set_to_none=True)
-    return {"grad_norm": (full(norm).detach().double(), torch.tensor(1.0))}
+    one = torch.tensor(1.0, dtype=torch.float64)
+    return {"grad_norm": (norm if finite else one * 0, one if finite else one * 0),
+            "skipped/nonfinite_step": (one * (not finite), one)}
+
+
+def nonfinite_cause(batch: list, m: dict) -> str:
+    """What made a step's gradient non-finite, for the line that stops the run."""
+    if any(not math.isfinite(s.advantage) for s in batch):
+        top = max((abs(s.reward) for s in batch), default=0.0)
+        return f"non-finite advantages (rewards up to {top:.3g} overflow the group statistics)"
+    if not math.isfinite(m.get("loss", 0.0)):
+        return "a non-finite loss (check --adv-tau, --kl-coeff and the sampler's log-probs)"
+    return "a non-finite gradient norm"
 
 
 @torch.no_grad()
-def evaluate(cfg, task, engine, n: int = 4) -> float:
-    """Mean reward of n samples per held-out prompt, drawn as in training from a fixed seed."""
+def evaluate(cfg, task, engine, n: int = 4) -> dict[str, float]:
+    """Mean reward of n samples per held-out prompt, drawn as in training from a fixed seed (and
+    pass@1, pass@n for a 0/1 reward); what could not be scored is counted, not averaged in."""
     prompts = task.eval_set
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, seed=cfg.seed + 1)
     out = engine.generate([p.ids for p in prompts], n, sampling)
-    return sum(task.reward(prompts[i // n], c.ids) for i, c in enumerate(out)) / len(out)
+    rewards = task.score([prompts[i // n] for i in range(len(out))], [c.ids for c in out], n)
+    return T.eval_metrics(rewards, n)
 
 
-# ----------------------------------------------------------------------------- logging
-
-class Logger:
-    """One line per step, metrics.jsonl, and wandb when asked for."""
-
-    def __init__(self, cfg: C.Config, start: int = 0):
-        self.cfg, self.t0, self.start = cfg, time.time(), start
-        path = Path(cfg.out_dir) / "metrics.jsonl"
-        kept = []
-        if start and path.is_file():  # resuming: rows past the checkpoint are redone
-            kept = [r for r in path.read_text().splitlines() if r and json.loads(r)["step"] <= start]
-        self.file = open(path if RANK == 0 else os.devnull, "w")
-        self.file.write("".join(r + "\n" for r in kept))
-        self.rows = [json.loads(r) for r in kept]
-        self.wandb = None
-        if cfg.wandb_project and RANK == 0:
-            import wandb
-
-            self.wandb = wandb.init(project=cfg.wandb_project, config=json.loads(cfg.to_json()), dir=cfg.out_dir)
-
-    def row(self, step: int, metrics: dict) -> None:
-        self.rows.append({"step": step, **metrics})
-        self.file.write(json.dumps(self.rows[-1]) + "\n")
-        self.file.flush()
-        if self.wandb:
-            self.wandb.log(metrics, step=step)
-
-    def line(self, step: int, m: dict, tokens: int, dt: float) -> None:
-        eta = (time.time() - self.t0) / (step - self.start) * (self.cfg.steps - step)
-        masks = ("icepop/masked_fraction", "ipo/masked_fraction", "seq_mask/masked_fraction", "kl_mask/masked_fraction")
-        masked = max((m[k] for k in masks if k in m), default=0.0)
-        reward = f"{m['reward']:.3f}" if "reward" in m else "-"
-        print0(f"step {step}/{self.cfg.steps} | reward {reward} | loss {m['loss']:+.4f} "
-               f"| masked {masked:.4f} | mismatch kl {m.get('mismatch/kl', 0.0):.2e} | {tokens / dt:,.0f} tok/s "
-               f"| eta {eta:.0f}s")
-        if self.cfg.async_level and self.cfg.stage == "rl":  # the overlap: wall time below the phases' sum
-            r, t = m["time/rollout"], m["time/train"]
-            print0(f"  async | rollout {r:.2f}s + train {t:.2f}s = {r + t:.2f}s | wall {m['time/step']:.2f}s "
-                   f"| age {m.get('staleness/mean', 0.0):.2f}")
-
-    def close(self):
-        self.file.close()
-        if self.wandb:
-            self.wandb.finish()
+def eval_line(step: int, m: dict) -> str:
+    passes = "".join(f" | {k[5:]} {v:.3f}" for k, v in m.items() if k.startswith("eval/pass@"))
+    reward = f"{m['eval/reward']:.3f}" if "eval/reward" in m else "- (nothing scored)"
+    return f"eval step {step} | reward {reward}{passes}"
 
 
 # ----------------------------------------------------------------------------- main
@@ -315,9 +290,40 @@ def fail(e: Exception, code: int):
     raise SystemExit(code) from None
 
 
+@dataclass
+class Start:
+    """What a run starts from, every part of it checked before the run writes its first byte."""
+
+    out: Path  # --out-dir
+    src: Path | None  # the model directory (a checkpoint on resume); None: --model scratch
+    resume_from: Path | None  # the checkpoint --resume continues
+    kept: list[dict] | None  # on resume, the metrics rows up to that checkpoint
+    codec: D.TextCodec
+    task: T.Task
+    model: M.Transformer
+
+
+def check_start(cfg: C.Config) -> Start:
+    """Flags, run directory, checkpoint, model directory, tokenizer, task and rewards, engine choice."""
+    if cfg.prompts_per_step % P.WORLD and not cfg.inference_gpus:
+        raise C.ConfigError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the {P.WORLD} "
+                            "torchrun processes (each rank samples its own share)")
+    out = Path(cfg.out_dir)
+    resume_from = check_resumable(cfg, out) if cfg.resume else check_fresh(out)
+    kept = kept_metrics(out, int(resume_from.name[5:])) if resume_from else None  # step_NNNNNN
+    src = resume_from or (None if cfg.model == "scratch" else Path(cfg.model))
+    codec = D.TextCodec.load(src) if src else D.TextCodec.tiny(T.alphabet(cfg))
+    task = T.build(cfg, codec)
+    torch.manual_seed(cfg.seed)
+    model = load_model(cfg, src, codec)
+    task.fit_eval_set(cfg.max_new_tokens, model.args.max_position_embeddings, cfg.eval_every > 0)
+    if cfg.engine == "vllm":  # can vLLM report the support this loss needs? Ask before starting it
+        vllm_logprobs(rl_sampling(cfg), model.args.vocab_size)
+    return Start(out, src, resume_from, kept, codec, task, model)
+
+
 def main(argv: list[str] | None = None) -> dict:
     cfg = C.parse(argv)
-    out = Path(cfg.out_dir)
     P.pin_inference_gpu(cfg.inference_gpus)
     try:
         cfg = cfg.resolve(torch.cuda.is_available())
@@ -325,34 +331,43 @@ def main(argv: list[str] | None = None) -> dict:
         if P.serving():  # an --inference-gpus rank: it samples for the trainers until they stop it
             serve(cfg, P.LINK)
             return {}
-        if cfg.prompts_per_step % P.WORLD and not cfg.inference_gpus:
-            raise C.ConfigError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the {P.WORLD} "
-                                "torchrun processes (each rank samples its own share)")
-        resume_from = check_resumable(cfg, out) if cfg.resume else None
-    except C.ConfigError as e:
+        s = check_start(cfg)
+    except (C.ConfigError, FileNotFoundError, ValueError) as e:  # bad flags, run directory, model, task or reward
         fail(e, 2)
-    torch.manual_seed(cfg.seed)
-    if RANK == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(cfg.to_json())
-    print0(cfg.to_json())
     try:
-        src, model, fwd, codec, task, engine, opt = build(cfg, resume_from)
-    except (FileNotFoundError, ValueError, C.ConfigError) as e:  # a bad model directory, or flags the engine can't serve
+        return launch(cfg, s)
+    except OSError as e:  # a read-only or full disk: one line, and what was written before stays
+        fail(f"cannot write the run in {s.out}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else ""), 1)
+
+
+def launch(cfg: C.Config, s: Start) -> dict:
+    """Write the run's config, build the engine and optimizer, resume if asked, loop, summarize."""
+    hashes = T.reward_hashes(s.task.rewards)
+    if s.resume_from:
+        note_changed_rewards(s.out, hashes)
+    if RANK == 0:  # everything was checked: the run may write now
+        s.out.mkdir(parents=True, exist_ok=True)
+        (s.out / "config.json").write_text(json.dumps({**json.loads(cfg.to_json()), "reward_sha256": hashes}, indent=2))
+    print0(cfg.to_json())
+    src = s.src or write_scratch(cfg, s.out, s.model, s.task)
+    try:
+        fwd, engine, opt = build(cfg, src, s.model, s.codec)
+    except (FileNotFoundError, ValueError, C.ConfigError) as e:  # flags the engine can't serve
         fail(e, 2)
     rng = random.Random(cfg.seed)
-    start = load_training_state(resume_from, model, opt, rng, engine) if resume_from else 0
-    print0(f"model {src}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params on {cfg.device}"
+    start = load_training_state(s.resume_from, s.model, opt, rng, engine) if s.resume_from else 0
+    print0(f"model {src}: {sum(p.numel() for p in s.model.parameters()) / 1e6:.2f}M params on {cfg.device}"
            + (f" x {P.WORLD} ranks (FSDP2)" if P.WORLD > 1 else "")
            + (f", sampling on {cfg.inference_gpus} more" if cfg.inference_gpus else "")
            + (f" | resuming at step {start}" if start else "") + (" | compiling, ~1 min" if cfg.compile == "on" else ""))
-    log = Logger(cfg, start)
     try:
-        run(cfg, log, start, out, src, model, fwd, task, engine, opt, rng)
+        log = Logger(cfg, start, s.kept)
+        run(cfg, log, start, s.out, src, s.model, fwd, s.task, engine, opt, rng)
     except D.RunError as e:
         fail(e, 1)  # what was logged and saved so far stays
     finally:
-        log.close()
+        if "log" in locals():
+            log.close()
         if isinstance(engine, RemoteEngine):
             engine.stop()
     summary = finish(cfg, log)
@@ -365,8 +380,9 @@ def run(cfg, log, start, out, src, model, fwd, task, engine, opt, rng):
     """The loop: rollout, train, push weights, eval, log, checkpoint. The batches come from
     pipeline.AsyncRollouts: made inline, or with --async-level from a thread that samples ahead."""
     if cfg.eval_every and not start and RANK == 0:
-        log.row(0, {"eval/reward": evaluate(cfg, task, engine)})
-        print0(f"eval step 0 | reward {log.rows[-1]['eval/reward']:.3f}")
+        log.row(0, evaluate(cfg, task, engine))
+        print0(eval_line(0, log.rows[-1]))
+    skipped = 0  # non-finite steps in a row
     with batches(cfg, task, engine, rng, model, start) as pipe:
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.time()
@@ -379,17 +395,22 @@ def run(cfg, log, start, out, src, model, fwd, task, engine, opt, rng):
             due = bool(cfg.eval_every) and RANK == 0 and (step % cfg.eval_every == 0 or step == cfg.steps)
             pipe.publish(model, step, hold=due)  # version `step`; held: the next batch waits for the eval
             m = L.reduce_metrics(sum_over_ranks(total, cfg.device))
+            m["skipped/empty_step"] = float(not batch)  # nothing scored: the step trained nothing
             if cfg.stage == "rl" and batch:  # a std does not sum over ranks
                 m["reward/std"] = torch.tensor([s.reward for s in batch], dtype=torch.float64).std(unbiased=False).item()
             t1 = time.time()
             m.update({"time/rollout": t_rollout, "time/train": t_train, "time/step": t1 - t0, "tokens/train": n_loss,
                       "tokens/packed": n_tok})  # loss tokens; micro-batch slots (the work done, padding included)
             if due:
-                m["eval/reward"] = evaluate(cfg, task, engine)  # this step's weights
+                m.update(evaluate(cfg, task, engine))  # this step's weights
                 pipe.release()
-                print0(f"eval step {step} | reward {m['eval/reward']:.3f}")
+                print0(eval_line(step, m))
             log.row(step, m)
             log.line(step, m, n_tok, t1 - t0)
+            skipped = skipped + 1 if m.get("skipped/nonfinite_step") else 0
+            if skipped == 3:
+                raise D.RunError(f"3 steps in a row skipped for {nonfinite_cause(batch, m)}; "
+                                 "none of them was applied or saved")
             if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                 st = pipe.rng_after(step)  # the RNGs as the next batch found them (AsyncRollouts, 5)
                 save_checkpoint(out, step, model, opt, st.rng, st.gen, src)

@@ -54,7 +54,7 @@ PEAK_BF16 = {"H200": 989e12, "H100": 989e12}
 def write_model(d: Path, shape: str) -> int:
     D.write_tokenizer(d)
     stop = D.TextCodec.load(d).stop_ids[0]
-    m = M.Qwen3(M.ModelArgs(151936, **SHAPES[shape], tie_word_embeddings=True, eos_token_id=stop))
+    m = M.Transformer(M.ModelArgs(151936, **SHAPES[shape], tie_word_embeddings=True, eos_token_id=stop))
     M.init_weights(m, seed=0)
     M.save(m, d, d)
     return sum(p.numel() for p in m.parameters())

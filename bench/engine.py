@@ -37,6 +37,7 @@ import torch  # noqa: E402
 
 import data as D  # noqa: E402
 import model as M  # noqa: E402
+import tasks as T  # noqa: E402
 from rollout import Sampling, TorchEngine, VLLMEngine  # noqa: E402
 
 
@@ -73,7 +74,7 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = M.load(a.model, device=device)
     codec = D.TextCodec.load(a.model)
-    task = D.ReverseText(codec, 1, 3, 8)
+    task = T.ReverseText(codec, 1, 3, 8)
     prompts = [p.ids for p in task.sample(a.prompts, random.Random(0))]
     settings = [("off", Sampling(top_k=a.top_k, max_new_tokens=a.max_new_tokens)),
                 ("on", Sampling(top_k=a.top_k, max_new_tokens=a.max_new_tokens, support=True))]

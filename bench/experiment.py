@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import shutil
 import shlex
 import statistics
 import sys
@@ -65,7 +66,8 @@ def run_one(args: list[str], run_dir: Path) -> dict:
     done = run_dir / "result.json"
     if done.is_file() and json.loads(done.read_text())["args"] == args:
         return {**json.loads(done.read_text()), "reused": True}
-    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(run_dir, ignore_errors=True)  # the bench's own directory: a changed run starts over
+    run_dir.mkdir(parents=True)
     t0 = time.perf_counter()
     with open(run_dir / "train.log", "w") as f, contextlib.redirect_stdout(f):
         summary = train.main(args)

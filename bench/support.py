@@ -45,6 +45,7 @@ import torch  # noqa: E402
 
 import data as D  # noqa: E402
 import model as M  # noqa: E402
+import tasks as T  # noqa: E402
 from kernels import head  # noqa: E402
 from rollout import Sampling, TorchEngine  # noqa: E402
 
@@ -74,7 +75,7 @@ def rollout_support() -> D.TokenSupport:
     src = ROOT / "checkpoints" / "reverse-tiny"
     model = M.load(src)
     codec = D.TextCodec.load(src)
-    task = D.ReverseText(codec)
+    task = T.ReverseText(codec)
     prompts = task.sample(32, random.Random(0))
     engine = TorchEngine(model, "bf16", codec.stop_ids, seed=0)
     out = engine.generate([p.ids for p in prompts], 8, Sampling(top_p=0.97, max_new_tokens=24, support=True))

@@ -13,6 +13,7 @@ import torch
 
 import config as C
 import data as D
+import tasks as T
 import loss as L
 import model as M
 import train
@@ -120,9 +121,10 @@ def test_async_level_0_is_the_synchronous_loop(tmp_path):
     train.main([*args, "--async-level", "0"])
     rows = _rows(tmp_path)
     assert not any("staleness/mean" in r or "kl/age0" in r for r in rows)  # the rows as before
-    cfg = C.parse(args).resolve(False)  # the loop before --async-level, by hand
-    torch.manual_seed(cfg.seed)
-    _, model, fwd, _, task, engine, opt = train.build(cfg)
+    cfg = C.parse([*args[:-1], str(tmp_path / "by-hand")]).resolve(False)  # the loop before --async-level, by hand
+    s = train.check_start(cfg)
+    model, task = s.model, s.task
+    fwd, engine, opt = train.build(cfg, s.src, model, s.codec)
     rng = random.Random(cfg.seed)
     for step in range(1, 4):
         samples, total = train.rollout_phase(cfg, task, engine, rng, step - 1, model.args.max_position_embeddings)
@@ -157,12 +159,12 @@ def test_two_gloo_ranks_each_with_a_rollout_thread(tmp_path):
 
 
 def test_staleness_and_age0_kl_by_hand():
-    codec = D.TextCodec(D.char_tokenizer(), [2])
-    m = M.Qwen3(M.ModelArgs(vocab_size=32, **M.TINY))
+    codec = D.TextCodec.tiny()
+    m = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
     M.init_weights(m, std=0.1, seed=0)
     cfg = C.Config(loss="icepop", prompts_per_step=4, group_size=3, max_new_tokens=10, async_level=1)
     engine = TorchEngine(m, "bf16", codec.stop_ids, seed=1)
-    samples, _ = train.rollout_phase(cfg, D.ReverseText(codec, eval_size=4), engine, random.Random(0), 0, 512)
+    samples, _ = train.rollout_phase(cfg, T.ReverseText(codec, eval_size=4), engine, random.Random(0), 0, 512)
     g = torch.Generator().manual_seed(5)
     for i, s in enumerate(samples):  # odd samples fresh (version 5 at step 5), even ones two steps old
         s.versions = [5 if i % 2 else 3] * len(s.completion)

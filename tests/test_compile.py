@@ -11,7 +11,7 @@ from rollout import Sampling, TorchEngine
 
 
 def _model(device="cpu"):
-    m = M.Qwen3(M.ModelArgs(vocab_size=32, **M.TINY))
+    m = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
     M.init_weights(m, std=0.1, seed=0)
     return m.to(device)
 

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 import config as C
 import data as D
+import tasks as T
 import loss as L
 import model as M
 import train
@@ -50,7 +51,7 @@ def one_step(cfg, state, samples):
     """This rank's share of the samples -> (metrics, full gradients, full weights after the step, micro-batches run)."""
     runs = []
     for phase in ("grads", "step"):
-        model = M.Qwen3(M.ModelArgs(vocab_size=32, **M.TINY))
+        model = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
         model.load_state_dict(state)
         train.shard(model)
         assert isinstance(model.head_weight, DTensor) == (train.P.WORLD > 1)
@@ -76,22 +77,22 @@ def only_on_rank1():
 
 def _cases():
     """Token and sequence normalization; the second under top-p (replayed rows, the sparse head backward)."""
-    codec = D.TextCodec(D.char_tokenizer(), [2])
-    m = M.Qwen3(M.ModelArgs(vocab_size=32, **M.TINY))
+    codec = D.TextCodec.tiny()
+    m = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
     M.init_weights(m, std=0.1, seed=0)
     cases = []
     for agg, top_p in (("token", 1.0), ("sequence", 0.9)):
         cfg = C.Config(loss="icepop", icepop_alpha=0.8, icepop_beta=1.25, prompts_per_step=4, group_size=3,
                        max_new_tokens=10, lr=1e-2, grad_clip=0.05, bad_evidence="drop", loss_agg=agg, top_p=top_p)
         engine = TorchEngine(m, "bf16", codec.stop_ids, seed=1)
-        samples, _ = train.rollout_phase(cfg, D.ReverseText(codec, eval_size=4), engine, random.Random(0), 0, 512)
+        samples, _ = train.rollout_phase(cfg, T.ReverseText(codec, eval_size=4), engine, random.Random(0), 0, 512)
         g = torch.Generator().manual_seed(5)
         for s in samples:  # a sampler far from the trainer (the mask fires), and no group ties
             s.logq = [lq + float(torch.randn((), generator=g)) * 0.3 for lq in s.logq]
             s.advantage += float(torch.randn((), generator=g))
         samples[7].logq[0] = 0.5  # bad evidence: dropped on every rank, counted once
-        T = sum(len(s.ids) - 1 for s in samples) // 3 + 40  # three micro-batches: one rank runs a masked copy
-        cases.append((C.dataclasses.replace(cfg, micro_batch_tokens=T).resolve(False), m.state_dict(), samples))
+        budget = sum(len(s.ids) - 1 for s in samples) // 3 + 40  # three micro-batches: one rank runs a masked copy
+        cases.append((C.dataclasses.replace(cfg, micro_batch_tokens=budget).resolve(False), m.state_dict(), samples))
     cfg, state, samples = cases[0]  # --train-dtype bf16: autocast around FSDP2's fp32 weights, as in 1 process
     return cases + [(C.dataclasses.replace(cfg, train_dtype="bf16"), state, samples)]
 

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 needs_vllm = pytest.mark.skipif(not HAS_VLLM and not os.environ.get("CI"), reason="vllm does not import here")
 ENGINES = ["torch", pytest.param("vllm", marks=[pytest.mark.vllm, needs_vllm])]
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11]]
+STOPS = [2, 0]  # what the tiny directories' generation_config.json lists (vLLM reads it too)
 TOL = 1e-4  # the bound for two fp32 implementations (vLLM against the trainer)
 
 
@@ -58,7 +59,7 @@ def _kept(probs: list[float], top_k: int, top_p: float) -> set[int]:
 
 
 def _model():
-    m = M.Qwen3(M.ModelArgs(vocab_size=32, **M.TINY))
+    m = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
     M.init_weights(m, std=0.15, seed=0)  # a peaked but not one-hot distribution
     return m
 
@@ -76,13 +77,13 @@ def vllm_engine(model_dir):
     """One vLLM per test process (it keeps process-wide state); tests that push put the weights back."""
     from rollout import VLLMEngine
 
-    return VLLMEngine(model_dir, 32, "fp32", [2], seed=0, memory=0.2)
+    return VLLMEngine(model_dir, 32, "fp32", STOPS, seed=0, memory=0.2)
 
 
 @pytest.fixture
 def engine(request):
     if request.param == "torch":
-        return TorchEngine(_model(), "fp32", [2], seed=0)
+        return TorchEngine(_model(), "fp32", STOPS, seed=0)
     e = request.getfixturevalue("vllm_engine")
     e.load_weights(_model(), version=0)
     return e
@@ -118,7 +119,7 @@ def test_logq_equals_a_full_forward(engine, sampling):
             assert abs(logq - math.log(row[tok] / sum(row[v] for v in kept))) < _tols(engine)[0]
             checked += 1
         assert len(c.logq) == len(c.versions) == len(c.ids) and c.versions == [0] * len(c.ids)
-        assert c.finish_reason == ("stop" if c.ids[-1] == 2 else "length")
+        assert c.finish_reason == ("stop" if c.ids[-1] in STOPS else "length")
         assert c.finish_reason == "stop" or len(c.ids) == s.max_new_tokens
     assert checked > 20
 
@@ -189,7 +190,7 @@ def test_a_pushed_zero_head_gives_uniform_logq_and_versions_advance(engine):
 def test_pushed_weights_are_the_ones_sampled_from(engine):
     """Every tensor lands: after pushing other weights the engine's logq is their full forward's
     (a zero head alone cannot show this: with tied weights it zeroes every hidden state too)."""
-    other = M.Qwen3(M.ModelArgs(vocab_size=32, **M.TINY))
+    other = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
     M.init_weights(other, std=0.15, seed=1)
     for version, m in ((1, other), (2, _model())):
         engine.load_weights(m, version)
@@ -221,7 +222,7 @@ def rss_mib():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
 
 m = M.load({src!r})
-e = VLLMEngine({src!r}, m.args.vocab_size, "bf16", [2], seed=0, memory=0.2)
+e = VLLMEngine({src!r}, m.args.vocab_size, "bf16", [2, 0], seed=0, memory=0.2)
 s = Sampling(max_new_tokens=8)
 for v in range(1, 4):  # warm up: first pushes and generates allocate what they keep
     e.load_weights(m, v)
@@ -303,10 +304,10 @@ from tests.test_engines import _kept, _probs
 
 d = {dir!r}
 D.write_tokenizer(d)
-m = M.Qwen3(M.ModelArgs(vocab_size=8192, **M.TINY))
+m = M.Transformer(M.ModelArgs(vocab_size=8192, **M.TINY))
 M.init_weights(m, std=0.15, seed=2)
 M.save(m, d, d)
-e = VLLMEngine(d, 8192, "fp32", [2], seed=0, memory=0.2)
+e = VLLMEngine(d, 8192, "fp32", [2, 0], seed=0, memory=0.2)
 s = Sampling(temperature=0.9, top_k=8, top_p=0.95, max_new_tokens=8, support=True)
 rows, worst = 0, 0.0
 for i, c in enumerate(e.generate([[1, 5, 6, 7], [1, 9, 10]], 2, s)):

@@ -3,14 +3,18 @@ cannot go on) or a counted skip, and nothing written earlier is lost."""
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import data as D
+import model as M
+import tasks as T
 import train
 from rollout import TorchEngine
 
@@ -66,16 +70,17 @@ def test_config_that_does_not_match_the_weights(tmp_path):
 
 
 def test_a_reward_that_raises_skips_and_counts(tmp_path, monkeypatch):
-    real, calls = D.ReverseText.reward, [0]
+    real, calls = T.similarity, [0]
 
-    def flaky(self, p, completion):
+    def flaky(prompts, completions, target, **kwargs):
         calls[0] += 1
-        if calls[0] % 3 == 0:
+        if calls[0] % 3 == 0:  # one group in three: its samples are skipped
             raise RuntimeError("reward server down")
-        return real(self, p, completion)
+        return real(prompts, completions, target)
 
-    monkeypatch.setattr(D.ReverseText, "reward", flaky)
-    train.main(["--steps", "2", "--out-dir", str(tmp_path), *SMALL, "--group-size", "4"])
+    monkeypatch.setitem(T.BUILTIN, "similarity", flaky)
+    train.main(["--steps", "2", "--out-dir", str(tmp_path), *SMALL, "--group-size", "4", "--prompts-per-step", "3",
+                "--reward", "similarity"])
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sum(r["skipped/reward_error"] for r in rows) > 0
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["reward"]) for r in rows)
@@ -125,3 +130,56 @@ def test_nan_logprobs_dropped_and_counted(tmp_path, monkeypatch):
     train.main(["--steps", "2", "--out-dir", str(tmp_path), "--bad-evidence", "drop", *SMALL])
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["bad_evidence/dropped"] == pytest.approx(1 / 4) and rows[1]["bad_evidence/dropped"] == 0
+
+
+def _reward(monkeypatch, fn):
+    """The run's reward (--reward similarity) replaced by fn(call number, target) -> rewards."""
+    calls = [0]
+
+    def patched(prompts, completions, target, **kwargs):
+        calls[0] += 1
+        return fn(calls[0], target)
+
+    monkeypatch.setitem(T.BUILTIN, "similarity", patched)
+
+
+def _metrics(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("async_level", ["0", "1"])  # a skipped step still publishes its version: no hang
+def test_an_overflowing_reward_skips_the_step_and_never_reaches_the_weights(tmp_path, monkeypatch, capsys, async_level):
+    """A reward of 1e308 is finite, but the group mean overflows: the advantages are NaN. The step is
+    skipped before the optimizer and counted; three in a row stop the run with one line naming the
+    cause; every checkpoint written stays finite, and `final` loads."""
+    calls_per_step = 2  # --prompts-per-step 2: one reward call per prompt group
+    _reward(monkeypatch, lambda n, target: [1e308 if n > calls_per_step else 0.1 * i for i in range(len(target))])
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        train.main(["--steps", "6", "--save-every", "1", "--out-dir", str(out), *SMALL, "--reward", "similarity",
+                    "--async-level", async_level])
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "3 steps in a row" in err[0] and "non-finite advantages" in err[0], err
+    rows = _metrics(out)
+    assert [r["skipped/nonfinite_step"] for r in rows] == [0, 1, 1, 1]
+    assert os.readlink(out / "final") == "step_000003"
+    for ckpt in sorted(out.glob("step_*")):
+        m = M.load(ckpt)  # refuses non-finite weights
+        assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+def test_a_step_with_no_scorable_sample_is_skipped_and_counted(tmp_path, monkeypatch):
+    def down(n, target):
+        if n <= 3:  # the eval at step 0 (call 1) and both prompt groups of step 1 (calls 2 and 3)
+            raise RuntimeError("reward server down")
+        return [0.5 + 0.1 * i for i in range(len(target))]
+
+    _reward(monkeypatch, down)
+    out = tmp_path / "run"
+    train.main(["--steps", "2", "--out-dir", str(out), *SMALL, "--reward", "similarity", "--eval-every", "2",
+                "--eval-prompts", "1"])
+    rows = _metrics(out)
+    assert rows[0]["eval/reward_error"] == 1.0 and "eval/reward" not in rows[0]  # counted, nothing averaged
+    assert rows[1]["skipped/empty_step"] == 1.0 and rows[1]["skipped/reward_error"] == 1.0
+    assert rows[2]["skipped/empty_step"] == 0.0 and math.isfinite(rows[2]["loss"]) and "eval/reward" in rows[2]

@@ -210,7 +210,7 @@ def _micro_batch(kind, V, gen, k=4):
     """Four samples packed into one micro-batch; support rows of `kind` on every completion token."""
     samples = []
     for i in range(4):
-        prompt = D.Prompt(torch.randint(3, V, (3 + i,), generator=gen).tolist(), "", "")
+        prompt = D.Prompt(torch.randint(3, V, (3 + i,), generator=gen).tolist(), "")
         completion = torch.randint(0, 6, (2 + i,), generator=gen).tolist()
         sup = _rows_support([kind] * len(completion), torch.tensor(completion), V, gen, k=k)
         logq = [float(sup.logq[int(sup.host_offsets[j])]) if kind == "replayed"  # the label's q

@@ -11,7 +11,7 @@ from rollout import Sampling, TorchEngine, group_advantages
 
 
 def _model():
-    m = M.Qwen3(M.ModelArgs(vocab_size=32, **M.TINY))
+    m = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
     M.init_weights(m, std=0.15, seed=0)  # a peaked but not one-hot distribution
     return m
 

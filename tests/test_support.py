@@ -7,12 +7,13 @@ import numpy as np
 import torch
 
 import data as D
+import tasks as T
 import model as M
 from rollout import Sampling, TorchEngine, draw
 
 
 def _model():
-    m = M.Qwen3(M.ModelArgs(vocab_size=32, **M.TINY))
+    m = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
     M.init_weights(m, std=0.15, seed=0)
     return m
 
@@ -49,7 +50,7 @@ def test_draws_follow_q_chi_square():
 def test_support_survives_packing():
     model = _model()
     engine = TorchEngine(model, "fp32", [2], seed=0)
-    task = D.ReverseText(D.TextCodec(D.char_tokenizer(), [2]), eval_size=2)
+    task = T.ReverseText(D.TextCodec.tiny(), eval_size=2)
     prompts = task.eval_set
     out = engine.generate([p.ids for p in prompts], 2, Sampling(top_p=0.9, max_new_tokens=8, support=True))
     samples = [D.Sample(prompts[i // 2], c.ids, c.logq, c.versions, c.finish_reason, c.support) for i, c in enumerate(out)]

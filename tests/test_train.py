@@ -13,6 +13,7 @@ import torch
 
 import config as C
 import data as D
+import tasks as T
 import model as M
 import train
 from rollout import TorchEngine
@@ -21,10 +22,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _setup(seed=0):
-    codec = D.TextCodec(D.char_tokenizer(), [2])
-    m = M.Qwen3(M.ModelArgs(vocab_size=32, **M.TINY))
+    codec = D.TextCodec.tiny()
+    m = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
     M.init_weights(m, std=0.1, seed=seed)
-    task = D.ReverseText(codec, eval_size=4)
+    task = T.ReverseText(codec, eval_size=4)
     return codec, m, task
 
 
@@ -47,7 +48,7 @@ def test_one_or_three_micro_batches_give_the_same_step(agg):
     total_tokens = sum(len(s.ids) - 1 for s in samples)
     runs = []
     for T in (total_tokens + 64, total_tokens // 3 + 40):
-        model = M.Qwen3(m.args)
+        model = M.Transformer(m.args)
         model.load_state_dict(m.state_dict())
         cfg_t = C.dataclasses.replace(cfg, micro_batch_tokens=T)
         mbs, denom, _ = train.prepare(cfg_t, samples, 32, "cpu")
@@ -102,7 +103,8 @@ def _rows(out):
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     train.main(["--steps", "4", "--out-dir", str(tmp_path / "a"), *SMALL])
     train.main(["--steps", "2", "--out-dir", str(tmp_path / "b"), *SMALL])
-    train.main(["--steps", "4", "--out-dir", str(tmp_path / "b"), "--resume", *SMALL])
+    other_spelling = os.path.relpath(tmp_path / "x" / ".." / "b")  # the same directory, written another way
+    train.main(["--steps", "4", "--out-dir", other_spelling, "--resume", *SMALL])
     a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
     assert a == b  # every metric of every step, exactly
@@ -156,7 +158,7 @@ def test_bf16_training_takes_the_fp32_step_to_bf16_rounding(device):
     samples = _samples(cfg, m, codec, task)
     runs = []
     for dtype in ("fp32", "bf16"):
-        model = M.Qwen3(m.args)
+        model = M.Transformer(m.args)
         model.load_state_dict(m.state_dict())
         model.to(device)
         cfg_d = C.dataclasses.replace(cfg, train_dtype=dtype)
@@ -165,8 +167,9 @@ def test_bf16_training_takes_the_fp32_step_to_bf16_rounding(device):
         assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
         runs.append((metrics, torch.cat([p.grad.flatten() for p in model.parameters()]).cpu()))
     (m32, g32), (m16, g16) = runs
-    for k in ("entropy", "mismatch/kl", "mismatch/abs_logratio", "score_centering/support_mass"):
-        assert m32[k] == pytest.approx(m16[k], rel=1e-2), k  # (the surrogate loss's value cancels, not compared)
+    for k, rel in (("entropy", 1e-2), ("mismatch/kl", 2e-2), ("mismatch/abs_logratio", 1e-2),
+                   ("score_centering/support_mass", 1e-2)):  # k3 = r - 1 - log r: bf16's error in log p, relative
+        assert m32[k] == pytest.approx(m16[k], rel=rel), k  # to a small k3, is larger (1.2% on this batch)
     cos = torch.nn.functional.cosine_similarity(g32, g16, dim=0)
     assert cos > 0.99 and (g16.norm() / g32.norm() - 1).abs() < 0.05, (cos, g16.norm(), g32.norm())
     assert not torch.equal(g32, g16)  # it did compute in bf16
