@@ -1,10 +1,14 @@
-"""Checkpoints: a HF directory (config.json, model.safetensors, tokenizer.json) that
-transformers and vLLM load as it is, plus the training state in `trainer_state/`
-(optimizer, RNGs, step), written under a temporary name and renamed by rank 0; `--resume`
-reads the newest complete one on every rank. Nothing is loaded with pickle: tensors are
-safetensors, the rest JSON.
+"""The run directory: one run per directory, its checkpoints, resume, and metrics.jsonl.
 
-    python -m pytest -q tests/test_train.py -k "resume or kill"
+A checkpoint is a HF directory (config.json, model.safetensors, tokenizer files) that
+transformers and vLLM load as it is, plus the training state in `trainer_state/` (optimizer,
+RNGs, step), written under a temporary name and renamed by rank 0; `--resume` reads the
+newest one that reads whole on every rank (a damaged one is skipped for the one before,
+with a warning). Nothing is loaded with pickle: tensors are safetensors, the rest JSON.
+`Logger` writes metrics.jsonl (a resume rewrites the kept rows through a temporary file),
+the log line, and wandb when asked.
+
+    python -m pytest -q tests/test_train.py tests/test_faults.py -k "resume or kill or damaged"
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import math
 import os
 import re
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -182,7 +187,7 @@ class Logger:
 
             run_id = out / "wandb_id"  # a resumed run logs into the same wandb run
             if not run_id.is_file():
-                run_id.write_text(wandb.util.generate_id())
+                run_id.write_text(uuid.uuid4().hex[:8])  # wandb's id alphabet: a-z, 0-9
             self.wandb = wandb.init(project=cfg.wandb_project, config=json.loads(cfg.to_json()), dir=cfg.out_dir,
                                     id=run_id.read_text().strip(), resume="allow")
 

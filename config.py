@@ -147,6 +147,12 @@ class Config:
         _check(self.lr >= 0, "--lr", f"must be >= 0 (0: the stage's default), got {self.lr}")
         _check(self.grad_clip >= 0, "--grad-clip", f"must be >= 0 (0: off), got {self.grad_clip}")
         _check(self.epochs >= 1, "--epochs", f"must be >= 1, got {self.epochs}")
+        _check(self.stage == "rl" or self.loss == "icepop", "--loss",
+               f"{self.loss} has no effect with --stage sft (it trains the reference's log-likelihood)")
+        reinforce = self.loss == "reinforce" or self.correction_metrics_only
+        _check(self.epochs == 1 or not reinforce, "--epochs",
+               f"{self.epochs} with plain reinforce would retrain the batch off-policy with no correction; "
+               "use --loss ppo or cispo (clipped against pi_old), or icepop/tis/ipo (weighted by p/q)")
         _check(self.save_every >= 0, "--save-every", f"must be >= 0, got {self.save_every}")
         _check(self.eval_every >= 0, "--eval-every", f"must be >= 0 (0: no eval), got {self.eval_every}")
         _check(self.eval_prompts >= 1, "--eval-prompts", f"must be >= 1, got {self.eval_prompts}")

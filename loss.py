@@ -29,8 +29,10 @@ Simplifications and decisions:
    under torchrun the caller sums them over ranks. A zero count divides by 1 (loss 0).
 8. ppo has no dual clip: rho compares the trainer with itself and stays near 1.
 9. Evidence checks read the loss tokens and their support rows only (what the loss uses).
-   An empty replayed row fails (it cannot hold its sampled token), an empty draws row is
-   fine (no centering). Broken offsets, a packing bug, raise even under --bad-evidence drop.
+   An empty replayed row fails (it cannot hold its sampled token); an empty draws row fails on
+   a trained token for the centered losses (their centering reads it, and the sparse backward
+   is exact only with it) and is fine for ppo/cispo. Broken offsets, a packing bug, raise even
+   under --bad-evidence drop.
 
     python -m pytest -q tests/test_loss.py      # CPU, seconds
     python train.py --loss tis --seq-mask geometric --seq-mask-low 0.999 --seq-mask-high 1.001   # 1 CPU or GPU
@@ -343,14 +345,15 @@ def reduce_metrics(total: Metrics) -> dict[str, float]:
 CHECKS = ("support offsets are not non-decreasing from 0 to nnz",  # structural: always raises
           "label not in [0, V)", "support id not in [0, V)", "logq is not finite (NaN or inf)", "logq > 0",
           "support logq is not finite (NaN or inf)", "support logq > 0", "replayed row lacks its sampled token",
-          "replayed q does not sum to 1 (tolerance 1e-3)", "draws row size != --score-centering-k")
+          "replayed q does not sum to 1 (tolerance 1e-3)", "draws row size != --score-centering-k",
+          "draws row is empty on a trained token (its score centering, and the sparse backward, need the K draws)")
 
 
-def _evidence_fails(mb: MicroBatch, vocab_size: int, k: int) -> tuple[Tensor, Tensor | None]:
+def _evidence_fails(mb: MicroBatch, vocab_size: int, k: int, centered: bool) -> tuple[Tensor, Tensor | None]:
     """[len(CHECKS), T] bool, one row per check, and each support entry's row."""
     mask, labels, logq, sup, row = mb.loss_mask, mb.labels, mb.logq, mb.support, None
     T, no = mask.numel(), torch.zeros_like(mask)
-    out = [no, (labels < 0) | (labels >= vocab_size), no, ~torch.isfinite(logq), logq > 0] + [no] * 5
+    out = [no, (labels < 0) | (labels >= vocab_size), no, ~torch.isfinite(logq), logq > 0] + [no] * 6
     if sup is not None:
         if sup.offsets.numel() != T + 1:
             raise RunError(f"bad sampler evidence: support has {sup.offsets.numel() - 1} rows for {T} tokens")
@@ -364,6 +367,7 @@ def _evidence_fails(mb: MicroBatch, vocab_size: int, k: int) -> tuple[Tensor, Te
         out[7] = sup.replayed & ~_any_by(row, ids == labels[row], T)
         out[8] = sup.replayed & (counts > 0) & ~((_sum_by(row, slq.double().exp(), T) - 1).abs() <= 1e-3)
         out[9] = ~sup.replayed & (counts > 0) & (counts != k)
+        out[10] = ~sup.replayed & (counts == 0) & centered
     fails = torch.stack(out)
     fails[1:] &= mask  # only what the loss reads; offsets are checked on every row
     return fails, row
@@ -391,7 +395,8 @@ def validate_evidence(micro_batches: list[MicroBatch], vocab_size: int, cfg: Con
     bad = torch.zeros(space, dtype=torch.int64, device=dev)  # failures per sample index
     firsts, rows = [], []
     for mb in micro_batches:
-        fails, row = _evidence_fails(mb, vocab_size, cfg.score_centering_k)
+        centered = cfg.loss in CENTERED or cfg.correction_metrics_only  # these read every trained token's row
+        fails, row = _evidence_fails(mb, vocab_size, cfg.score_centering_k, centered)
         T = fails.shape[1]
         t = torch.arange(T, device=dev)
         pos = torch.where(fails, t, T).amin(dim=1)  # first failure of each check; T: none

@@ -264,41 +264,56 @@ class Task:
                                   f"(it has {sorted(have) or 'none'})")
 
 
-class ReverseText(Task):
+class Generated(Task):
+    """A task whose prompts a seeded generator makes: `draw(rng)` gives a key, `make(key)` its prompt.
+    The eval set is the first `eval_size` distinct keys of a fixed seed, and training rejects them."""
+
+    def __init__(self, codec, rewards, template_kwargs, eval_size: int, distinct: int, flags: str):
+        super().__init__(codec, rewards, template_kwargs)
+        if 2 * eval_size > distinct:  # training must keep most prompts, or its sampler would hunt for them
+            raise ConfigError(f"--eval-prompts {eval_size} would hold out more than half of the {distinct} distinct "
+                              f"prompts of {flags}; lower it or widen those")
+        rng, keys = random.Random(EVAL_SEED), {}
+        while len(keys) < eval_size:
+            keys.setdefault(self.draw(rng))
+        self.held_out = set(keys)
+        self.eval_set = [self.make(k) for k in keys]
+        self.check(self.eval_set, type(self).__name__)
+
+    def draw(self, rng: random.Random):
+        raise NotImplementedError
+
+    def make(self, key) -> Prompt:
+        raise NotImplementedError
+
+    def sample(self, n: int, rng: random.Random) -> list[Prompt]:
+        out = []
+        while len(out) < n:
+            key = self.draw(rng)
+            if key not in self.held_out:
+                out.append(self.make(key))
+        return out
+
+
+class ReverseText(Generated):
     """Reverse a few words character by character; the reward is difflib's ratio to the target."""
 
     alphabet = LETTERS
 
     def __init__(self, codec, rewards=None, min_words=1, max_words=3, eval_size=64, template_kwargs=None):
-        super().__init__(codec, rewards or [Reward("similarity", similarity)], template_kwargs)
         self.min_words, self.max_words = min_words, max_words
         distinct = sum(len(WORDS) ** k for k in range(min_words, max_words + 1))
-        if 2 * eval_size > distinct:  # training must keep most texts, or its sampler would hunt for them
-            raise ConfigError(f"--eval-prompts {eval_size} would hold out more than half of the {distinct} distinct "
-                              f"texts of --min-words {min_words} --max-words {max_words}; lower it or allow more words")
-        rng, texts = random.Random(EVAL_SEED), {}
-        while len(texts) < eval_size:
-            texts.setdefault(self._text(rng))
-        self.eval_texts = set(texts)
-        self.eval_set = [self.make(t) for t in texts]
-        self.check(self.eval_set, "reverse-text")
+        super().__init__(codec, rewards or [Reward("similarity", similarity)], template_kwargs, eval_size, distinct,
+                         f"--min-words {min_words} --max-words {max_words}")
 
-    def _text(self, rng: random.Random) -> str:
+    def draw(self, rng: random.Random) -> str:
         return " ".join(rng.choice(WORDS) for _ in range(rng.randint(self.min_words, self.max_words)))
 
     def make(self, text: str) -> Prompt:
         return self.prompt([{"role": "user", "content": f"reverse: {text}"}], {"target": text[::-1]}, text[::-1])
 
-    def sample(self, n: int, rng: random.Random) -> list[Prompt]:
-        out = []
-        while len(out) < n:
-            t = self._text(rng)
-            if t not in self.eval_texts:
-                out.append(self.make(t))
-        return out
 
-
-class Arithmetic(Task):
+class Arithmetic(Generated):
     """a + b or a - b, a in [0, --max-operand] and b a digit; the answer is checkable, the reward 0/1.
 
     b is one digit so every problem is made of facts that training shows in other problems too
@@ -308,33 +323,17 @@ class Arithmetic(Task):
     alphabet = DIGITS
 
     def __init__(self, codec, rewards=None, max_operand=99, eval_size=64, template_kwargs=None):
-        super().__init__(codec, rewards or [Reward("numeric_match", numeric_match)], template_kwargs)
         self.max_operand = max_operand
-        distinct = 2 * (max_operand + 1) * 10
-        if 2 * eval_size > distinct:
-            raise ConfigError(f"--eval-prompts {eval_size} would hold out more than half of the {distinct} "
-                              f"problems of --max-operand {max_operand}; lower it or raise --max-operand")
-        rng, problems = random.Random(EVAL_SEED), {}
-        while len(problems) < eval_size:
-            problems.setdefault(self._problem(rng))
-        self.held_out = set(problems)
-        self.eval_set = [self.make(*p) for p in problems]
-        self.check(self.eval_set, "arithmetic")
+        super().__init__(codec, rewards or [Reward("numeric_match", numeric_match)], template_kwargs, eval_size,
+                         2 * (max_operand + 1) * 10, f"--max-operand {max_operand}")
 
-    def _problem(self, rng: random.Random) -> tuple[int, str, int]:
+    def draw(self, rng: random.Random) -> tuple[int, str, int]:
         return rng.randint(0, self.max_operand), rng.choice("+-"), rng.randint(0, 9)
 
-    def make(self, a: int, op: str, b: int) -> Prompt:
+    def make(self, problem: tuple[int, str, int]) -> Prompt:
+        a, op, b = problem
         answer = str(a + b if op == "+" else a - b)
         return self.prompt(f"{a}{op}{b}=", {"answer": answer}, answer)  # a plain prompt: 6 tokens, not 30 of chat
-
-    def sample(self, n: int, rng: random.Random) -> list[Prompt]:
-        out = []
-        while len(out) < n:
-            p = self._problem(rng)
-            if p not in self.held_out:
-                out.append(self.make(*p))
-        return out
 
 
 class JsonlTask(Task):

@@ -1,10 +1,11 @@
 """floe's training loop: a supervised warm-up stage and the RL stage, on one file.
 
-One RL step: sample prompts -> the engine generates a group of completions per prompt,
-with the sampler's evidence for every token -> rewards and group-centered advantages ->
-pack into fixed-shape micro-batches -> validate the evidence once -> per micro-batch:
-forward, fused head, loss, backward -> clip, AdamW step -> push the weights to the engine
-(version + 1) -> one log line, one metrics.jsonl row.
+One RL step: the task (tasks.py) draws prompts -> the engine generates a group of
+completions per prompt, with the sampler's evidence for every token -> the task's rewards
+and group-centered advantages -> pack into fixed-shape micro-batches -> validate the
+evidence once -> per micro-batch: forward, fused head, loss, backward -> clip, AdamW step
+(skipped when the gradient is not finite) -> push the weights to the engine (version + 1)
+-> one log line, one metrics.jsonl row.
 
 Simplifications:
 1. The trainer and the built-in engine share the process; the engine keeps its own copy
@@ -32,6 +33,8 @@ Simplifications:
    checkpoint's weights, so for a >= 1 it is valid but not bit-identical.
 
     python train.py --loss icepop --icepop-beta 2.0                 # CPU, the tiny model
+    python train.py --task arithmetic --model checkpoints/arith-tiny --lr 2e-4 --eval-prompts 256  # a 0/1 reward
+    python train.py --task jsonl:prompts.jsonl --reward my_rewards.py:score --model /path/to/model   # your own
     python train.py --model /path/to/Qwen3-0.6B --device cuda        # one GPU
     torchrun --nproc_per_node 2 train.py --loss icepop --steps 6     # two CPU processes (gloo)
     torchrun --nproc_per_node 8 train.py --model /path/to/Qwen3-8B   # 8 GPUs (NCCL)
@@ -319,6 +322,12 @@ def check_start(cfg: C.Config) -> Start:
     task.fit_eval_set(cfg.max_new_tokens, model.args.max_position_embeddings, cfg.eval_every > 0)
     if cfg.engine == "vllm":  # can vLLM report the support this loss needs? Ask before starting it
         vllm_logprobs(rl_sampling(cfg), model.args.vocab_size)
+    if (n := codec.tok.get_vocab_size()) > model.args.vocab_size:
+        raise C.ConfigError(f"{src}: tokenizer.json has {n} tokens, more than config.json's vocab_size "
+                            f"{model.args.vocab_size} (ids past it would index outside the embedding)")
+    if cfg.epochs > 1 and cfg.loss in ("icepop", "tis", "ipo"):
+        print0(f"note: --epochs {cfg.epochs} with --loss {cfg.loss}: the later passes reweight by p/q against the "
+               "sampler; nothing clips them against pi_old (ppo and cispo do)")
     return Start(out, src, resume_from, kept, codec, task, model)
 
 

@@ -14,6 +14,7 @@ import pytest
 
 import checkpoint
 import train
+from conftest import one_line
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "6", "--eval-every", "0"]
@@ -35,13 +36,6 @@ def _cli(*args, timeout=180):
                           timeout=timeout)
 
 
-def _one_line(r, code, *words):
-    assert r.returncode == code, r.stderr[-2000:]
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
-
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
@@ -55,10 +49,10 @@ def test_a_new_run_into_a_finished_one_is_refused_and_changes_nothing(finished, 
     out = _copy(finished, tmp_path)
     before = _tree(out)
     r = _cli("--steps", "2", "--out-dir", str(out))
-    _one_line(r, 2, str(out), "holds a run already", "--resume")
+    one_line(r, 2, str(out), "holds a run already", "--resume")
     for bad in (["--weight-decay", "nan"], ["--lr", "inf"],
                 ["--task", "jsonl:" + str(out / "none.jsonl"), "--reward", "numeric_match"]):
-        _one_line(_cli("--steps", "3", "--resume", "--out-dir", str(out), *bad), 2)
+        one_line(_cli("--steps", "3", "--resume", "--out-dir", str(out), *bad), 2)
     assert _tree(out) == before
 
 
@@ -71,10 +65,10 @@ def test_a_failed_start_writes_nothing(tmp_path):
         assert not out.exists(), bad
 
 
-def test_an_out_dir_that_is_a_file_is_one_line(tmp_path):
+def test_an_out_dir_that_is_a_file_isone_line(tmp_path):
     f = tmp_path / "file"
     f.write_text("mine")
-    _one_line(_cli("--steps", "1", "--out-dir", str(f)), 2, "is a file")
+    one_line(_cli("--steps", "1", "--out-dir", str(f)), 2, "is a file")
     assert f.read_text() == "mine"
 
 
@@ -102,7 +96,7 @@ def test_a_bad_row_in_the_middle_is_refused(finished, tmp_path):
     lines = (out / "metrics.jsonl").read_text().splitlines()
     (out / "metrics.jsonl").write_text("{oops\n" + "\n".join(lines[1:]) + "\n")
     before = _tree(out)
-    _one_line(_cli("--steps", "3", "--resume", "--out-dir", str(out)), 2, "metrics.jsonl:1 is not valid JSON")
+    one_line(_cli("--steps", "3", "--resume", "--out-dir", str(out)), 2, "metrics.jsonl:1 is not valid JSON")
     assert _tree(out) == before
 
 
@@ -127,11 +121,11 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(finished, tmp_
     assert strip(_rows(out)) == strip(_rows(clean))  # from step 1 on, the run is the uninterrupted one
 
 
-def test_every_checkpoint_damaged_is_one_line(finished, tmp_path):
+def test_every_checkpoint_damaged_isone_line(finished, tmp_path):
     out = _copy(finished, tmp_path)
     for p in out.glob("step_*/trainer_state/state.json"):
         p.write_text("{")
-    _one_line(_cli("--steps", "3", "--resume", "--out-dir", str(out)), 2, "every checkpoint", "damaged")
+    one_line(_cli("--steps", "3", "--resume", "--out-dir", str(out)), 2, "every checkpoint", "damaged")
 
 
 def test_the_logger_never_empties_the_history(finished, tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ import model as M
 import tasks as T
 import train
 from rollout import TorchEngine
+from conftest import one_line
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "checkpoints" / "reverse-tiny"
@@ -34,31 +35,24 @@ def _run(model_dir, tmp_path):
                            "--out-dir", str(tmp_path / "run"), *SMALL], capture_output=True, text=True, timeout=120)
 
 
-def _one_line(r, code, *words):
-    assert r.returncode == code, r.stderr[-2000:]
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
-
 
 def test_corrupt_weights(tmp_path):
     d = _copy(tmp_path)
     (d / "model.safetensors").write_bytes(b"\x00" * 64 + b"not a safetensors file")
-    _one_line(_run(d, tmp_path), 2, "model.safetensors", "unreadable")
+    one_line(_run(d, tmp_path), 2, "model.safetensors", "unreadable")
 
 
 def test_truncated_weights(tmp_path):
     d = _copy(tmp_path)
     blob = (d / "model.safetensors").read_bytes()
     (d / "model.safetensors").write_bytes(blob[: len(blob) // 2])
-    _one_line(_run(d, tmp_path), 2, "model.safetensors")
+    one_line(_run(d, tmp_path), 2, "model.safetensors")
 
 
 def test_missing_tokenizer(tmp_path):
     d = _copy(tmp_path)
     (d / "tokenizer.json").unlink()
-    _one_line(_run(d, tmp_path), 2, "tokenizer.json", "missing")
+    one_line(_run(d, tmp_path), 2, "tokenizer.json", "missing")
 
 
 def test_config_that_does_not_match_the_weights(tmp_path):
@@ -66,7 +60,7 @@ def test_config_that_does_not_match_the_weights(tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["num_hidden_layers"] += 1
     (d / "config.json").write_text(json.dumps(cfg))
-    _one_line(_run(d, tmp_path), 2, "do not match config.json")
+    one_line(_run(d, tmp_path), 2, "do not match config.json")
 
 
 def test_a_reward_that_raises_skips_and_counts(tmp_path, monkeypatch):
@@ -97,7 +91,7 @@ def test_prompts_longer_than_the_context(tmp_path):
     cfg["max_position_embeddings"] = 20  # nothing fits: one line, exit 1
     (d / "config.json").write_text(json.dumps(cfg))
     r = _run(d, tmp_path)
-    _one_line(r, 1, "longer than the context")
+    one_line(r, 1, "longer than the context")
 
 
 def _nan_on_step(monkeypatch, step: int):

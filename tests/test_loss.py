@@ -867,12 +867,15 @@ def bad_batches(case: str):
         ids, lqs = dr[1].rows[dr[1].mask.nonzero()[2].item()]
         dr[1].rows[dr[1].mask.nonzero()[2].item()] = (ids + ids[:1], lqs + lqs[:1])
         return [mbs[0], assemble(dr, T=16)[0]], 4, "draws row size"
+    if case == "empty-draws-row":  # sample 4 (draws), token 2 has no draws: centering and sparse need them
+        dr[1].rows[dr[1].mask.nonzero()[2].item()] = ([], [])
+        return [mbs[0], assemble(dr, T=16)[0]], 4, "draws row is empty"
     mutate, words = BAD[case]
     mutate(rep, mbs[0], doc_pos(rep, 1, 2))
     return mbs, 1, words
 
 
-CASES = [*BAD, "draws-row-size"]
+CASES = [*BAD, "draws-row-size", "empty-draws-row"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -902,6 +905,11 @@ def test_bad_evidence_drop(case):
     loss, m = run_loss(mbs, logits, cfg_for("icepop", **KLS["exact"]))
     assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in torch.autograd.grad(loss, logits))
     assert all(math.isfinite(v) for v in m.values())
+
+
+def test_an_empty_draws_row_is_fine_for_a_loss_that_reads_no_row():
+    mbs, _, _ = bad_batches("empty-draws-row")
+    assert L.reduce_metrics(L.validate_evidence(mbs, V, cfg_for("ppo"))) == {"bad_evidence/dropped": 0.0}
 
 
 def test_broken_offsets_raise_even_when_dropping():

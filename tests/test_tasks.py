@@ -15,6 +15,7 @@ import pytest
 import config as C
 import data as D
 import tasks as T
+from conftest import one_line
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "checkpoints" / "reverse-tiny"
@@ -199,7 +200,7 @@ def test_eval_metrics_pass_at_k():
 
 
 def test_the_word_list_cannot_hang_the_sampler():
-    with pytest.raises(C.ConfigError, match="more than half of the 492 distinct texts"):
+    with pytest.raises(C.ConfigError, match="more than half of the 492 distinct prompts"):
         T.ReverseText(D.TextCodec.load(TINY), max_words=1, eval_size=247)
     task = T.ReverseText(D.TextCodec.load(TINY), max_words=1, eval_size=246)
     assert len({p.prompt[0]["content"] for p in task.sample(40, random.Random(0))} & {
@@ -230,13 +231,6 @@ def _train(tmp_path, *args):
     return r, out
 
 
-def _one_line(r, code, *words):
-    assert r.returncode == code, r.stderr[-2000:]
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
-
 
 @pytest.mark.parametrize("rows,words", [
     ([{"prompt": "1+1=", "answer": "2"}, "{not json"], ["t.jsonl:2", "not valid JSON"]),
@@ -248,7 +242,7 @@ def _one_line(r, code, *words):
 def test_bad_jsonl_is_one_line_and_writes_nothing(tmp_path, rows, words):
     path = _rows(tmp_path / "t.jsonl", rows)
     r, out = _train(tmp_path, "--model", str(ARITH), "--task", f"jsonl:{path}", "--reward", "numeric_match")
-    _one_line(r, 2, *words)
+    one_line(r, 2, *words)
     assert not out.exists()
 
 
@@ -257,15 +251,15 @@ def test_a_missing_reward_file_or_function_is_one_line_and_writes_nothing(tmp_pa
     for spec, words in ((str(tmp_path / "missing.py") + ":score", "no such file"),
                         (str(tmp_path / "rw.py") + ":scor", "no function 'scor'")):
         r, out = _train(tmp_path, "--reward", spec)
-        _one_line(r, 2, "--reward", words)
+        one_line(r, 2, "--reward", words)
         assert not out.exists()
 
 
-def test_an_eval_file_too_small_is_one_line(tmp_path):
+def test_an_eval_file_too_small_isone_line(tmp_path):
     path, held = _rows(tmp_path / "t.jsonl", _sums(8)), _rows(tmp_path / "e.jsonl", _sums(2))
     r, out = _train(tmp_path, "--model", str(ARITH), "--task", f"jsonl:{path}", "--reward", "numeric_match",
                     "--eval-file", str(held), "--eval-prompts", "4")
-    _one_line(r, 2, "e.jsonl has 2 rows, fewer than --eval-prompts 4")
+    one_line(r, 2, "e.jsonl has 2 rows, fewer than --eval-prompts 4")
     assert not out.exists()
 
 
@@ -295,4 +289,4 @@ def test_sft_on_a_file_without_completions_is_refused(tmp_path):
     path = _rows(tmp_path / "t.jsonl", [{"prompt": "1+1=", "answer": "2"}] * 8)
     r, out = _train(tmp_path, "--model", str(ARITH), "--task", f"jsonl:{path}", "--reward", "numeric_match",
                     "--stage", "sft", "--eval-prompts", "2")
-    _one_line(r, 2, "--stage sft needs a reference completion")
+    one_line(r, 2, "--stage sft needs a reference completion")

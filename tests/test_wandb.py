@@ -92,3 +92,14 @@ def test_no_flag_no_wandb(tmp_path, wandb_env, monkeypatch):
     train.main(TINY + ["--out-dir", str(out)])
     assert (out / "metrics.jsonl").is_file()
     assert not list(out.rglob("*wandb*")) and not wandb_env.exists()
+
+
+def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, wandb_env):
+    out = tmp_path / "run"
+    train.main(TINY + ["--wandb-project", "floe-test", "--out-dir", str(out)])
+    train.main(TINY + ["--wandb-project", "floe-test", "--out-dir", str(out), "--steps", "3", "--resume"])
+    logs = sorted((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(logs) == 2, logs
+    ids = {next(r.run for r in _records(p) if r.WhichOneof("record_type") == "run").run_id for p in logs}
+    assert ids == {(out / "wandb_id").read_text().strip()}
+    assert 3 in _history(_records(logs[1]))
