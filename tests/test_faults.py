@@ -6,6 +6,7 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -148,3 +149,13 @@ def test_the_logger_never_empties_the_history(finished, tmp_path, monkeypatch):
 
 def test_damage_reads_headers_only(finished):
     assert checkpoint.damage(finished / "step_000002") is None
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_one_line(tmp_path):
+    d = tmp_path / "model"
+    subprocess.run(["cp", "-a", str(ROOT / "checkpoints" / "reverse-tiny"), str(d)], check=True)
+    shutil.copy(ROOT / "checkpoints" / "arith-tiny" / "tokenizer.json", d / "tokenizer.json")  # 45 tokens, vocab 32
+    out = tmp_path / "run"
+    one_line(_cli("--steps", "1", "--model", str(d), "--out-dir", str(out)), 2, "tokenizer.json has 45 tokens",
+             "vocab_size 32")
+    assert not out.exists()
