@@ -369,13 +369,14 @@ def launch(cfg: C.Config, s: Start) -> dict:
            + (f" x {P.WORLD} ranks (FSDP2)" if P.WORLD > 1 else "")
            + (f", sampling on {cfg.inference_gpus} more" if cfg.inference_gpus else "")
            + (f" | resuming at step {start}" if start else "") + (" | compiling, ~1 min" if cfg.compile == "on" else ""))
+    log = None
     try:
-        log = Logger(cfg, start, s.kept)
+        log = Logger(cfg, start, s.kept)  # an OSError here (a full disk) reaches main's one line
         run(cfg, log, start, s.out, src, s.model, fwd, s.task, engine, opt, rng)
     except D.RunError as e:
         fail(e, 1)  # what was logged and saved so far stays
     finally:
-        if "log" in locals():
+        if log is not None:
             log.close()
         if isinstance(engine, RemoteEngine):
             engine.stop()
