@@ -69,6 +69,14 @@ def test_logits_match_transformers(tmp_path, tie):
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
 
 
+def _ours_and_transformers(ours, ckpt, n: int):
+    """Logits of one fixed batch of n token ids: floe's model, and transformers loading `ckpt` (floe's save)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    ids = torch.randint(0, 32, (1, n), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        return ours(ids[0], torch.arange(n), torch.zeros(n, dtype=torch.long)) @ ours.head_weight.T, hf(ids).logits[0]
+
+
 def test_our_checkpoint_loads_in_transformers(tmp_path):
     a = M.ModelArgs(vocab_size=32, **M.TINY)
     ours = M.Transformer(a)
@@ -76,11 +84,7 @@ def test_our_checkpoint_loads_in_transformers(tmp_path):
     (tmp_path / "tok").mkdir()
     D.write_tokenizer(tmp_path / "tok")
     M.save(ours, tmp_path / "ckpt", tmp_path / "tok")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32).eval()
-    ids = torch.randint(0, 32, (1, 20), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        ref = hf(ids).logits[0]
-        logits = ours(ids[0], torch.arange(20), torch.zeros(20, dtype=torch.long)) @ ours.head_weight.T
+    logits, ref = _ours_and_transformers(ours, tmp_path / "ckpt", 20)
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
     assert not (tmp_path / "ckpt.tmp").exists()
 
@@ -191,11 +195,7 @@ def test_a_fresh_model_of_each_family_writes_its_own_config(tmp_path, family):
     cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert cfg["model_type"] == family and cfg["architectures"] == [M.FAMILIES[family]]
     assert M.ModelArgs.from_hf(cfg) == a == M.load(tmp_path / "ckpt").args
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32).eval()
-    ids = torch.randint(0, 32, (1, 40), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        ref = hf(ids).logits[0]
-        logits = ours(ids[0], torch.arange(40), torch.zeros(40, dtype=torch.long)) @ ours.head_weight.T
+    logits, ref = _ours_and_transformers(ours, tmp_path / "ckpt", 40)
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)
 
 
