@@ -13,10 +13,12 @@ the log line, and wandb when asked.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -50,8 +52,12 @@ def save_checkpoint(out: Path, step: int, model, opt, rng, gen: torch.Generator,
     tensors.update({"rng/engine" + (f"/{r}" if r else ""): g for r, g in enumerate(gens)})  # each rank's engine
     state = {"step": step, "python_rng": rng.getstate(), "world_size": P.WORLD}
     path = out / f"step_{step:06d}"
-    M.save(model, path, src, state=weights, extra={f"{STATE}/state.json": json.dumps(state).encode(),
-                                                   f"{STATE}/optim_rng.safetensors": st_save(tensors)})
+    try:
+        M.save(model, path, src, state=weights, extra={f"{STATE}/state.json": json.dumps(state).encode(),
+                                                       f"{STATE}/optim_rng.safetensors": st_save(tensors)})
+    except OSError:  # a full or read-only disk mid-write: the torn copy never became step_NNNNNN; free its space
+        shutil.rmtree(path.with_name(path.name + ".tmp"), ignore_errors=True)  # M.save's temporary name
+        raise
     link = out / "final.tmp"  # `final` points at the newest checkpoint; replaced atomically
     link.unlink(missing_ok=True)
     link.symlink_to(path.name)
@@ -105,6 +111,35 @@ def check_fresh(out: Path) -> None:
     if (out / "metrics.jsonl").exists() or any(out.glob("step_*")):
         raise C.ConfigError(f"--out-dir {out} holds a run already: add --resume to continue it, or give another "
                             "--out-dir (or delete that directory to start over)")
+
+
+def write_config(out: Path, settings: dict) -> None:
+    """config.json, written under a temporary name and renamed: a full disk mid-write (a resume
+    rewrites it) leaves the old one whole."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "config.json.tmp"
+    tmp.write_text(json.dumps(settings, indent=2))
+    os.replace(tmp, out / "config.json")
+
+
+@contextlib.contextmanager
+def undone_on_failure(out: Path):
+    """A start that fails before its run exists (the engine refuses a flag, a full disk) takes back
+    what it wrote, by rank 0: the topmost folder it made (--out-dir itself when it was new), or the
+    scratch/ model it added to an existing one, and a torn config.json.tmp. An existing config.json
+    is only ever replaced whole (write_config), so --out-dir is left as it was."""
+    out = out.absolute()
+    made = [p for p in (*reversed(out.parents), out) if not p.exists()][:1]
+    made = made or ([] if (out / "scratch").exists() else [out / "scratch"])
+    try:
+        yield
+    except BaseException:  # SystemExit from `fail` and KeyboardInterrupt too
+        if RANK == 0:
+            for p in made:
+                shutil.rmtree(p, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                (out / "config.json.tmp").unlink(missing_ok=True)
+        raise
 
 
 def check_resumable(cfg: C.Config, out: Path) -> Path:

@@ -148,3 +148,35 @@ def test_torchrun_trains_resumes_and_its_checkpoint_loads_in_one_process(tmp_pat
     assert e.value.code == 2
     s = train.main(["--model", str(out / "final"), "--steps", "1", "--out-dir", str(tmp_path / "one"), *SMALL])
     assert s["steps"] == 1 and (tmp_path / "one" / "final" / "model.safetensors").is_file()
+
+
+REWARD = '''
+import os
+calls = 0
+
+def score(prompts, completions, target, **kwargs):
+    """Rank 1's group overflows from its second call (step 2) on; rank 0's never does."""
+    global calls
+    calls += 1
+    big = os.environ["RANK"] == "1" and calls > 1
+    return [1e308 if big else 0.1 * i for i in range(len(completions))]
+'''
+
+
+def test_a_reward_that_overflows_on_one_rank_skips_the_step_on_both(tmp_path):
+    """Rank 1's advantages are -inf; the samples are gathered to every rank before the loss and the
+    grad norm is all-reduced, so both ranks skip steps 2-4 (a mean of 1.0 over the two ranks: 0.5
+    would mean they disagreed), stop together with one line, and the checkpoints keep step 1's weights."""
+    (tmp_path / "reward.py").write_text(REWARD)
+    out = tmp_path / "run"
+    r = torchrun(str(ROOT / "train.py"), "--steps", "5", "--save-every", "1", "--out-dir", str(out), "--reward",
+                 f"{tmp_path / 'reward.py'}:score", *SMALL, "--eval-every", "0")
+    assert r.returncode == 1, r.stderr[-3000:]
+    lines = [x for x in r.stderr.splitlines() if x.startswith("floe: error:")]
+    assert len(lines) == 1 and "3 steps in a row" in lines[0] and "non-finite advantages" in lines[0], r.stderr[-3000:]
+    assert [(x["step"], x["skipped/nonfinite_step"]) for x in _rows(out)] == [(1, 0), (2, 1), (3, 1), (4, 1)]
+    first = M.load(out / "step_000001").state_dict()
+    for step in (2, 3):
+        for k, v in M.load(out / f"step_{step:06d}").state_dict().items():  # M.load refuses non-finite weights
+            assert torch.equal(v, first[k]), (step, k)
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_000001", "step_000002", "step_000003"]

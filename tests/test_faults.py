@@ -9,11 +9,14 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
+from safetensors.torch import save as st_save
 
 import checkpoint
+import model as M
 import train
 from conftest import one_line
 
@@ -159,3 +162,135 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_one_line(tmp_path):
     one_line(_cli("--steps", "1", "--model", str(d), "--out-dir", str(out)), 2, "tokenizer.json has 45 tokens",
              "vocab_size 32")
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- a read-only or full disk mid-run
+
+def _main(capsys, *args):
+    """train.main in this process, read like a finished command: its exit status and its stderr."""
+    capsys.readouterr()
+    try:
+        train.main([*SMALL, *args])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    said = capsys.readouterr()
+    return types.SimpleNamespace(returncode=code, stdout=said.out, stderr=said.err)
+
+
+def _same_but(before: dict, after: dict, *torn: str) -> None:
+    """Every complete file written before the fault is unchanged; a `torn` one only grew (half a row)."""
+    done = {k: v for k, v in before.items() if ".tmp" not in k and k not in torn}
+    assert {k: after.get(k) for k in done} == done
+
+
+def test_a_read_only_config_json_leaves_the_run_dir_as_it_was(finished, tmp_path, monkeypatch, capsys):
+    """The first write of a run (config.json): a new --out-dir is gone again; on resume (config.json
+    is rewritten) the run directory is byte-identical, and resumes once the disk is writable."""
+    real = Path.write_text
+
+    def read_only(self, *a, **k):
+        if self.name.startswith("config.json"):
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", read_only)
+    new = tmp_path / "new"
+    one_line(_main(capsys, "--steps", "1", "--out-dir", str(new)), 1, "cannot write", os.strerror(errno.EACCES))
+    assert not new.exists()
+    out = _copy(finished, tmp_path)
+    before = _tree(out)
+    one_line(_main(capsys, "--steps", "3", "--resume", "--out-dir", str(out)), 1, "cannot write", str(out),
+             os.strerror(errno.EACCES), "config.json")
+    assert _tree(out) == before
+    monkeypatch.undo()
+    assert _main(capsys, "--steps", "3", "--resume", "--out-dir", str(out)).returncode == 0
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3]
+
+
+def test_a_full_disk_mid_metrics_row_keeps_what_was_written(tmp_path, monkeypatch, capsys):
+    """Step 2's row: half of it lands, then ENOSPC. Step 1's row and checkpoint stay, and --resume
+    drops the torn row and continues from step_000001."""
+    out, seen, rows_before = tmp_path / "run", {}, []
+    real_open = open
+
+    def full_at_row_2(path, mode="r", *a, **k):
+        f = real_open(path, mode, *a, **k)
+        if Path(path).name == "metrics.jsonl" and "a" in mode:
+            write, rows = f.write, []
+
+            def torn(text):
+                rows.append(text)
+                if len(rows) < 2:
+                    return write(text)
+                seen.update(_tree(out))
+                rows_before.append((out / "metrics.jsonl").read_bytes())
+                write(text[: len(text) // 2])
+                f.flush()
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+            f.write = torn
+        return f
+
+    monkeypatch.setattr(checkpoint, "open", full_at_row_2, raising=False)  # shadows the builtin in checkpoint.py
+    one_line(_main(capsys, "--steps", "3", "--save-every", "1", "--out-dir", str(out)), 1, "cannot write",
+             os.strerror(errno.ENOSPC), "metrics.jsonl")
+    _same_but(seen, _tree(out), "metrics.jsonl")
+    assert (out / "metrics.jsonl").read_bytes().startswith(rows_before[0])  # step 1's row, then half of step 2's
+    assert [p.name for p in checkpoint.checkpoints(out)] == ["step_000001"]
+    monkeypatch.undo()
+    r = _main(capsys, "--steps", "3", "--resume", "--out-dir", str(out))
+    assert r.returncode == 0 and "dropping its torn last row" in r.stdout
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3]
+
+
+def test_a_full_disk_mid_checkpoint_never_shows_a_torn_step_dir(tmp_path, monkeypatch, capsys):
+    """step_000002's weights: half the file lands under step_000002.tmp, then ENOSPC. No step_000002
+    appears (the torn copy is removed), `final` still names step_000001, and --resume continues from it."""
+    out, seen, calls = tmp_path / "run", {}, []
+    real = M.save_file
+
+    def full_at_save_2(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) < 2:
+            return real(tensors, filename, metadata=metadata)
+        seen.update(_tree(out))
+        Path(filename).write_bytes(st_save(tensors)[:1000])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+
+    monkeypatch.setattr(M, "save_file", full_at_save_2)
+    one_line(_main(capsys, "--steps", "3", "--save-every", "1", "--out-dir", str(out)), 1, "cannot write",
+             os.strerror(errno.ENOSPC), "step_000002.tmp")
+    _same_but(seen, _tree(out))
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "final", "metrics.jsonl", "step_000001"]
+    assert os.readlink(out / "final") == "step_000001"
+    assert [r["step"] for r in _rows(out)] == [1, 2]  # step 2's row was written before its checkpoint
+    monkeypatch.undo()
+    assert _main(capsys, "--steps", "3", "--resume", "--out-dir", str(out)).returncode == 0
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3] and os.readlink(out / "final") == "step_000003"
+
+
+# ----------------------------------------------------------------------------- an engine that will not start
+
+@pytest.mark.parametrize("model", ["default", "scratch"])
+def test_an_engine_that_fails_to_start_leaves_the_run_dir_as_it_was(tmp_path, monkeypatch, capsys, model):
+    """config.json is written once the engine started; `--model scratch` writes its model into
+    out/scratch before (the engine loads a directory), and a failed start takes it back."""
+    flags = ["--steps", "1", "--max-new-tokens", "4"] + (["--model", "scratch"] if model == "scratch" else [])
+
+    def refuses(*a, **k):
+        raise ValueError("--engine torch: refuses this flag")
+
+    monkeypatch.setattr(train, "make_engine", refuses)
+    new = tmp_path / "runs" / "new"
+    one_line(_main(capsys, *flags, "--out-dir", str(new)), 2, "refuses this flag")
+    assert not (tmp_path / "runs").exists()  # and the parent this start would have made
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    one_line(_main(capsys, *flags, "--out-dir", str(mine)), 2, "refuses this flag")
+    assert _tree(mine) == {"notes.txt": hashlib.sha256(b"mine").hexdigest()}
+    monkeypatch.undo()
+    for out in (new, mine):
+        assert _main(capsys, *flags, "--out-dir", str(out)).returncode == 0
+        assert [r["step"] for r in _rows(out)] == [1]
