@@ -10,6 +10,11 @@ Simplifications:
 2. Packing is greedy first-fit-decreasing into fixed-size buffers of
    `--micro-batch-tokens` tokens: every micro-batch has the same shape, so a compiled
    forward never recompiles. Attention stays inside a document (`doc_ids`).
+   Samples with the same prompt (an RL group) share one copy of it: the buffer holds the
+   prompt but its last token once, as its own document, then per sample a document of
+   [last prompt token] + completion, whose `parents` entry names the prompt's document, so it
+   attends to the prompt and to itself (a tree, not a block-diagonal mask). Exact, and on the
+   default job 3.6x fewer tokens (README "Speed").
 3. `TokenSupport` is CSR: per-token rows of ids and sampler log-probs, never padded. Its
    offsets live on the device and on the host, so slicing a micro-batch needs no sync.
 
@@ -282,17 +287,18 @@ class MicroBatch:
 
     tokens: torch.Tensor  # int64 input ids
     positions: torch.Tensor  # int64 position inside its document (RoPE)
-    doc_ids: torch.Tensor  # int64 document index in this buffer; padding is one more document
+    doc_ids: torch.Tensor  # int64 document index in this buffer; each padding token is one more
     labels: torch.Tensor  # int64 the next token, scored at this position (0 where unused)
     loss_mask: torch.Tensor  # bool: this position's label is a trained completion token
     advantages: torch.Tensor  # float32 per token (the sample's advantage)
     logq: torch.Tensor  # float32 sampler log-prob of the label
     versions: torch.Tensor  # int64 policy version that sampled the label
-    sample_idx: torch.Tensor  # int64 index of the sample in the step's list; -1 on padding
+    sample_idx: torch.Tensor  # int64 index of the sample in the step's list; -1 on padding and shared prompts
     support: TokenSupport | None  # T rows; empty rows where nothing is centered
     num_loss_tokens: int  # host-side counts, for global normalization
     num_docs: int
     samples: list[int] = field(default_factory=list)  # the samples packed here, in order
+    parents: torch.Tensor | None = None  # int64 the document (a shared prompt) each token's document continues, else -1
 
     def to(self, device: torch.device | str) -> MicroBatch:
         moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
@@ -304,53 +310,96 @@ class MicroBatch:
 
 # ----------------------------------------------------------------------------- packing
 
-def pack(samples: list[Sample], micro_batch_tokens: int) -> list[MicroBatch]:
-    """First-fit-decreasing into fixed [T] buffers; a sample never straddles two."""
+def pack(samples: list[Sample], micro_batch_tokens: int, share_prompts: bool = True) -> list[MicroBatch]:
+    """First-fit-decreasing of prompt groups into fixed [T] buffers; a sample never straddles
+    two, and a group that does not fit one buffer is split, each part with its own prompt copy."""
     T = micro_batch_tokens
-    bins: list[list[int]] = []
+    for i, s in enumerate(samples):
+        if len(s.ids) - 1 > T:  # the last token is only ever a label
+            raise RunError(f"sample {i} has {len(s.ids)} tokens, more than --micro-batch-tokens {T}")
+    units = _units(samples, T) if share_prompts else [[i] for i in range(len(samples))]
+    bins: list[list[list[int]]] = []
     room: list[int] = []
-    for i in sorted(range(len(samples)), key=lambda i: -len(samples[i].ids)):
-        n = len(samples[i].ids) - 1  # the last token is only ever a label
-        if n > T:
-            raise RunError(f"sample {i} has {n + 1} tokens, more than --micro-batch-tokens {T}")
+    for u in sorted(units, key=lambda u: -_size(samples, u)):
+        n = _size(samples, u)
         j = next((j for j, r in enumerate(room) if r >= n), None)
         if j is None:
             bins.append([])
             room.append(T)
             j = len(bins) - 1
-        bins[j].append(i)
+        bins[j].append(u)
         room[j] -= n
     return [_fill(samples, sorted(b), T) for b in bins]
 
 
-def _fill(samples: list[Sample], idx: list[int], T: int) -> MicroBatch:
+def _size(samples: list[Sample], unit: list[int]) -> int:
+    """Buffer tokens of a unit: one sample alone, or a shared prompt (but its last token) and
+    each completion after that token."""
+    if len(unit) == 1:
+        return len(samples[unit[0]].ids) - 1
+    return len(samples[unit[0]].prompt.ids) - 1 + sum(len(samples[i].completion) for i in unit)
+
+
+def _units(samples: list[Sample], T: int) -> list[list[int]]:
+    """Samples with equal prompt ids, in order, cut where the next one would not fit one buffer."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(tuple(s.prompt.ids), []).append(i)
+    units = []
+    for idx in groups.values():
+        units.append([])
+        for i in idx:
+            if units[-1] and _size(samples, units[-1] + [i]) > T:
+                units.append([])
+            units[-1].append(i)
+    return units
+
+
+def _fill(samples: list[Sample], units: list[list[int]], T: int) -> MicroBatch:
     cols = {k: np.zeros(T, dtype=np.int64) for k in ("tokens", "positions", "doc_ids", "labels", "versions")}
+    parents = np.full(T, -1, dtype=np.int64)
     mask = np.zeros(T, dtype=bool)
     adv, logq = np.zeros(T, dtype=np.float32), np.zeros(T, dtype=np.float32)
     sample_idx = np.full(T, -1, dtype=np.int64)
-    has_support = any(samples[i].support is not None for i in idx)
+    flat = [i for u in units for i in u]
+    has_support = any(samples[i].support is not None for i in flat)
     rows: list[TokenSupport] = []
-    at = 0
-    for d, i in enumerate(idx):
-        s = samples[i]
-        ids, P, C = s.ids, len(s.prompt.ids), len(s.completion)
-        n = len(ids) - 1
-        sl = slice(at, at + n)
-        cols["tokens"][sl], cols["labels"][sl] = ids[:-1], ids[1:]
-        cols["positions"][sl], cols["doc_ids"][sl] = np.arange(n), d
-        sample_idx[sl] = i
-        c = slice(at + P - 1, at + n)  # positions whose label is a completion token
-        mask[c], adv[c], logq[c], cols["versions"][c] = True, s.advantage, s.logq, s.versions
-        if has_support:
-            sup = s.support if s.support is not None else TokenSupport.empty(C)
-            rows += [TokenSupport.empty(P - 1), sup]
-        at += n
-    cols["doc_ids"][at:] = len(idx)  # padding: one extra document, never trained
-    cols["positions"][at:] = np.arange(T - at)
+    at = d = 0
+
+    def put(ids, labels, start, parent, i=None):  # one document at the next slots
+        nonlocal at, d
+        sl = slice(at, at + len(ids))
+        cols["tokens"][sl], cols["labels"][sl], cols["doc_ids"][sl] = ids, labels, d
+        cols["positions"][sl], parents[sl] = np.arange(start, start + len(ids)), parent
+        if i is not None:  # a sample: its completion tokens are the labels from `c` on
+            s = samples[i]
+            c = slice(sl.stop - len(s.completion), sl.stop)
+            sample_idx[sl], mask[c], adv[c], logq[c], cols["versions"][c] = i, True, s.advantage, s.logq, s.versions
+            if has_support:
+                rows.append(TokenSupport.empty(c.start - at))
+                rows.append(s.support if s.support is not None else TokenSupport.empty(len(s.completion)))
+        elif has_support:
+            rows.append(TokenSupport.empty(len(ids)))
+        at, d = sl.stop, d + 1
+        return d - 1
+
+    for u in units:
+        if len(u) == 1:
+            ids = samples[u[0]].ids
+            put(ids[:-1], ids[1:], 0, -1, u[0])
+            continue
+        prompt = samples[u[0]].prompt.ids
+        P = len(prompt)
+        shared = put(prompt[:-1], prompt[1:], 0, -1) if P > 1 else -1
+        for i in u:
+            c = samples[i].completion
+            if c:
+                put([prompt[-1]] + c[:-1], c, P - 1, shared, i)
+    pad = T - at
+    cols["doc_ids"][at:] = d + np.arange(pad)  # padding: one-token documents, never trained
     if has_support:
-        rows.append(TokenSupport.empty(T - at))
+        rows.append(TokenSupport.empty(pad))
     t = {k: torch.from_numpy(v) for k, v in cols.items()}
-    return MicroBatch(t["tokens"], t["positions"], t["doc_ids"], t["labels"], torch.from_numpy(mask),
-                      torch.from_numpy(adv), torch.from_numpy(logq), t["versions"], torch.from_numpy(sample_idx),
-                      TokenSupport.cat(rows) if has_support else None,
-                      int(mask.sum()), len(idx), list(idx))
+    return MicroBatch(t["tokens"], t["positions"], t["doc_ids"], t["labels"], torch.from_numpy(mask), torch.from_numpy(adv), torch.from_numpy(logq), t["versions"],
+                      torch.from_numpy(sample_idx), TokenSupport.cat(rows) if has_support else None,
+                      int(mask.sum()), len(flat), flat, torch.from_numpy(parents))

@@ -63,7 +63,7 @@ import loss as L
 import model as M
 import tasks as T
 from checkpoint import (Logger, check_fresh, check_resumable, kept_metrics, load_training_state,
-                        note_changed_rewards, save_checkpoint)
+                        note_changed_rewards, save_checkpoint, undone_on_failure, write_config)
 from kernels import head, sparse_ok
 import parallel as P
 from parallel import RANK, full, gather, my_share, print0, setup_distributed, shard, sum_over_ranks
@@ -197,7 +197,7 @@ def _head(cfg, model, fwd, mb):
     hidden states and the weight (the cast is differentiable: the fp32 weight gets the gradient)."""
     bf16 = cfg.train_dtype == "bf16"
     with torch.autocast(mb.tokens.device.type, torch.bfloat16, enabled=bf16):
-        hidden = fwd(mb.tokens, mb.positions, mb.doc_ids)
+        hidden = fwd(mb.tokens, mb.positions, mb.doc_ids, mb.parents)
     weight = model.head_weight
     if bf16:
         hidden, weight = hidden.bfloat16(), weight.bfloat16()
@@ -350,19 +350,20 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def launch(cfg: C.Config, s: Start) -> dict:
-    """Write the run's config, build the engine and optimizer, resume if asked, loop, summarize."""
+    """Build the engine and optimizer, write the run's config, resume if asked, loop, summarize.
+    A start that fails before the loop (the engine refuses, a full disk) leaves --out-dir as it was."""
     hashes = T.reward_hashes(s.task.rewards)
     if s.resume_from:
         note_changed_rewards(s.out, hashes)
-    if RANK == 0:  # everything was checked: the run may write now
-        s.out.mkdir(parents=True, exist_ok=True)
-        (s.out / "config.json").write_text(json.dumps({**json.loads(cfg.to_json()), "reward_sha256": hashes}, indent=2))
     print0(cfg.to_json())
-    src = s.src or write_scratch(cfg, s.out, s.model, s.task)
-    try:
-        fwd, engine, opt = build(cfg, src, s.model, s.codec)
-    except (FileNotFoundError, ValueError, C.ConfigError) as e:  # flags the engine can't serve
-        fail(e, 2)
+    with undone_on_failure(s.out):  # everything was checked: the run may write now
+        src = s.src or write_scratch(cfg, s.out, s.model, s.task)  # the engine loads from a directory
+        try:
+            fwd, engine, opt = build(cfg, src, s.model, s.codec)
+        except (FileNotFoundError, ValueError, C.ConfigError) as e:  # flags the engine can't serve
+            fail(e, 2)
+        if RANK == 0:  # the engine started: now the config, which a resume checks its flags against
+            write_config(s.out, {**json.loads(cfg.to_json()), "reward_sha256": hashes})
     rng = random.Random(cfg.seed)
     start = load_training_state(s.resume_from, s.model, opt, rng, engine) if s.resume_from else 0
     print0(f"model {src}: {sum(p.numel() for p in s.model.parameters()) / 1e6:.2f}M params on {cfg.device}"

@@ -76,23 +76,25 @@ def test_cuda_engine_logq_equals_full_forward():
             assert abs(lq - ref) < 1e-4
 
 
-def _flex_against_dense(monkeypatch, device: str, grads: bool):
-    """The packed forward with a flex BlockMask against the dense [T, T] mask: hidden states (and,
-    with grads, every parameter's gradient), fp32, documents that straddle 128-token blocks."""
+def _against_dense(monkeypatch, device: str, mode: str, grads: bool):
+    """The packed forward under flex's BlockMask or `Rows` against the dense [T, T] mask: hidden
+    states (and, with grads, every parameter's gradient), fp32; documents straddle 128-token
+    blocks, and the second continues the first (a shared prompt: `parents`)."""
     import warnings
 
     warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
     tokens, positions, docs = _batch(device, T=300)
+    parents = torch.where(docs == 1, 0, -1)
     runs = []
-    for mode in ("dense", "flex"):
-        monkeypatch.setattr(M, "ATTENTION", mode)
+    for attention in ("dense", mode):
+        monkeypatch.setattr(M, "ATTENTION", attention)
         m = _model(device)
         with torch.set_grad_enabled(grads):
-            h = m(tokens, positions, docs)
-            if grads:
-                (h * torch.linspace(-1, 1, h.numel(), device=device).view_as(h)).sum().backward()
+            h = m(tokens, positions, docs, parents)
+            if grads:  # a loss of the size a real one has: O(1) gradients
+                (h * torch.linspace(-1, 1, h.numel(), device=device).view_as(h)).mean().backward()
         runs.append((h.detach(), [p.grad for p in m.parameters()] if grads else []))
-    assert isinstance(M.document_mask(docs), M.BlockMask)  # flex was on for the second run
+    assert isinstance(M.document_mask(docs), M.BlockMask if mode == "flex" else M.Rows)  # it was on
     (h0, g0), (h1, g1) = runs
     torch.testing.assert_close(h1, h0, atol=1e-5, rtol=1e-5)
     for a, b in zip(g0, g1):
@@ -101,10 +103,14 @@ def _flex_against_dense(monkeypatch, device: str, grads: bool):
 
 def test_flex_attention_equals_the_dense_mask(monkeypatch):
     """What CUDA runs, eagerly on the CPU (flex has no CPU backward: the gradients are the GPU test's)."""
-    _flex_against_dense(monkeypatch, "cpu", grads=False)
+    _against_dense(monkeypatch, "cpu", "flex", grads=False)
+
+
+def test_cpu_rows_attention_and_its_gradients_equal_the_dense_mask(monkeypatch):
+    _against_dense(monkeypatch, "cpu", "rows", grads=True)
 
 
 @pytest.mark.gpu
 @gpu
 def test_cuda_flex_attention_and_its_gradients_equal_the_dense_mask(monkeypatch):
-    _flex_against_dense(monkeypatch, "cuda", grads=True)
+    _against_dense(monkeypatch, "cuda", "flex", grads=True)

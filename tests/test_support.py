@@ -57,16 +57,15 @@ def test_support_survives_packing():
     for mb in D.pack(samples, 128):
         sup = mb.support
         assert sup.num_rows == 128 and torch.equal(sup.offsets, torch.from_numpy(sup.host_offsets))
-        at = 0
         for i in mb.samples:
             s = samples[i]
-            start = at + len(s.prompt.ids) - 1  # the first trained position of this document
-            for t in range(len(s.completion)):
-                a, b = int(sup.host_offsets[start + t]), int(sup.host_offsets[start + t + 1])
+            at = ((mb.sample_idx == i) & mb.loss_mask).nonzero()[:, 0].tolist()  # its trained positions
+            assert len(at) == len(s.completion)
+            for t, pos in enumerate(at):
+                a, b = int(sup.host_offsets[pos]), int(sup.host_offsets[pos + 1])
                 e, f = int(s.support.host_offsets[t]), int(s.support.host_offsets[t + 1])
                 assert sup.ids[a:b].tolist() == s.support.ids[e:f].tolist()
-                assert mb.labels[start + t] == s.completion[t]
-            at += len(s.ids) - 1
+                assert mb.labels[pos] == s.completion[t]
         trained = mb.loss_mask.nonzero()[:, 0].tolist()
         empty = [t for t in range(128) if t not in trained]
         assert all(sup.host_offsets[t] == sup.host_offsets[t + 1] for t in empty)

@@ -45,9 +45,10 @@ def test_one_or_three_micro_batches_give_the_same_step(agg):
     cfg = C.Config(loss="icepop", icepop_alpha=0.8, icepop_beta=1.25, loss_agg=agg, prompts_per_step=4,
                    group_size=3, max_new_tokens=10)
     samples = _samples(cfg, m, codec, task)
-    total_tokens = sum(len(s.ids) - 1 for s in samples)
+    prompts = {tuple(s.prompt.ids) for s in samples}  # packed once per group (data.pack)
+    total_tokens = sum(len(p) - 1 for p in prompts) + sum(len(s.completion) for s in samples)
     runs = []
-    for T in (total_tokens + 64, total_tokens // 3 + 40):
+    for T in (total_tokens + 64, total_tokens // 3 + 30):
         model = M.Transformer(m.args)
         model.load_state_dict(m.state_dict())
         cfg_t = C.dataclasses.replace(cfg, micro_batch_tokens=T)
@@ -57,7 +58,7 @@ def test_one_or_three_micro_batches_give_the_same_step(agg):
         grads = torch.cat([p.grad.flatten() for p in model.parameters()])
         runs.append((n_mb, import_reduce(metrics), grads))
     (n1, m1, g1), (n3, m3, g3) = runs
-    assert (n1, n3) == (1, 3)
+    assert n1 == 1 and n3 >= 3
     assert 0.02 < m1["icepop/masked_fraction"] < 0.9  # the mask fired on some tokens, not all
     assert m1.keys() == m3.keys()
     for k in m1:
