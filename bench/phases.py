@@ -1,0 +1,104 @@
+"""Where one default RL step spends its time: torch.profiler over a few steps of the main job,
+a table per phase and a table of the top operators.
+
+Under the profiler a step runs slower than alone (each operator is recorded): read the shares,
+and time whole runs with bench/e2e.py. Each phase is a `record_function` range wrapped around train.py's own functions from outside
+(nothing in train.py knows about it), so the same script profiles an older checkout too: run it
+from that checkout's root (`cd old && python /path/to/bench/phases.py`). Start-up, eval and the
+first step (warm-up) are left out of the tables.
+
+    python bench/phases.py                       # 3 profiled steps of the default job, after 1 warm-up
+    python bench/phases.py --steps 5 -- --prompts-per-step 16 --group-size 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.getcwd())  # the checkout being profiled
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+
+import train  # noqa: E402
+
+PHASES = ["rollout", "pack+validate", "forward", "head", "loss", "backward", "optimizer", "push"]
+
+
+def _timed(name: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with record_function(f"phase/{name}"):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+def instrument(prof) -> None:
+    """Wrap the step's functions in named ranges; the step boundary advances the profiler."""
+    import loss as L
+    import model as M
+    import pipeline
+
+    train.rollout_phase = _timed("rollout", train.rollout_phase)
+    train.prepare = _timed("pack+validate", train.prepare)
+    train.head = _timed("head", train.head)
+    L.rl_loss = _timed("loss", L.rl_loss)
+    M.Transformer.forward = _timed("forward", M.Transformer.forward)
+    torch.Tensor.backward = _timed("backward", torch.Tensor.backward)
+    train.optimizer_step = _timed("optimizer", train.optimizer_step)
+    pipeline.AsyncRollouts.publish = _timed("push", pipeline.AsyncRollouts.publish)
+    log_row = train.Logger.row
+
+    def row(self, step, m):  # one metrics row per step: profile from the end of the warm-up step on
+        log_row(self, step, m)
+        if step == 1:
+            prof.start()
+            prof.t0 = time.perf_counter()
+    train.Logger.row = row
+
+
+def tables(prof, steps: int, wall_ms: float) -> str:
+    """Phases: inclusive time of each range; operators: self time; shares of the step's wall time."""
+    events = prof.key_averages()
+    phase = {e.key[6:]: e.cpu_time_total / 1e3 / steps for e in events if e.key.startswith("phase/")}
+    total = wall_ms / steps
+    lines = ["| phase | ms per step | share |", "| --- | --- | --- |"]
+    for name in PHASES:
+        if name in phase:
+            lines.append(f"| {name} | {phase[name]:.0f} | {phase[name] / total:.0%} |")
+    lines.append(f"| the step (wall) | {total:.0f} | |")
+    ops = defaultdict(float)
+    for e in events:
+        if not e.key.startswith(("phase/", "ProfilerStep")):
+            ops[e.key] += e.self_cpu_time_total / 1e3 / steps
+    lines += ["", "| operator (self time) | ms per step | share |", "| --- | --- | --- |"]
+    for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:12]:
+        lines.append(f"| `{k[:60]}` | {v:.0f} | {v / total:.0%} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=3, help="profiled steps, after one warm-up step")
+    ap.add_argument("train_args", nargs="*", help="flags for train.py, after --")
+    a = ap.parse_args()
+    out = tempfile.mkdtemp(prefix="floe-profile-")
+    shutil.rmtree(out)
+    prof = profile(activities=[ProfilerActivity.CPU])
+    instrument(prof)
+    train.main(["--steps", str(a.steps + 1), "--eval-every", "0", "--out-dir", out, *a.train_args])
+    wall = (time.perf_counter() - prof.t0) * 1e3  # the last checkpoint and the summary too: a few ms
+    prof.stop()
+    shutil.rmtree(out, ignore_errors=True)
+    print(tables(prof, a.steps, wall))
+
+
+if __name__ == "__main__":
+    main()
