@@ -49,6 +49,7 @@ import math
 import os
 import random
 import resource
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -98,6 +99,8 @@ def write_scratch(cfg: C.Config, out: Path, model: M.Transformer, task: T.Task) 
 
 def build(cfg: C.Config, src: Path, model: M.Transformer, codec: D.TextCodec):
     """Engine, sharded model, optimizer and the (compiled) forward, around the loaded model."""
+    if cfg.compile == "on" and not can_compile(cfg.device):
+        cfg = C.dataclasses.replace(cfg, compile="off")  # the engine's decode step too
     if cfg.inference_gpus:  # the last ranks sample (remote.py): they load `src` once rank 0 says so
         engine = RemoteEngine(P.LINK, cfg.seed + RANK, cfg.engine_dtype)
         if RANK == 0:
@@ -108,6 +111,14 @@ def build(cfg: C.Config, src: Path, model: M.Transformer, codec: D.TextCodec):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
     fwd = torch.compile(model) if cfg.compile == "on" else model
     return fwd, engine, opt
+
+
+def can_compile(device: str) -> bool:
+    """torch.compile on a CPU builds C++: without a compiler the run goes on eager, saying so."""
+    if device != "cpu" or shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++"):
+        return True
+    print0("note: --compile on needs a C++ compiler on a CPU (none found: set CXX or install g++); running eager")
+    return False
 
 
 # ----------------------------------------------------------------------------- phases

@@ -114,3 +114,16 @@ def test_cpu_rows_attention_and_its_gradients_equal_the_dense_mask(monkeypatch):
 @gpu
 def test_cuda_flex_attention_and_its_gradients_equal_the_dense_mask(monkeypatch):
     _against_dense(monkeypatch, "cuda", "flex", grads=True)
+
+
+def test_compile_on_a_cpu_without_a_compiler_runs_eager_with_one_line(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    import train
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # no g++, no clang++, no $CXX
+    train.main(["--compile", "on", "--steps", "1", "--prompts-per-step", "2", "--group-size", "2",
+                "--max-new-tokens", "4", "--eval-every", "0", "--out-dir", str(tmp_path)])
+    notes = [line for line in capsys.readouterr().out.splitlines() if "C++ compiler" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: --compile on")
+    assert (tmp_path / "final").exists()

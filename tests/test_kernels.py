@@ -46,8 +46,10 @@ def _dense(hidden, weight, labels, support, T):
     return torch.stack(logp), ent, torch.cat(slp)
 
 
+@pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("chunk", [None, 3])
-def test_head_matches_dense(chunk):
+def test_head_matches_dense(chunk, keep, monkeypatch):
+    monkeypatch.setattr(kernels, "KEEP_ELEMENTS", 1 << 20 if keep else 0)  # the kept logits, or recomputed
     gen = torch.Generator().manual_seed(0)
     N, H, V, T = 11, 8, 19, 0.7
     hidden = torch.randn(N, H, generator=gen, requires_grad=True)
