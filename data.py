@@ -14,7 +14,7 @@ Simplifications:
    prompt but its last token once, as its own document, then per sample a document of
    [last prompt token] + completion, whose `parents` entry names the prompt's document, so it
    attends to the prompt and to itself (a tree, not a block-diagonal mask). Exact, and on the
-   default job 3.6x fewer tokens (README "Speed").
+   default job 3.7x fewer tokens (README "Speed").
 3. `TokenSupport` is CSR: per-token rows of ids and sampler log-probs, never padded. Its
    offsets live on the device and on the host, so slicing a micro-batch needs no sync.
 

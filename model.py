@@ -12,13 +12,15 @@ loads here with no rename table, and one saved here loads in transformers and vL
 writes the source's own config.json back. No transformers at run time.
 
 Simplifications:
-1. Training packs documents into one row (mask: same document and causal); decoding writes
-   each row's new keys into a static cache at that row's own position (mask: key slot <=
-   position), a boolean [B, 1, S, S_kv] mask fed to SDPA. The packed mask is dense [T, T] on
-   the CPU; on CUDA it is a flex-attention BlockMask, so the blocks between documents are
-   skipped (RL documents are short: at T = 8192 a dense mask would spend more FLOPs on
-   attention than on the linear layers). `ATTENTION` picks; the CPU tests run flex eagerly
-   against the dense path. Static shapes throughout, so torch.compile traces each path once.
+1. Training packs documents into one row (mask: same document and causal, or the document's
+   parent: a group's shared prompt, data.pack); decoding writes each row's new keys into a
+   static cache at that row's own position (mask: key slot <= position), a boolean
+   [B, 1, S, S_kv] mask fed to SDPA. The packed attention is `Rows` on the CPU (each
+   document a row of its own queries against its parent's and its own keys, rows batched by
+   length: work grows with the documents, not with [T, T]), a flex-attention BlockMask on
+   CUDA (the blocks between documents are skipped), and the dense [T, T] mask under
+   torch.compile on a CPU and as the tests' reference. `ATTENTION` picks. Static shapes on
+   the compiled paths, so torch.compile traces each once.
 2. RoPE angles are computed from the position tensor on the fly (no table), so packed
    documents restart at position 0 and padding can have any position.
 3. The forward returns the final hidden states, not logits: the LM head lives in
@@ -161,7 +163,8 @@ _compiled_flex = None
 class Rows:
     """The packed forward's attention as a few dense batches, one row per document: its own tokens
     as queries, its parent's tokens and its own as keys (CPU). Work grows with the documents'
-    lengths, not the buffer's: on the default job 4x less than a dense [T, T] mask (README)."""
+    lengths, not the buffer's: on the default job 6.5x fewer scores than a dense [T, T] mask over the
+    same buffers (README "Speed")."""
 
     buckets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (query idx, key idx, mask) per length class
     back: torch.Tensor  # (T,) each token's place among the buckets' flattened query slots
