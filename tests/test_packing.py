@@ -21,13 +21,14 @@ def _cfg(**kw):
                     max_new_tokens=10, micro_batch_tokens=256, **kw)
 
 
-def _step(monkeypatch, cfg, m, samples, share: bool, attention: str):
+def _step(monkeypatch, cfg, m, samples, share: bool, attention: str, device: str = "cpu"):
     """Per-sample completion log-probs, the metrics and every gradient of one RL step."""
     monkeypatch.setattr(D, "pack", functools.partial(PACK, share_prompts=share))
     monkeypatch.setattr(M, "ATTENTION", attention)
     model = M.Transformer(m.args)
     model.load_state_dict(m.state_dict())
-    mbs, denom, _ = train.prepare(cfg, samples, 32, "cpu")
+    model.to(device)
+    mbs, denom, _ = train.prepare(cfg, samples, 32, device)
     logp = {}
     with torch.no_grad():
         for mb in mbs:
@@ -35,17 +36,17 @@ def _step(monkeypatch, cfg, m, samples, share: bool, attention: str):
             for i in mb.samples:
                 logp[i] = lp[(mb.sample_idx == i) & mb.loss_mask]
     metrics = L.reduce_metrics(train.backward_pass(cfg, model, model, mbs, denom, step=0))
-    return mbs, logp, metrics, [p.grad for p in model.parameters()]
+    return mbs, {i: lp.cpu() for i, lp in logp.items()}, metrics, [p.grad.cpu() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("agg", ["token", "sequence"])
-def test_shared_prompts_give_the_unshared_step(monkeypatch, agg):
+def _against_unshared(monkeypatch, agg: str, paths: list[tuple[str, str]]):
+    """The shared layout on each (attention, device) path against the unshared dense CPU step."""
     codec, m, task = _setup()
     cfg = _cfg(loss_agg=agg)
     samples = _samples(cfg, m, codec, task)
     ref_mbs, ref_logp, ref_m, ref_g = _step(monkeypatch, cfg, m, samples, share=False, attention="dense")
-    for attention in ("dense", "rows"):
-        mbs, logp, metrics, grads = _step(monkeypatch, cfg, m, samples, share=True, attention=attention)
+    for attention, device in paths:
+        mbs, logp, metrics, grads = _step(monkeypatch, cfg, m, samples, True, attention, device)
         assert sum(int(mb.parents.ge(0).any()) for mb in mbs) == len(mbs)  # every buffer shares a prompt
         assert len(mbs) < len(ref_mbs)
         assert logp.keys() == ref_logp.keys() == set(range(len(samples)))
@@ -57,6 +58,18 @@ def test_shared_prompts_give_the_unshared_step(monkeypatch, agg):
             assert metrics[k] == pytest.approx(ref_m[k], abs=1e-5, rel=1e-5), k
         for a, b in zip(grads, ref_g):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("agg", ["token", "sequence"])
+def test_shared_prompts_give_the_unshared_step(monkeypatch, agg):
+    _against_unshared(monkeypatch, agg, [("dense", "cpu"), ("rows", "cpu")])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_shared_prompts_on_the_cuda_flex_path_give_the_unshared_step(monkeypatch):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _against_unshared(monkeypatch, "token", [("auto", "cuda")])  # flex attention, the Triton head
 
 
 def test_shared_layout_holds_each_prompt_once_and_every_completion():
