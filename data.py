@@ -195,7 +195,7 @@ class Prompt:
 
 @dataclass
 class TokenSupport:
-    """Ragged per-token support (DESIGN.md): row t is ids[offsets[t]:offsets[t+1]]."""
+    """Ragged per-token support (docs/design.md "TokenSupport"): row t is ids[offsets[t]:offsets[t+1]]."""
 
     ids: torch.Tensor  # int32 [nnz]
     offsets: torch.Tensor  # int64 [N+1], on the device

@@ -79,7 +79,8 @@ Simplifications:
    stored in the weights' dtype (bf16 on GPUs, as in other fused cross-entropy kernels)
    before the two GEMMs; the sums around it are fp32.
 5. In the interpreter the kernels see fp32 copies of hidden and weight: tl.dot on bf16 is
-   wrong there (REFERENCES.md). fp32 on a GPU uses exact ("ieee") dot products, not tf32.
+   wrong there (the interpreter holds bf16 as raw uint16 bits and multiplies those, triton
+   issue #11584). fp32 on a GPU uses exact ("ieee") dot products, not tf32.
 
     python -m pytest -q tests/test_kernels.py tests/test_triton.py   # CPU (interpreter), ~1 min
     python -m pytest -q -m gpu tests/test_triton.py                  # CUDA: compiled kernels vs the reference

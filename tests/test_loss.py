@@ -1,6 +1,6 @@
-"""loss.py against a dense fp64 reference written from DESIGN.md's formula, plus properties
-(Monte Carlo centering, micro-batch invariance, overflow, peer-bug regressions) and the
-sampler-evidence checks. CPU, tiny shapes, fixed seeds."""
+"""loss.py against a dense fp64 reference written from the formulas of docs/design.md "The loss",
+plus properties (Monte Carlo centering, micro-batch invariance, overflow, peer-bug regressions)
+and the sampler-evidence checks. CPU, tiny shapes, fixed seeds."""
 
 from __future__ import annotations
 
@@ -307,7 +307,7 @@ def ref_would_mask(cfg: Config, lps: list[float], lqs: list[float], st: Stats) -
 
 
 def reference(docs: list[Doc], cfg: Config, step: int, old: bool):
-    """DESIGN.md's loss token by token over full-vocabulary logits; (loss, metrics)."""
+    """The loss of docs/design.md "The loss", token by token over full-vocabulary logits; (loss, metrics)."""
     st = Stats()
     n_tok = sum(int(d.mask.sum()) for d in docs)
     n_seq = sum(int(d.mask.any()) for d in docs)
