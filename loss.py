@@ -25,8 +25,9 @@ Simplifications and decisions:
 6. Sequence and KL masks judge r = p/q, or k = pi_old/q for ppo/cispo, and leave the sampler
    KL alone: beta*KL is a regularizer, not a correction. k1 is signed, so its mask reads
    |log r|; binary is KL(Bernoulli(q(a)) || Bernoulli(p(a))).
-7. Denominators count this process's micro-batches with one host sync, before the loop;
-   under torchrun the caller sums them over ranks. A zero count divides by 1 (loss 0).
+7. Denominators count the micro-batches they are given with one host sync, before the loop;
+   under torchrun train.prepare gives them the whole gathered batch, so they are global with
+   no collective. A zero count divides by 1 (loss 0).
 8. ppo has no dual clip: rho compares the trainer with itself and stays near 1.
 9. Evidence checks read the loss tokens and their support rows only (what the loss uses).
    An empty replayed row fails (it cannot hold its sampled token); an empty draws row fails on
