@@ -91,7 +91,8 @@ def _cases():
             s.logq = [lq + float(torch.randn((), generator=g)) * 0.3 for lq in s.logq]
             s.advantage += float(torch.randn((), generator=g))
         samples[7].logq[0] = 0.5  # bad evidence: dropped on every rank, counted once
-        budget = sum(len(s.ids) - 1 for s in samples) // 3 + 40  # three micro-batches: one rank runs a masked copy
+        longest = max(len(s.ids) - 1 for s in samples)  # three micro-batches: one rank runs a masked copy
+        budget = next(b for b in range(longest, 4096) if len(D.pack(samples, b)) == 3)
         cases.append((C.dataclasses.replace(cfg, micro_batch_tokens=budget).resolve(False), m.state_dict(), samples))
     cfg, state, samples = cases[0]  # --train-dtype bf16: autocast around FSDP2's fp32 weights, as in 1 process
     return cases + [(C.dataclasses.replace(cfg, train_dtype="bf16"), state, samples)]
