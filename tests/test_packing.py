@@ -6,6 +6,7 @@ import functools
 import pytest
 import torch
 
+import attention as A
 import config as C
 import data as D
 import loss as L
@@ -24,7 +25,7 @@ def _cfg(**kw):
 def _step(monkeypatch, cfg, m, samples, share: bool, attention: str, device: str = "cpu"):
     """Per-sample completion log-probs, the metrics and every gradient of one RL step."""
     monkeypatch.setattr(D, "pack", functools.partial(PACK, share_prompts=share))
-    monkeypatch.setattr(M, "ATTENTION", attention)
+    monkeypatch.setattr(A, "ATTENTION", attention)
     model = M.Transformer(m.args)
     model.load_state_dict(m.state_dict())
     model.to(device)
