@@ -39,8 +39,8 @@ class Rows:
 
 def document_rows(doc_ids: torch.Tensor, parents: torch.Tensor | None) -> Rows:
     """Rows for packed documents (each contiguous; a parent before its children). A row is padded
-    to its bucket's lengths (powers of two): padded queries repeat the row's last own token,
-    padded keys are masked out."""
+    to its bucket's longest: padded queries repeat the row's last own token, padded keys are
+    masked out."""
     doc = doc_ids.cpu().numpy()
     par = np.full_like(doc, -1) if parents is None else parents.cpu().numpy()
     T = len(doc)
@@ -54,10 +54,13 @@ def document_rows(doc_ids: torch.Tensor, parents: torch.Tensor | None) -> Rows:
             a, b = span[int(par[s])]
             p_start[r], p_len[r] = a, b - a
     own = end - start
-    width = 1 << np.ceil(np.log2(p_len + own)).astype(np.int64)  # bucket: keys rounded up to a power of two
+    pow2 = lambda n: 1 << np.ceil(np.log2(n)).astype(np.int64)  # noqa: E731
+    # a bucket: keys and queries each up to a power of two; a prompt's row and its completions'
+    # rows part (one bucket for both would pad ~10 queries to ~40)
+    bucket = pow2(p_len + own) * 2 * T + pow2(own)
     buckets, back, at = [], np.zeros(T, dtype=np.int64), 0
-    for w in np.unique(width):
-        r = np.flatnonzero(width == w)
+    for w in np.unique(bucket):
+        r = np.flatnonzero(bucket == w)
         Lq, Lk = int(own[r].max()), int((p_len[r] + own[r]).max())
         j = np.arange(Lq)[None, :]
         q = start[r, None] + np.minimum(j, own[r, None] - 1)  # (R, Lq)

@@ -310,9 +310,14 @@ class MicroBatch:
 
 # ----------------------------------------------------------------------------- packing
 
-def pack(samples: list[Sample], micro_batch_tokens: int, share_prompts: bool = True) -> list[MicroBatch]:
-    """First-fit-decreasing of prompt groups into fixed [T] buffers; a sample never straddles
-    two, and a group that does not fit one buffer is split, each part with its own prompt copy."""
+def pack(samples: list[Sample], micro_batch_tokens: int, share_prompts: bool = True,
+         trim: int | None = None) -> list[MicroBatch]:
+    """First-fit-decreasing of prompt groups into [T] buffers; a sample never straddles two, and
+    a group that does not fit one buffer is split, each part with its own prompt copy.
+
+    Buffers are all [T] (fixed shapes: what torch.compile and flex attention want), or with
+    `trim` each ends at the first multiple of `trim` past its last document: eager, the padding
+    would be computed like any token (on the default job a last buffer is often ~80% padding)."""
     T = micro_batch_tokens
     for i, s in enumerate(samples):
         if len(s.ids) - 1 > T:  # the last token is only ever a label
@@ -329,7 +334,8 @@ def pack(samples: list[Sample], micro_batch_tokens: int, share_prompts: bool = T
             j = len(bins) - 1
         bins[j].append(u)
         room[j] -= n
-    return [_fill(samples, sorted(b), T) for b in bins]
+    return [_fill(samples, sorted(b), T if trim is None else min(T, -(-(T - r) // trim) * trim))
+            for b, r in zip(bins, room)]
 
 
 def _size(samples: list[Sample], unit: list[int]) -> int:

@@ -294,6 +294,13 @@ class KVCache:
         out.layers = [(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0)) for k, v in self.layers]
         return out
 
+    def select(self, rows: torch.Tensor) -> KVCache:
+        """Only these rows (R,), in this order: decoding drops the rows that have finished."""
+        out = object.__new__(KVCache)
+        out.max_len = self.max_len
+        out.layers = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.layers]
+        return out
+
 
 def init_weights(model: Transformer, std: float = 0.02, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)

@@ -135,13 +135,15 @@ class SupportRecorder:
         self.k, self.batch, self.device = s.draws, batch, device
         self.steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
-    def record(self, logprobs: torch.Tensor, gen) -> None:
+    def record(self, logprobs: torch.Tensor, gen, rows: torch.Tensor) -> None:
+        """One decode step: logprobs (R, V) of the output rows `rows` (R,) still being decoded."""
         if self.replayed:
             b, v = torch.isfinite(logprobs).nonzero(as_tuple=True)
-            self.steps.append((b, v, logprobs[b, v]))
+            self.steps.append((rows[b], v, logprobs[b, v]))
         else:
             ids = draw(logprobs, self.k, gen)
-            self.steps.append((None, ids, logprobs.gather(1, ids)))
+            full = torch.zeros(self.batch, self.k, device=ids.device)  # the rows already done: never read
+            self.steps.append((None, full.long().index_copy_(0, rows, ids), full.index_copy_(0, rows, logprobs.gather(1, ids))))
 
     def finish(self) -> None:
         """Order every entry by (row, step) once; each sample's rows are then one slice."""
@@ -241,14 +243,24 @@ class TorchEngine:
         rec = SupportRecorder(sampling, B, dev) if sampling.support and not sampling.greedy else None
         out_ids = torch.zeros(B, T_new, dtype=torch.long, device=dev)
         out_logq = torch.zeros(B, T_new, device=dev)
+        rows = torch.arange(B, device=dev)  # the output row of each batch row still being decoded
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         for t in range(T_new):
             tok, logq, logprobs = sample(logits, sampling, gen)
-            out_ids[:, t], out_logq[:, t] = tok, logq
+            out_ids[rows, t], out_logq[rows, t] = tok, logq  # past a row's stop: cut by _completions
             if rec is not None:
-                rec.record(logprobs, gen)
+                rec.record(logprobs, gen, rows)
             done |= torch.isin(tok, self.stop_ids)
-            if t == T_new - 1 or ((self.syncs or t % 8 == 7) and bool(done.all())):
+            if t == T_new - 1:
+                break
+            if self.syncs:  # a host sync is free: stop when every row has, drop finished rows as they pile up
+                finished = int(done.sum())
+                if finished == len(rows):
+                    break
+                if 4 * finished >= len(rows):  # copying the cache costs less than decoding them on
+                    keep = (~done).nonzero()[:, 0]
+                    rows, tok, pos, done, cache = rows[keep], tok[keep], pos[keep], done[keep], cache.select(keep)
+            elif t % 8 == 7 and bool(done.all()):
                 break
             pos = pos + 1
             logits = self.step(tok, pos, cache)

@@ -195,9 +195,11 @@ def sft_samples(cfg, task, rng):
 
 
 def prepare(cfg, samples, vocab_size, device):
-    """Pack the global batch into fixed-shape micro-batches, validate the evidence, count the
-    denominators; keep this rank's share of the micro-batches."""
-    mbs = [mb.to(device) for mb in D.pack(samples, cfg.micro_batch_tokens)]
+    """Pack the global batch into micro-batches, validate the evidence, count the denominators;
+    keep this rank's share of the micro-batches. Compiled or on CUDA every buffer is [T] (one
+    shape, no recompiles); an eager CPU forward cuts each buffer's padding to a multiple of 64."""
+    trim = 64 if cfg.compile != "on" and torch.device(device).type == "cpu" else None
+    mbs = [mb.to(device) for mb in D.pack(samples, cfg.micro_batch_tokens, trim=trim)]
     checks = L.validate_evidence(mbs, vocab_size, cfg) if cfg.stage == "rl" else {}
     if RANK:  # every rank checked the whole batch; rank 0 alone counts it
         checks = {k: (s * 0, c * 0) for k, (s, c) in checks.items()}
@@ -249,7 +251,7 @@ def train_phase(cfg, model, fwd, opt, samples, step):
         metrics.update(optimizer_step(cfg, model, opt, step + 1))
         if epoch == 0:
             L.accumulate(total, metrics)
-    return total, denom.tokens, len(mbs) * cfg.micro_batch_tokens * P.WORLD
+    return total, denom.tokens, sum(len(mb.tokens) for mb in mbs) * P.WORLD
 
 
 def optimizer_step(cfg, model, opt, step):

@@ -212,6 +212,30 @@ def test_a_fixed_seed_repeats_and_the_engine_generator_moves_on(engine):
     assert [x.ids for x in engine.generate(PROMPTS, 4, Sampling(max_new_tokens=8))] == [x.ids for x in c]
 
 
+@pytest.mark.parametrize("sampling", [Sampling(temperature=1.2, support=True, draws=4),
+                                      Sampling(temperature=1.2, top_k=6, support=True)], ids=["draws", "kept"])
+def test_rows_that_finish_leave_the_batch_and_the_rest_are_unchanged(sampling):
+    """On a CPU the built-in engine drops finished rows from its decode batch (and their cache).
+    Every row's logq and support rows must still be its own full forward's, whenever it left."""
+    engine, model, n = TorchEngine(_model(), "fp32", STOPS, seed=3), _model(), 8
+    sizes, step = [], engine.step
+    engine.step = lambda tok, pos, cache: sizes.append(len(tok)) or step(tok, pos, cache)
+    out = engine.generate(PROMPTS, n, dataclasses.replace(sampling, max_new_tokens=16))
+    assert sizes[0] == len(PROMPTS) * n and len(set(sizes)) >= 3, sizes  # the batch shrank, twice or more
+    assert len({len(c.ids) for c in out}) > 3  # rows left at many different steps
+    for i, c in enumerate(out):
+        probs = _probs(model, PROMPTS[i // n], c.ids, sampling.temperature)
+        assert all(abs(lq - math.log(probs[t, v].item() / (1 if not sampling.top_k else sum(
+            sorted(probs[t].tolist())[-sampling.top_k:])))) < 1e-5 for t, (v, lq) in enumerate(zip(c.ids, c.logq)))
+        sup = c.support
+        assert sup.num_rows == len(c.ids)
+        for t in range(len(c.ids)):
+            a, b = int(sup.host_offsets[t]), int(sup.host_offsets[t + 1])
+            row = probs[t] if not sampling.top_k else probs[t] / sum(sorted(probs[t].tolist())[-sampling.top_k:])
+            assert b - a == (sampling.draws if not sampling.top_k else sampling.top_k)
+            assert all(abs(q - math.log(row[v].item())) < 2e-5 for v, q in zip(sup.ids[a:b].tolist(), sup.logq[a:b].tolist()))
+
+
 PUSHES = """
 import json, sys
 sys.path.insert(0, {root!r})

@@ -23,8 +23,10 @@ def _cfg(**kw):
 
 
 def _step(monkeypatch, cfg, m, samples, share: bool, attention: str, device: str = "cpu"):
-    """Per-sample completion log-probs, the metrics and every gradient of one RL step."""
-    monkeypatch.setattr(D, "pack", functools.partial(PACK, share_prompts=share))
+    """Per-sample completion log-probs, the metrics and every gradient of one RL step. Unshared:
+    every buffer [T]; shared: the buffers train.prepare asks for (trimmed on an eager CPU)."""
+    trimmed = functools.partial(PACK, share_prompts=True)
+    monkeypatch.setattr(D, "pack", trimmed if share else lambda s, T, trim: PACK(s, T, share_prompts=False))
     monkeypatch.setattr(A, "ATTENTION", attention)
     model = M.Transformer(m.args)
     model.load_state_dict(m.state_dict())
@@ -49,7 +51,14 @@ def _against_unshared(monkeypatch, agg: str, paths: list[tuple[str, str]]):
     for attention, device in paths:
         mbs, logp, metrics, grads = _step(monkeypatch, cfg, m, samples, True, attention, device)
         assert sum(int(mb.parents.ge(0).any()) for mb in mbs) == len(mbs)  # every buffer shares a prompt
-        assert len(mbs) < len(ref_mbs)
+        assert len(mbs) < len(ref_mbs) and {len(mb.tokens) for mb in ref_mbs} == {cfg.micro_batch_tokens}
+        lengths = [len(mb.tokens) for mb in mbs]
+        if device == "cpu":  # eager: each buffer cut to a multiple of 64 past its last document
+            used = [int(mb.sample_idx.ge(0).nonzero()[-1]) + 1 for mb in mbs]  # a buffer ends on a completion
+            assert all(n % 64 == 0 and 0 <= n - u < 64 for n, u in zip(lengths, used)), (lengths, used)
+            assert min(lengths) < cfg.micro_batch_tokens, lengths
+        else:
+            assert set(lengths) == {cfg.micro_batch_tokens}
         assert logp.keys() == ref_logp.keys() == set(range(len(samples)))
         for i in logp:
             assert len(logp[i]) == len(samples[i].completion)
