@@ -235,8 +235,7 @@ class Logger:
 
     def line(self, step: int, m: dict, tokens: int, dt: float) -> None:
         eta = (time.time() - self.t0) / (step - self.start) * (self.cfg.steps - step)
-        masks = ("icepop/masked_fraction", "ipo/masked_fraction", "seq_mask/masked_fraction", "kl_mask/masked_fraction")
-        masked = max((m[k] for k in masks if k in m), default=0.0)
+        masked = max((v for k, v in m.items() if k.endswith("/masked_fraction")), default=0.0)  # any mask's
         reward = f"{m['reward']:.3f}" if "reward" in m else "-"
         P.print0(f"step {step}/{self.cfg.steps} | reward {reward} | loss {m.get('loss', math.nan):+.4f} "
                f"| masked {masked:.4f} | mismatch kl {m.get('mismatch/kl', 0.0):.2e} | {tokens / dt:,.0f} tok/s "

@@ -1,4 +1,5 @@
-"""Tokenizers and chat templates, the records every module passes around, and packing.
+"""Tokenizers and chat templates, the records every module passes around, packing, and each
+rank's share of the packed micro-batches.
 
 Simplifications:
 1. One loading path for the tiny models and real HF checkpoints: `tokenizers` reads
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -409,3 +410,16 @@ def _fill(samples: list[Sample], units: list[list[int]], T: int) -> MicroBatch:
     return MicroBatch(t["tokens"], t["positions"], t["doc_ids"], t["labels"], torch.from_numpy(mask), torch.from_numpy(adv), torch.from_numpy(logq), t["versions"],
                       torch.from_numpy(sample_idx), TokenSupport.cat(rows) if has_support else None,
                       int(mask.sum()), len(flat), flat, torch.from_numpy(parents))
+
+
+# ----------------------------------------------------------------------------- each rank's share
+
+def my_share(mbs: list[MicroBatch], rank: int, world: int) -> list[MicroBatch]:
+    """The micro-batches that rank `rank` of `world` trains on, dealt round-robin fullest first:
+    loss tokens balance within one micro-batch, and every rank runs the same number (each FSDP
+    forward and backward is a collective), a rank left one short running an all-masked copy,
+    which adds exactly zero."""
+    order = sorted(range(len(mbs)), key=lambda i: -mbs[i].num_loss_tokens)
+    mine = [mbs[i] for i in sorted(order[rank::world])]
+    pad = [replace(mb, loss_mask=torch.zeros_like(mb.loss_mask), num_loss_tokens=0) for mb in mbs[:1]]
+    return mine + pad * (-(-len(mbs) // world) - len(mine))

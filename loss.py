@@ -1,5 +1,6 @@
 """The RL loss: one policy-gradient estimator with six weightings, sequence and KL masks, score
-centering, a sampler KL, global normalization, metrics, and the sampler-evidence checks.
+centering, a sampler KL, global normalization and metrics (the evidence it reads is checked
+first, in evidence.py).
 docs/design.md "The loss" writes it out in full and README.md "The loss" tabulates the corrections;
 tests/test_loss.py checks every path against a dense fp64 reference written from the formula:
 
@@ -29,11 +30,6 @@ Simplifications and decisions:
    under torchrun train.prepare gives them the whole gathered batch, so they are global with
    no collective. A zero count divides by 1 (loss 0).
 8. ppo has no dual clip: rho compares the trainer with itself and stays near 1.
-9. Evidence checks read the loss tokens and their support rows only (what the loss uses).
-   An empty replayed row fails (it cannot hold its sampled token); an empty draws row fails on
-   a trained token for the centered losses (their centering reads it, and the sparse backward
-   is exact only with it) and is fine for ppo/cispo. Broken offsets, a packing bug, raise even
-   under --bad-evidence drop.
 
     python -m pytest -q tests/test_loss.py      # CPU, seconds
     python train.py --loss tis --seq-mask geometric --seq-mask-low 0.999 --seq-mask-high 1.001   # 1 CPU or GPU
@@ -49,21 +45,68 @@ import torch
 from torch import Tensor
 
 from config import Config
-from data import MicroBatch, RunError, TokenSupport
+from data import MicroBatch, TokenSupport
 
 Metrics = dict[str, tuple[Tensor, Tensor]]
-CENTERED = ("reinforce", "icepop", "ipo", "tis")  # the weightings w(r) that get score centering
 METRIC_CLAMP = 20.0  # |log r| cap for metrics and KL masks only
 
 
-def _sum_by(idx: Tensor, x: Tensor, size: int) -> Tensor:
+@dataclass(frozen=True)
+class Loss:
+    """What a --loss needs from the rest of floe, said once: train.py, the head's sparse backward
+    and the evidence checks ask this table (through the functions below) instead of its name."""
+
+    centered: bool  # a weight w(r) = f(p/q) with score centering: reads every loss token's support row
+    sparse_draws: bool  # under K draws its gradient lies on label and support rows only (G_t = 0, kernels.py)
+    clipped: bool  # clipped against pi_old: with --epochs > 1 train.py computes pi_old before the first pass
+
+
+LOSSES = {
+    "reinforce": Loss(centered=True, sparse_draws=True, clipped=False),  # w = 1
+    "icepop": Loss(centered=True, sparse_draws=False, clipped=False),  # w = r inside [alpha, beta], else 0
+    "ipo": Loss(centered=True, sparse_draws=False, clipped=False),  # w = min(r, cap), 0 where |p - q| > eps
+    "tis": Loss(centered=True, sparse_draws=False, clipped=False),  # w = r clamped to [floor, cap]
+    "ppo": Loss(centered=False, sparse_draws=False, clipped=True),  # min(rho*A, clip(rho)*A)
+    "cispo": Loss(centered=False, sparse_draws=False, clipped=True),  # sg(clip(rho)) * log p
+}
+
+
+def trained(cfg: Config) -> Loss:
+    """The loss a config trains (--correction-metrics-only: plain reinforce)."""
+    return LOSSES["reinforce" if cfg.correction_metrics_only else cfg.loss]
+
+
+def reads_support(cfg: Config) -> bool:
+    """Whether the engine must report each token's support. Score centering and the exact KL read
+    it; truncated sampling always reports its kept set, whatever the loss, because the trainer's p
+    is renormalized over it: otherwise log p - log q would be off by the log of the trainer's mass
+    on the kept set, which is no mismatch."""
+    truncated = cfg.top_p < 1.0 or cfg.top_k > 0
+    return truncated or trained(cfg).centered or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")
+
+
+def sparse_ok(cfg: Config, support: TokenSupport | None) -> bool:
+    """Whether the head may take its sparse backward (kernels.head(..., sparse=True)).
+
+    Decided from the config alone (the replayed flags live on the device): truncated sampling
+    gives replayed rows, where every loss and KL is exact; K draws are exact only for a loss
+    whose weights are 1 (`sparse_draws`) and no KL. --seq-mask/--kl-mask zero a token's whole
+    policy term, centering included, so G_t stays 0 under them. Assumes every loss token carries
+    its row (Sampling(support=True)): an empty draws row on a loss token needs the dense path."""
+    if support is None:
+        return False
+    replayed = cfg.top_p < 1.0 or cfg.top_k > 0
+    return replayed or (trained(cfg).sparse_draws and cfg.kl_coeff == 0)
+
+
+def sum_by(idx: Tensor, x: Tensor, size: int) -> Tensor:
     """[size, ...]: the sum of x's entries with each index (index_add, no host sync)."""
     return x.new_zeros((size, *x.shape[1:])).index_add(0, idx, x)
 
 
-def _any_by(idx: Tensor, flags: Tensor, size: int) -> Tensor:
+def any_by(idx: Tensor, flags: Tensor, size: int) -> Tensor:
     """[size] bool: OR of `flags` over the entries with each index."""
-    return _sum_by(idx, flags.long(), size) > 0
+    return sum_by(idx, flags.long(), size) > 0
 
 
 @dataclass
@@ -73,10 +116,10 @@ class Denominators:
 
 
 def denominators(micro_batches: list[MicroBatch]) -> Denominators:
-    """Counted from loss_mask, so samples dropped by validate_evidence leave both counts."""
+    """Counted from loss_mask, so samples dropped by evidence.validate leave both counts."""
     if not micro_batches:
         return Denominators(0, 0)
-    counts = [torch.stack([mb.loss_mask.sum(), _any_by(mb.doc_ids, mb.loss_mask, mb.loss_mask.numel()).sum()])
+    counts = [torch.stack([mb.loss_mask.sum(), any_by(mb.doc_ids, mb.loss_mask, mb.loss_mask.numel()).sum()])
               for mb in micro_batches]
     tokens, seqs = torch.stack(counts).sum(0).tolist()  # the one host sync, before the loop
     return Denominators(int(tokens), int(seqs))
@@ -115,10 +158,10 @@ def _seq_flags(logp: Tensor, logq: Tensor, mb: MicroBatch, cfg: Config, mask: Te
     (a mean in log space, finite at any length), or any one ratio, outside [low, high]."""
     log_r = logp - logq
     x = torch.stack([mask.to(log_r.dtype), torch.where(mask, log_r, 0.0)], 1)
-    n, total = _sum_by(mb.doc_ids, x, len(x)).unbind(1)  # per sequence
+    n, total = sum_by(mb.doc_ids, x, len(x)).unbind(1)  # per sequence
     geo = _outside((total / n.clamp(min=1))[mb.doc_ids], cfg.seq_mask_low, cfg.seq_mask_high)
     worst = _outside(log_r, cfg.seq_mask_low, cfg.seq_mask_high)
-    worst = _any_by(mb.doc_ids, mask & (worst[0] | worst[1]), mask.numel())[mb.doc_ids]
+    worst = any_by(mb.doc_ids, mask & (worst[0] | worst[1]), mask.numel())[mb.doc_ids]
     return {"seq_geometric": mask & (geo[0] | geo[1]), "seq_max": mask & worst}
 
 
@@ -131,7 +174,7 @@ def _kl_flags(logp: Tensor, logq: Tensor, mb: MicroBatch, cfg: Config, mask: Ten
     flags = {f"kl_{k}": mask & (v > cfg.kl_mask_threshold) for k, v in est.items()}
     if cfg.seq_mask == "off":
         return flags
-    return {k: mask & _any_by(mb.doc_ids, v, mask.numel())[mb.doc_ids] for k, v in flags.items()}
+    return {k: mask & any_by(mb.doc_ids, v, mask.numel())[mb.doc_ids] for k, v in flags.items()}
 
 
 def _keep(logp: Tensor, logq: Tensor, mb: MicroBatch, cfg: Config, mask: Tensor, metrics: Metrics) -> Tensor:
@@ -154,7 +197,7 @@ def _would_mask(lp: Tensor, logq: Tensor, mb: MicroBatch, cfg: Config, mask: Ten
     out = {f"correction/would_mask/{k}": _stat(v.to(lp.dtype), mask) for k, v in flags.items()}
     r = (lp - logq).clamp(-METRIC_CLAMP, METRIC_CLAMP).exp()
     x = torch.stack([torch.ones_like(r), r, r * r], 1) * mask[:, None]  # r is finite: a product is safe
-    n, s1, s2 = _sum_by(mb.doc_ids, x, len(x)).unbind(1)  # per sequence
+    n, s1, s2 = sum_by(mb.doc_ids, x, len(x)).unbind(1)  # per sequence
     out["correction/ratio"], out["correction/chi2"] = _stat(r, mask), _stat(r * r - 1, mask)
     out["correction/ess"] = _stat(s1 * s1 / (n * s2), n > 0)  # (sum r)^2 / (n sum r^2), per sequence
     return out
@@ -174,17 +217,17 @@ class _Rows:
 
     def sum(self, x: Tensor) -> Tensor:
         """[T]: x summed over each row's entries."""
-        return _sum_by(self.row, x, self.counts.numel())
+        return sum_by(self.row, x, self.counts.numel())
 
 
-def _entry_rows(offsets: Tensor, nnz: int) -> Tensor:
+def entry_rows(offsets: Tensor, nnz: int) -> Tensor:
     """Row of each entry without a host sync; cummax keeps it defined on broken offsets."""
     mono, at = torch.cummax(offsets, 0).values, torch.arange(nnz, device=offsets.device)
     return (torch.searchsorted(mono, at, right=True) - 1).clamp(0, offsets.numel() - 2)
 
 
 def _rows(sup: TokenSupport, support_logp: Tensor, mask: Tensor) -> _Rows:
-    row = _entry_rows(sup.offsets, support_logp.numel())
+    row = entry_rows(sup.offsets, support_logp.numel())
     counts = sup.offsets[1:] - sup.offsets[:-1]
     live = mask[row]
     logp = support_logp.detach()
@@ -247,17 +290,17 @@ def _centered_term(logp: Tensor, logq: Tensor, adv: Tensor, rows: _Rows | None, 
     return -adv * score
 
 
-def _clipped_term(logp: Tensor, logq: Tensor, adv: Tensor, old: Tensor, cfg: Config, keep: Tensor,
-                  mask: Tensor, metrics: Metrics) -> Tensor:
+def _clipped_term(logp: Tensor, logq: Tensor, adv: Tensor, old: Tensor, mb: MicroBatch, cfg: Config,
+                  keep: Tensor, mask: Tensor, metrics: Metrics) -> Tensor:
     """ppo/cispo: the clip on rho = p/pi_old, times M(k), k = pi_old/q, with --icepop; 0 off `keep`."""
-    log_rho = logp.detach() - old
     lo, hi = math.log1p(-cfg.clip_low), math.log1p(cfg.clip_high)
     m = keep.to(logp.dtype)  # 0 where a sequence or KL mask removes the token
     if cfg.icepop:
         mk, low, high = _weight(old, logq, "icepop", cfg)
         m = m * mk
         metrics.update(_masked_stats("icepop", low, high, mask, logp.dtype))
-    clipped_rho = log_rho.clamp(lo, hi).exp()
+    log_rho = logp - old
+    clipped_rho = log_rho.detach().clamp(lo, hi).exp()
     if cfg.loss == "cispo":
         clipped = (log_rho < lo) | (log_rho > hi)
         term = -adv * (m * clipped_rho) * logp
@@ -265,7 +308,7 @@ def _clipped_term(logp: Tensor, logq: Tensor, adv: Tensor, old: Tensor, cfg: Con
         # min(rho*A, clip(rho)*A) picks the constant only on the side the update pushes out
         clipped = ((adv > 0) & (log_rho > hi)) | ((adv < 0) & (log_rho < lo))
         live = ~clipped & (m > 0)
-        rho = torch.where(live, logp - old, 0.0).exp()  # no exp of a masked ratio, even in backward
+        rho = torch.where(live, log_rho, 0.0).exp()  # no exp of a masked ratio, even in backward
         term = -m * adv * torch.where(clipped, clipped_rho, rho)
     metrics["ppo/clip_fraction"] = _stat(clipped.to(logp.dtype), mask)
     return term
@@ -287,7 +330,7 @@ def _normalization(mb: MicroBatch, cfg: Config, denom: Denominators, dtype: torc
     f = mb.loss_mask.to(dtype)
     if cfg.loss_agg == "token":
         return f / max(denom.tokens, 1), f.sum(), max(denom.tokens, 1)
-    per_doc, d = _sum_by(mb.doc_ids, f, f.numel()), max(denom.seqs, 1)
+    per_doc, d = sum_by(mb.doc_ids, f, f.numel()), max(denom.seqs, 1)
     return f / (per_doc[mb.doc_ids].clamp(min=1) * d), (per_doc > 0).sum().to(dtype), d
 
 
@@ -305,13 +348,13 @@ def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch,
     if cfg.correction_metrics_only:  # plain reinforce; the corrections only say what they would mask
         metrics.update(_would_mask(lp, logq, mb, cfg, mask))
         cfg = replace(cfg, loss="reinforce", seq_mask="off", kl_mask="off", correction_metrics_only=False)
-    centered = cfg.loss in CENTERED
+    centered = LOSSES[cfg.loss].centered
     old = lp if centered or old_logp is None else torch.where(mask, old_logp.detach().to(lp.dtype), lp)
     keep = _keep(old, logq, mb, cfg, mask, metrics)  # judges p/q, or pi_old/q for ppo/cispo
     needs_rows = centered or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")
     rows = _rows(mb.support, support_logp, mask) if mb.support is not None and needs_rows else None
     per_token = (_centered_term(logp, logq, adv, rows, support_logp, cfg, keep, mask, metrics) if centered
-                 else _clipped_term(logp, logq, adv, old, cfg, keep, mask, metrics))
+                 else _clipped_term(logp, logq, adv, old, mb, cfg, keep, mask, metrics))
     if cfg.kl_coeff > 0:  # never masked: a regularizer, not a correction
         per_token = per_token + _kl_term(logp, logq, rows, support_logp, age, cfg, mask, metrics)
     coef, count, d = _normalization(mb, cfg, denom, lp.dtype)
@@ -339,88 +382,3 @@ def reduce_metrics(total: Metrics) -> dict[str, float]:
         return {}
     pairs = torch.stack([torch.stack([s.double(), c.double()]) for s, c in total.values()]).tolist()
     return {k: s / c for k, (s, c) in zip(total, pairs) if c != 0}
-
-
-# ----------------------------------------------------------------------------- evidence
-
-CHECKS = ("support offsets are not non-decreasing from 0 to nnz",  # structural: always raises
-          "label not in [0, V)", "support id not in [0, V)", "logq is not finite (NaN or inf)", "logq > 0",
-          "support logq is not finite (NaN or inf)", "support logq > 0", "replayed row lacks its sampled token",
-          "replayed q does not sum to 1 (tolerance 1e-3)", "draws row size != --score-centering-k",
-          "draws row is empty on a trained token (its score centering, and the sparse backward, need the K draws)")
-
-
-def _evidence_fails(mb: MicroBatch, vocab_size: int, k: int, centered: bool) -> tuple[Tensor, Tensor | None]:
-    """[len(CHECKS), T] bool, one row per check, and each support entry's row."""
-    mask, labels, logq, sup, row = mb.loss_mask, mb.labels, mb.logq, mb.support, None
-    T, no = mask.numel(), torch.zeros_like(mask)
-    out = [no, (labels < 0) | (labels >= vocab_size), no, ~torch.isfinite(logq), logq > 0] + [no] * 6
-    if sup is not None:
-        if sup.offsets.numel() != T + 1:
-            raise RunError(f"bad sampler evidence: support has {sup.offsets.numel() - 1} rows for {T} tokens")
-        off, ids, slq = sup.offsets, sup.ids.long(), sup.logq
-        counts, row = off[1:] - off[:-1], _entry_rows(off, ids.numel())
-        ends = torch.zeros_like(mask)
-        ends[0], ends[-1] = off[0] != 0, off[-1] != ids.numel()
-        out[0] = (counts < 0) | ends
-        entry = ((ids < 0) | (ids >= vocab_size), ~torch.isfinite(slq), slq > 0)  # the label and logq checks
-        out[2], out[5], out[6] = (_any_by(row, f, T) for f in entry)  # each OR-ed over its row
-        out[7] = sup.replayed & ~_any_by(row, ids == labels[row], T)
-        out[8] = sup.replayed & (counts > 0) & ~((_sum_by(row, slq.double().exp(), T) - 1).abs() <= 1e-3)
-        out[9] = ~sup.replayed & (counts > 0) & (counts != k)
-        out[10] = ~sup.replayed & (counts == 0) & centered
-    fails = torch.stack(out)
-    fails[1:] &= mask  # only what the loss reads; offsets are checked on every row
-    return fails, row
-
-
-def _drop(mb: MicroBatch, bad: Tensor, row: Tensor | None, vocab_size: int) -> None:
-    """Untrain every token of the bad samples; zero their out-of-range ids so the head can gather."""
-    gone = (mb.sample_idx >= 0) & bad[mb.sample_idx.clamp(min=0)]
-    mb.loss_mask &= ~gone
-    mb.labels.masked_fill_(gone & ((mb.labels < 0) | (mb.labels >= vocab_size)), 0)
-    if row is not None:
-        ids = mb.support.ids
-        ids.masked_fill_(gone[row] & ((ids < 0) | (ids >= vocab_size)), 0)
-
-
-def validate_evidence(micro_batches: list[MicroBatch], vocab_size: int, cfg: Config) -> Metrics:
-    """Check the sampler evidence of the step on the device; one host sync at the end.
-
-    --bad-evidence error raises ValueError naming the sample, its token and the check;
-    drop untrains the bad samples in place (call before denominators) and counts them."""
-    if not micro_batches:
-        return {}
-    dev = micro_batches[0].loss_mask.device
-    space = max((max(mb.samples) + 1 for mb in micro_batches if mb.samples), default=1)
-    bad = torch.zeros(space, dtype=torch.int64, device=dev)  # failures per sample index
-    firsts, rows = [], []
-    for mb in micro_batches:
-        centered = cfg.loss in CENTERED or cfg.correction_metrics_only  # these read every trained token's row
-        fails, row = _evidence_fails(mb, vocab_size, cfg.score_centering_k, centered)
-        T = fails.shape[1]
-        t = torch.arange(T, device=dev)
-        pos = torch.where(fails, t, T).amin(dim=1)  # first failure of each check; T: none
-        at = pos.clamp(max=T - 1)
-        start = torch.full_like(t, T).scatter_reduce(0, mb.doc_ids, torch.where(mb.loss_mask, t, T), "amin")
-        token = t - start[mb.doc_ids]  # k for the k-th completion token of its sample (its document)
-        firsts.append(torch.stack([pos, mb.sample_idx[at], token[at]]))
-        hit = fails[1:].any(0) & (mb.sample_idx >= 0)
-        bad.index_add_(0, mb.sample_idx.clamp(min=0), hit.long())
-        rows.append(row)
-    if cfg.bad_evidence == "drop":
-        for mb, row in zip(micro_batches, rows):
-            _drop(mb, bad > 0, row, vocab_size)
-    counts = [mb.loss_mask.sum() for mb in micro_batches] + [(bad > 0).sum()]  # ..., samples dropped
-    host = torch.cat([torch.stack(firsts).flatten(), torch.stack(counts)]).tolist()  # the one sync
-    C, M = len(CHECKS), len(micro_batches)
-    for i, mb in enumerate(micro_batches):
-        pos, sample, token = (host[(3 * i + j) * C:(3 * i + j + 1) * C] for j in range(3))
-        c = next((c for c in range(C) if pos[c] < mb.loss_mask.numel()), None)
-        if c is not None and (cfg.bad_evidence == "error" or c == 0):
-            raise RunError(f"bad sampler evidence: sample {sample[c]}, token {token[c]}: {CHECKS[c]} "
-                           f"(micro-batch {i}, position {pos[c]})")
-    for mb, n in zip(micro_batches, host[3 * C * M:-1]):
-        mb.num_loss_tokens = int(n)
-    dropped = torch.tensor([host[-1], sum(len(mb.samples) for mb in micro_batches)], dtype=torch.float64, device=dev)
-    return {"bad_evidence/dropped": (dropped[0], dropped[1])}

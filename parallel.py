@@ -1,8 +1,10 @@
-"""torchrun: the ranks, FSDP2 sharding, and the few collectives train.py makes per step.
+"""torchrun: the ranks, FSDP2 sharding, the few collectives train.py makes per step, and the
+`Link` to the --inference-gpus ranks.
 
 Under `torchrun --nproc_per_node N train.py ...` every process runs the same file; RANK and
 WORLD come from torchrun's environment (1 process: RANK 0, WORLD 1, and every function here
-is the identity). gloo on the CPU (the tests), NCCL on GPUs.
+is the identity). gloo on the CPU (the tests), NCCL on GPUs. This is the bottom layer: it
+imports torch and the standard library alone, so every floe module may use it.
 
     python -m pytest -q tests/test_distributed.py     # 2 gloo ranks against 1 process
 """
@@ -11,19 +13,16 @@ from __future__ import annotations
 
 import os
 import warnings
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-import config as C
-import data as D
-import loss as L
-import model as M
-
 RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets both
-LINK = None  # with --inference-gpus k: trainer rank 0 and the k inference ranks (remote.Link)
+LINK = None  # with --inference-gpus k: trainer rank 0 and the k inference ranks (a Link)
 
 
 def print0(*a, **k):
@@ -47,8 +46,6 @@ def setup_distributed(device: str, inference: int = 0) -> None:
     if not inference:
         dist.init_process_group(backend)
         return
-    from remote import Link
-
     trainers = WORLD - inference
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts the store
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=RANK == 0 and not agent)
@@ -77,11 +74,12 @@ def serving() -> bool:
     return RANK >= WORLD
 
 
-def shard(model: M.Transformer) -> M.Transformer:
-    """FSDP2: one all-gather/reduce-scatter group per decoder block, then the root (embedding,
-    tied head, final norm; it stays gathered from forward to backward, so the head outside the
-    forward reads the full weight). Gradients are summed over ranks, not averaged: every rank's
-    loss is already divided by the global count (loss.denominators)."""
+def shard(model: nn.Module) -> nn.Module:
+    """FSDP2 on a model.Transformer (its decoder blocks are `model.model.layers`): one
+    all-gather/reduce-scatter group per block, then the root (embedding, tied head, final norm;
+    it stays gathered from forward to backward, so the head outside the forward reads the full
+    weight). Gradients are summed over ranks, not averaged: every rank's loss is already divided
+    by the global count (loss.denominators)."""
     if WORLD == 1:
         return model
     # the forward returns hidden[0], a view that nothing edits in place
@@ -109,18 +107,9 @@ def gather(items: list) -> list:
     return [x for part in parts for x in part]
 
 
-def my_share(mbs: list[D.MicroBatch]) -> list[D.MicroBatch]:
-    """This rank's micro-batches, dealt round-robin fullest first: loss tokens balance within one
-    micro-batch, and every rank runs the same number (each FSDP forward and backward is a
-    collective), a rank left one short running an all-masked copy, which adds exactly zero."""
-    order = sorted(range(len(mbs)), key=lambda i: -mbs[i].num_loss_tokens)
-    mine = [mbs[i] for i in sorted(order[RANK::WORLD])]
-    pad = [C.dataclasses.replace(mb, loss_mask=torch.zeros_like(mb.loss_mask), num_loss_tokens=0) for mb in mbs[:1]]
-    return mine + pad * (-(-len(mbs) // WORLD) - len(mine))
-
-
-def sum_over_ranks(total: L.Metrics, device) -> L.Metrics:
-    """Each (sum, count) pair summed over ranks in one all_reduce; a name missing on a rank counts 0 there."""
+def sum_over_ranks(total: dict[str, tuple], device) -> dict[str, tuple]:
+    """Each (sum, count) pair (loss.Metrics) summed over ranks in one all_reduce; a name missing
+    on a rank counts 0 there."""
     if WORLD == 1:
         return total
     names = list(dict.fromkeys(gather(list(total))))
@@ -128,3 +117,49 @@ def sum_over_ranks(total: L.Metrics, device) -> L.Metrics:
     flat = torch.stack([torch.stack([torch.as_tensor(x).to(device, torch.float64) for x in p]) for p in pairs])
     dist.all_reduce(flat)
     return {k: (s, c) for k, (s, c) in zip(names, flat)}
+
+
+# ----------------------------------------------------------------------------- the link
+
+CODES = [torch.int64, torch.float64, torch.int32, torch.float32, torch.bool, torch.uint8]  # a message's dtypes
+
+
+class Link:
+    """Trainer rank 0 (link rank 0) and the k inference ranks (1..k), on torchrun's store:
+    messages of host tensors over gloo (`send`, `recv`) and weights by `broadcast` (NCCL on
+    GPUs). setup_distributed builds it; remote.py speaks its protocol over it."""
+
+    def __init__(self, store, rank: int, size: int, device: str):
+        self.rank, self.size, self.device = rank, size, device
+        wait = timedelta(hours=6)  # an inference rank waits through whole training steps
+        self.host = dist.ProcessGroupGloo(dist.PrefixStore("floe/link", store), rank, size, wait)
+        self.fast = self.host
+        if device == "cuda":  # weights go GPU to GPU
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = wait
+            self.fast = dist.ProcessGroupNCCL(dist.PrefixStore("floe/link-nccl", store), rank, size, opts)
+
+    def send(self, tensors: list[torch.Tensor], dst: int) -> None:
+        """A message: the tensor count, then each one's dtype code and length, then the tensors."""
+        head = torch.tensor([x for t in tensors for x in (CODES.index(t.dtype), t.numel())], dtype=torch.int64)
+        for t in [torch.tensor([len(tensors)]), head] + [t.detach().cpu().contiguous().view(-1) for t in tensors]:
+            if t.numel():  # an empty tensor is all header
+                self.host.send([t], dst, 0).wait()
+
+    def recv(self, src: int) -> list[torch.Tensor]:
+        n = torch.zeros(1, dtype=torch.int64)
+        self.host.recv([n], src, 0).wait()
+        head = torch.zeros(2 * int(n), dtype=torch.int64)
+        self.host.recv([head], src, 0).wait()
+        out = []
+        for code, numel in head.view(-1, 2).tolist():
+            out.append(torch.empty(numel, dtype=CODES[code]))
+            if numel:
+                self.host.recv([out[-1]], src, 0).wait()
+        return out
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        """Link rank 0's `t` into every inference rank's `t`, in place."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.fast.broadcast([t], opts).wait()

@@ -2,9 +2,9 @@
 
 Four panels, one line per run (labelled by the run directory's name): the train reward
 (`reward`, the mean over each step's rollouts), the held-out reward (`eval/reward`), the
-share of loss tokens a mismatch mask removed (`icepop/masked_fraction` solid,
-`ipo/masked_fraction` dashed) and the trainer-sampler mismatch `mismatch/kl` (k3 on the
-sampled tokens) on a log scale.
+share of loss tokens a correction masked or clipped (every `*/masked_fraction` and
+`*/clip_fraction` the runs logged, one line style each, named in the panel's title) and the
+trainer-sampler mismatch `mismatch/kl` (k3 on the sampled tokens) on a log scale.
 
 Simplifications:
 1. It reads only metrics.jsonl (docs/design.md "The run directory"): no config, no checkpoints, so
@@ -33,12 +33,14 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-# (title, metric names, log scale); line styles follow the names' order within a panel
+# (title, metric names, log scale); line styles follow the names' order within a panel; None:
+# the fractions the runs logged
 PANELS = [("train reward", ["reward"], False),
           ("held-out reward (eval/reward)", ["eval/reward"], False),
-          ("masked fraction (icepop solid, ipo dashed)", ["icepop/masked_fraction", "ipo/masked_fraction"], False),
+          ("masked or clipped fraction", None, False),
           ("mismatch/kl (k3, log scale)", ["mismatch/kl"], True)]
-STYLES = ["-", "--"]
+STYLES = {"-": "solid", "--": "dashed", ":": "dotted", "-.": "dash-dot"}
+FRACTIONS = ("/masked_fraction", "/clip_fraction")  # a correction's share of loss tokens (loss.py)
 
 
 class PlotError(Exception):
@@ -75,8 +77,12 @@ def plot(run_dirs, out, group=None) -> Path:
         lines.setdefault(label, []).append(load(d))
     fig = Figure(figsize=(12, 7.5), layout="constrained")
     colors = _colors(len(lines))
-    for ax, panel in zip(fig.subplots(2, 2).flat, PANELS):
-        _panel(ax, *panel, lines, colors)
+    for ax, (title, keys, log) in zip(fig.subplots(2, 2).flat, PANELS):
+        if keys is None:
+            keys = sorted({k for runs in lines.values() for rows in runs for r in rows for k in r
+                           if k.endswith(FRACTIONS)})[:len(STYLES)]
+            title += "".join(f"\n{k} {s}" for k, s in zip(keys, STYLES.values()))
+        _panel(ax, title, keys, log, lines, colors)
     fig.legend(handles=_handles(lines, colors), loc="outside right upper", fontsize=8)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -20,64 +20,21 @@ Simplifications:
    over gloo.
 4. The inference ranks are outside torch.distributed's default group (parallel.setup_distributed):
    an in-process vLLM makes that group its own. The link's groups are built on torchrun's store.
-5. Messages are lists of 1-D tensors with a small header (dtype codes and lengths): no pickle.
+5. Messages are lists of 1-D tensors with a small header (dtype codes and lengths): no pickle
+   (parallel.Link).
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import numpy as np
 import torch
-import torch.distributed as dist
 
 import data as D
 import model as M
-from parallel import full
+from parallel import Link, full
 from rollout import DTYPES, Completion, Sampling, make_engine
 
 GEN, PUSH, STOP = 1, 2, 3
-CODES = [torch.int64, torch.float64, torch.int32, torch.float32, torch.bool, torch.uint8]
-
-
-class Link:
-    """Trainer rank 0 (link rank 0) and the k inference ranks (1..k)."""
-
-    def __init__(self, store, rank: int, size: int, device: str):
-        self.rank, self.size, self.device = rank, size, device
-        wait = timedelta(hours=6)  # an inference rank waits through whole training steps
-        self.host = dist.ProcessGroupGloo(dist.PrefixStore("floe/link", store), rank, size, wait)
-        self.fast = self.host
-        if device == "cuda":  # weights go GPU to GPU
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = wait
-            self.fast = dist.ProcessGroupNCCL(dist.PrefixStore("floe/link-nccl", store), rank, size, opts)
-
-    def send(self, tensors: list[torch.Tensor], dst: int) -> None:
-        """A message: the tensor count, then each one's dtype code and length, then the tensors."""
-        head = torch.tensor([x for t in tensors for x in (CODES.index(t.dtype), t.numel())], dtype=torch.int64)
-        for t in [torch.tensor([len(tensors)]), head] + [t.detach().cpu().contiguous().view(-1) for t in tensors]:
-            if t.numel():  # an empty tensor is all header
-                self.host.send([t], dst, 0).wait()
-
-    def recv(self, src: int) -> list[torch.Tensor]:
-        n = torch.zeros(1, dtype=torch.int64)
-        self.host.recv([n], src, 0).wait()
-        head = torch.zeros(2 * int(n), dtype=torch.int64)
-        self.host.recv([head], src, 0).wait()
-        out = []
-        for code, numel in head.view(-1, 2).tolist():
-            out.append(torch.empty(numel, dtype=CODES[code]))
-            if numel:
-                self.host.recv([out[-1]], src, 0).wait()
-        return out
-
-    def broadcast(self, t: torch.Tensor) -> None:
-        """Link rank 0's `t` into every inference rank's `t`, in place."""
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self.fast.broadcast([t], opts).wait()
-
 
 
 # ----------------------------------------------------------------------------- the wire format

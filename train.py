@@ -60,14 +60,15 @@ import torch.distributed as dist
 
 import config as C
 import data as D
+import evidence
 import loss as L
 import model as M
 import tasks as T
 from checkpoint import (Logger, check_fresh, check_resumable, kept_metrics, load_training_state,
                         note_changed_rewards, save_checkpoint, undone_on_failure, write_config)
-from kernels import head, sparse_ok
+from kernels import head
 import parallel as P
-from parallel import RANK, full, gather, my_share, print0, setup_distributed, shard, sum_over_ranks
+from parallel import RANK, full, gather, print0, setup_distributed, shard, sum_over_ranks
 from pipeline import AsyncRollouts
 from remote import RemoteEngine, serve
 from rollout import Sampling, group_advantages, make_engine, vllm_logprobs
@@ -123,19 +124,9 @@ def can_compile(device: str) -> bool:
 
 # ----------------------------------------------------------------------------- phases
 
-def needs_support(cfg) -> bool:
-    """Score centering (reinforce, icepop, ipo, tis) and the exact KL read each token's
-    support; truncated sampling always reports its kept set, so the trainer's p is
-    renormalized over it whatever the loss: otherwise log p - log q would be off by the log of the
-    trainer's mass on the kept set, which is no mismatch."""
-    truncated = cfg.top_p < 1.0 or cfg.top_k > 0
-    centered = cfg.loss in L.CENTERED or cfg.correction_metrics_only  # metrics-only trains reinforce
-    return truncated or centered or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")
-
-
 def rl_sampling(cfg) -> Sampling:
     return Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens,
-                    support=needs_support(cfg), draws=cfg.score_centering_k)
+                    support=L.reads_support(cfg), draws=cfg.score_centering_k)
 
 
 def rollout_phase(cfg, task, engine, rng, step, context: int):
@@ -200,10 +191,10 @@ def prepare(cfg, samples, vocab_size, device):
     shape, no recompiles); an eager CPU forward cuts each buffer's padding to a multiple of 64."""
     trim = 64 if cfg.compile != "on" and torch.device(device).type == "cpu" else None
     mbs = [mb.to(device) for mb in D.pack(samples, cfg.micro_batch_tokens, trim=trim)]
-    checks = L.validate_evidence(mbs, vocab_size, cfg) if cfg.stage == "rl" else {}
+    checks = evidence.validate(mbs, vocab_size, cfg) if cfg.stage == "rl" else {}
     if RANK:  # every rank checked the whole batch; rank 0 alone counts it
         checks = {k: (s * 0, c * 0) for k, (s, c) in checks.items()}
-    return my_share(mbs), L.denominators(mbs), checks
+    return D.my_share(mbs, RANK, P.WORLD), L.denominators(mbs), checks
 
 
 def _head(cfg, model, fwd, mb):
@@ -217,13 +208,13 @@ def _head(cfg, model, fwd, mb):
         hidden, weight = hidden.bfloat16(), weight.bfloat16()
     if cfg.stage == "sft":
         return head(hidden, weight, mb.labels)
-    sparse = sparse_ok(cfg, mb.support)  # the gradient lies on label and support rows only
+    sparse = L.sparse_ok(cfg, mb.support)  # the gradient lies on label and support rows only
     return head(hidden, weight, mb.labels, mb.support, cfg.temperature, sparse=sparse)
 
 
 @torch.no_grad()
 def old_logprobs(cfg, model, fwd, mbs):
-    """pi_old for ppo/cispo when --epochs > 1: the weights before the batch's first step."""
+    """pi_old for a clipped loss (ppo, cispo, gspo) when --epochs > 1: the weights before the batch's first step."""
     return [_head(cfg, model, fwd, mb)[0] for mb in mbs]
 
 
@@ -244,7 +235,7 @@ def backward_pass(cfg, model, fwd, mbs, denom, step, old=None):
 def train_phase(cfg, model, fwd, opt, samples, step):
     """--epochs optimizer steps on one batch; metrics of the first pass (the sampled policy)."""
     mbs, denom, total = prepare(cfg, samples, model.args.vocab_size, cfg.device)
-    clipped = cfg.loss in ("ppo", "cispo") and cfg.stage == "rl" and not cfg.correction_metrics_only
+    clipped = cfg.stage == "rl" and L.trained(cfg).clipped
     old = old_logprobs(cfg, model, fwd, mbs) if clipped and cfg.epochs > 1 else None
     for epoch in range(cfg.epochs):
         metrics = backward_pass(cfg, model, fwd, mbs, denom, step, old)
@@ -339,9 +330,9 @@ def check_start(cfg: C.Config) -> Start:
     if (n := codec.tok.get_vocab_size()) > model.args.vocab_size:
         raise C.ConfigError(f"{src}: tokenizer.json has {n} tokens, more than config.json's vocab_size "
                             f"{model.args.vocab_size} (ids past it would index outside the embedding)")
-    if cfg.epochs > 1 and cfg.loss in ("icepop", "tis", "ipo"):
+    if cfg.epochs > 1 and not L.trained(cfg).clipped:  # (plain reinforce: refused by Config)
         print0(f"note: --epochs {cfg.epochs} with --loss {cfg.loss}: the later passes reweight by p/q against the "
-               "sampler; nothing clips them against pi_old (ppo and cispo do)")
+               "sampler; nothing clips them against pi_old (ppo, cispo and gspo do)")
     return Start(out, src, resume_from, kept, codec, task, model)
 
 

@@ -13,8 +13,8 @@ Rows (the loss on top is a random linear combination of the outputs, like the RL
   kernels.TILE_ELEMENTS // V tokens, the reference's own chunk ("auto" took 4-7 s per step
   at the CPU shape here, varying from run to run); logp only; "n/a" where torch lacks it (< 2.13);
 - "materialized logits": hidden @ W.T, then float().log_softmax(-1) and a gather; logp only;
-- CUDA only, "..., torch.mm bwd GEMMs": the same two dense rows with kernels.BACKWARD_GEMM =
-  "torch" (the backward's two GEMMs by cuBLAS instead of floe's Triton matmul);
+- CUDA only, "..., torch.mm bwd GEMMs": the same two dense rows with head(...,
+  backward_gemm="torch") (the backward's two GEMMs by cuBLAS instead of floe's Triton matmul);
 - "4 GEMMs (torch.mm)": the dense path's four matmuls alone (forward logits, the backward's
   recompute, d_hidden, d_W) as torch.mm in the inputs' dtype (cuBLAS on CUDA), no softmax,
   no autograd: the dense path at the GEMM library's speed, the yardstick for its kernels.
@@ -51,7 +51,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from data import TokenSupport  # noqa: E402
-import kernels  # noqa: E402
 from kernels import TILE_ELEMENTS, head  # noqa: E402
 
 CUDA_SHAPE = dict(Ns=(16_384, 65_536), H=2048, V=151_936, max_row=2048, dtype=torch.bfloat16)
@@ -84,13 +83,14 @@ def problem(N: int, H: int, V: int, max_row: int, dtype: torch.dtype, device: st
 def step(row: str, p: dict, impl: str) -> None:
     """One forward + backward of a row; the gradients are dropped."""
     hidden, weight, labels, cl = p["hidden"], p["weight"], p["labels"], p["cl"]
-    kernels.BACKWARD_GEMM = "torch" if row.endswith(TORCH_GEMMS) else "triton"
+    gemm = "torch" if row.endswith(TORCH_GEMMS) else "triton"
     row = row.removesuffix(TORCH_GEMMS)
     if row == "no support":
-        logp, _, _ = head(hidden, weight, labels, None, impl=impl)
+        logp, _, _ = head(hidden, weight, labels, None, impl=impl, backward_gemm=gemm)
         loss = (logp * cl).sum()
     elif row.startswith("ragged"):
-        logp, _, slp = head(hidden, weight, labels, p["support"], sparse=row.endswith("sparse backward"), impl=impl)
+        logp, _, slp = head(hidden, weight, labels, p["support"], sparse=row.endswith("sparse backward"), impl=impl,
+                            backward_gemm=gemm)
         loss = (logp * cl).sum() + (slp * p["cs"]).sum()
     elif row == "linear_cross_entropy":
         chunk = {} if hidden.is_cuda else {"batch_chunk_size": TILE_ELEMENTS // weight.shape[0]}

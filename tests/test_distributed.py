@@ -118,7 +118,9 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
                 assert m2[k] == pytest.approx(metrics[k], rel=1e-5, abs=1e-6), k
             for name in grads:
                 torch.testing.assert_close(g2[name], grads[name], rtol=1e-5, atol=1e-6, msg=name)
-                torch.testing.assert_close(w2[name], weights[name], rtol=1e-5, atol=1e-6, msg=name)
+                # AdamW's first step is ~lr*sign(g): an entry with |g| near eps turns a rounding-level
+                # gradient difference into up to a few 1e-4 of lr (seen: 2.7e-6 at lr 1e-2)
+                torch.testing.assert_close(w2[name], weights[name], rtol=1e-5, atol=1e-3 * cfg.lr, msg=name)
     assert ranks[0]["names"] == ranks[1]["names"] == {"a": 1.0, "b": 1.5, "c": 2.0}
 
 

@@ -7,11 +7,13 @@ import pytest
 import torch
 
 import data as D
+import evidence as E
 import kernels
 import loss as L
 from config import Config
 from data import TokenSupport
-from kernels import head, sparse_ok
+from kernels import head
+from loss import sparse_ok
 
 
 def _support(N, V, gen, replayed_rows):
@@ -237,7 +239,7 @@ def test_sparse_backward_with_the_loss(kind, cfg):
     V, H = 23, 8
     mb = _micro_batch(kind, V, gen)
     ok = sparse_ok(cfg, mb.support)
-    L.validate_evidence([mb], V, cfg)
+    E.validate([mb], V, cfg)
     denom = L.denominators([mb])
     hidden = torch.randn(64, H, generator=gen, requires_grad=True)
     weight = (torch.randn(V, H, generator=gen) * 0.5).requires_grad_()

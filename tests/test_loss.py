@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import evidence as E
 import loss as L
 from config import Config, ConfigError
 from data import MicroBatch, TokenSupport
@@ -732,7 +733,7 @@ def test_garbage_outside_the_loss_is_ignored():
     assert not mbs[0].loss_mask[0] and not mbs[1].loss_mask[13:].any()
     mbs[0].logq[0], mbs[1].logq[13], mbs[1].logq[14] = float("nan"), 3.0, -float("inf")
     mbs[1].advantages[13:] = float("nan")
-    L.validate_evidence(mbs, V, cfg_for("icepop"))
+    E.validate(mbs, V, cfg_for("icepop"))
     logits = [torch.randn(16, V, dtype=F64, requires_grad=True) for _ in mbs]
     for variant in ("ipo", "ppo+icepop"):
         loss_type, icepop, _ = VARIANTS[variant]
@@ -856,7 +857,7 @@ def evidence_batches(seed: int = 13):
 def test_valid_evidence_passes():
     _, _, mbs = evidence_batches()
     for mode in ("error", "drop"):
-        m = L.reduce_metrics(L.validate_evidence(mbs, V, cfg_for("icepop", bad_evidence=mode)))
+        m = L.reduce_metrics(E.validate(mbs, V, cfg_for("icepop", bad_evidence=mode)))
         assert m == {"bad_evidence/dropped": 0.0}
     assert all(mb.loss_mask.sum() == mb.num_loss_tokens for mb in mbs)
 
@@ -883,7 +884,7 @@ def test_bad_evidence_raises_naming_sample_and_check(case):
     mbs, sample, words = bad_batches(case)
     before = [mb.loss_mask.clone() for mb in mbs]
     with pytest.raises(ValueError, match="bad sampler evidence") as e:
-        L.validate_evidence(mbs, V, cfg_for("icepop"))
+        E.validate(mbs, V, cfg_for("icepop"))
     assert f"sample {sample}, token 2: " in str(e.value) and words in str(e.value)
     assert all(torch.equal(mb.loss_mask, b) for mb, b in zip(mbs, before))  # error mode changes nothing
 
@@ -892,7 +893,7 @@ def test_bad_evidence_raises_naming_sample_and_check(case):
 def test_bad_evidence_drop(case):
     mbs, sample, _ = bad_batches(case)
     before = [mb.loss_mask.clone() for mb in mbs]
-    metrics = L.reduce_metrics(L.validate_evidence(mbs, V, cfg_for("icepop", bad_evidence="drop")))
+    metrics = L.reduce_metrics(E.validate(mbs, V, cfg_for("icepop", bad_evidence="drop")))
     assert metrics["bad_evidence/dropped"] == pytest.approx(1 / 6)
     for mb, was in zip(mbs, before):
         gone = mb.sample_idx == sample
@@ -909,14 +910,14 @@ def test_bad_evidence_drop(case):
 
 def test_an_empty_draws_row_is_fine_for_a_loss_that_reads_no_row():
     mbs, _, _ = bad_batches("empty-draws-row")
-    assert L.reduce_metrics(L.validate_evidence(mbs, V, cfg_for("ppo"))) == {"bad_evidence/dropped": 0.0}
+    assert L.reduce_metrics(E.validate(mbs, V, cfg_for("ppo"))) == {"bad_evidence/dropped": 0.0}
 
 
 def test_broken_offsets_raise_even_when_dropping():
     _, _, mbs = evidence_batches()
     mbs[1].support.offsets[5] = mbs[1].support.offsets[4] - 1
     with pytest.raises(ValueError, match="offsets"):
-        L.validate_evidence(mbs, V, cfg_for("icepop", bad_evidence="drop"))
+        E.validate(mbs, V, cfg_for("icepop", bad_evidence="drop"))
 
 
 class HostWaits(TorchDispatchMode):
@@ -959,7 +960,7 @@ def test_host_syncs(monkeypatch):
     logits = [torch.randn(16, V, dtype=F64, requires_grad=True) for _ in mbs]
     heads = [head(lg, mb) for lg, mb in zip(logits, mbs)]
     with HostWaits(monkeypatch) as w:
-        L.validate_evidence(mbs, V, cfg)
+        E.validate(mbs, V, cfg)
         assert w.events == ["tolist"]  # exactly one, at the end
         w.events.clear()
         denom = L.denominators(mbs)

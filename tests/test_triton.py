@@ -1,4 +1,4 @@
-"""The Triton head against the plain-torch reference (kernels.py).
+"""The Triton head (triton_head.py) against the plain-torch reference (kernels.py).
 
 CPU: the kernels run in Triton's interpreter at tiny shapes (fp32: tl.dot on bf16 is wrong
 there), against head(impl="torch"): the forward over every kind of row, the dense and the
@@ -24,13 +24,13 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
+import triton_head
 from data import TokenSupport
 from kernels import head
 
 ROOT = Path(__file__).resolve().parent.parent
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-HAS_TRITON = kernels.triton_available()
+HAS_TRITON = triton_head.triton_available()
 interpreted = pytest.mark.skipif(not (INTERPRET and HAS_TRITON),
                                  reason="runs in test_interpreter_in_subprocess (TRITON_INTERPRET=1)")
 gpu = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON) or INTERPRET,
@@ -89,8 +89,8 @@ def _coefs(support, N, gen, centered):
     return cl, cs
 
 
-def _run(hidden, weight, labels, support, cl, cs, T, impl, sparse=False):
-    logp, ent, slp = head(hidden, weight, labels, support, T, sparse=sparse, impl=impl)
+def _run(hidden, weight, labels, support, cl, cs, T, impl, sparse=False, backward_gemm="triton"):
+    logp, ent, slp = head(hidden, weight, labels, support, T, sparse=sparse, impl=impl, backward_gemm=backward_gemm)
     dev = hidden.device
     loss = (logp.double() * cl.to(dev)).sum() + (slp.double() * cs.to(dev)).sum()
     wanted = [x for x in (hidden, weight) if x.requires_grad]
@@ -118,11 +118,10 @@ def test_forward_matches_reference(kinds):
 @interpreted
 @pytest.mark.parametrize("kinds", ["mixed", "none"])
 @pytest.mark.parametrize("gemm", ["triton", "torch"])
-def test_dense_backward_matches_reference(kinds, gemm, monkeypatch):
-    monkeypatch.setattr(kernels, "BACKWARD_GEMM", gemm)
+def test_dense_backward_matches_reference(kinds, gemm):
     hidden, weight, labels, support = _problem(KINDS[kinds], seed=1)
     cl, cs = _coefs(support, hidden.shape[0], torch.Generator().manual_seed(2), centered=False)
-    (logp, ent, slp), (dh, dw) = _run(hidden, weight, labels, support, cl, cs, 0.7, "triton")
+    (logp, ent, slp), (dh, dw) = _run(hidden, weight, labels, support, cl, cs, 0.7, "triton", backward_gemm=gemm)
     ref, (rh, rw) = _run(hidden, weight, labels, support, cl, cs, 0.7, "torch")
     assert not ent.requires_grad and logp.requires_grad
     for a, b in zip((logp, ent, slp, dh, dw), (*ref, rh, rw)):
@@ -213,8 +212,8 @@ def test_interpreter_in_subprocess():
 def test_runs_without_triton():
     """floe imports, and the head runs on the reference, where triton does not import."""
     code = ("import sys; sys.modules['triton'] = None\n"
-            "import torch, kernels\n"
-            "assert not kernels.triton_available()\n"
+            "import torch, kernels, triton_head\n"
+            "assert not triton_head.triton_available()\n"
             "h = torch.randn(5, 4, requires_grad=True); w = torch.randn(9, 4, requires_grad=True)\n"
             "logp, ent, slp = kernels.head(h, w, torch.tensor([1, 2, 3, 4, 5]))\n"
             "logp.sum().backward(); assert h.grad is not None\n"
@@ -237,7 +236,7 @@ def _sm90_jobs(t, N=16384, H=2048, V=151936, W=8192):
                             inv_t=inv_t, stride_h=i(H), stride_w=i(H)), tiled, t.warps),
         ("support_kernel", dict(h_ptr=P, w_ptr=P, labels_ptr=L, ids_ptr=I, offsets_ptr=L, label_ptr=F, raw_ptr=F,
                                 lse_s_ptr=F, H=i(H), inv_t=inv_t, stride_h=i(H), stride_w=i(H)),
-         dict(gather, BLOCK_E=t.rows), kernels.GATHER_WARPS),
+         dict(gather, BLOCK_E=t.rows), triton_head.GATHER_WARPS),
         ("softmax_grad_kernel", dict(h_ptr=P, w_ptr=P, lse_ptr=F, scale_ptr=F, toks_ptr=L, cols_ptr=L, coefs_ptr=F,
                                      bucket_ptr=L, dl_ptr=P, N=i(N), v_lo=i(0), v_hi=i(W), H=i(H), inv_t=inv_t,
                                      stride_h=i(H), stride_w=i(H), stride_dl=i(W)), dict(tiled, BLOCK_R=t.rows), t.warps),
@@ -249,9 +248,9 @@ def _sm90_jobs(t, N=16384, H=2048, V=151936, W=8192):
          dict(mm, ACCUMULATE=False), t.warps),  # d_W[chunk] = dlogits.T @ hidden
         ("sparse_dh_kernel", dict(w_ptr=P, labels_ptr=L, ids_ptr=I, offsets_ptr=L, g_label_ptr=F, coef_ptr=F,
                                   dh_ptr=P, H=i(H), stride_w=i(H), stride_dh=i(H)),
-         dict(gather, BLOCK_E=t.rows), kernels.GATHER_WARPS),
+         dict(gather, BLOCK_E=t.rows), triton_head.GATHER_WARPS),
         ("sparse_dw_kernel", dict(h_ptr=P, toks_ptr=L, coefs_ptr=F, starts_ptr=L, dw_ptr=P, H=i(H), stride_h=i(H),
-                                  stride_dw=i(H)), dict(gather, BLOCK_R=t.rows), kernels.GATHER_WARPS),
+                                  stride_dw=i(H)), dict(gather, BLOCK_R=t.rows), triton_head.GATHER_WARPS),
     ]
 
 
@@ -262,7 +261,7 @@ def test_kernels_compile_for_sm90():
     shared memory) without a GPU: Triton compiles to a cubin for an H200 with its bundled ptxas."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
-    k, t = kernels._triton(), kernels.GPU_TILES
+    k, t = triton_head._triton(), triton_head.GPU_TILES
     for name, args, constexprs, warps in _sm90_jobs(t):
         fn = getattr(k, name)
         sig, attrs, consts = {}, {}, dict(constexprs)
@@ -296,21 +295,21 @@ def _rel(a, b):
 @gpu
 @pytest.mark.parametrize("dtype,N,H,V", [(torch.bfloat16, 4000, 2048, 151936), (torch.float32, 500, 512, 32003)])
 @pytest.mark.parametrize("gemm", ["triton", "torch"])
-def test_gpu_matches_reference(dtype, N, H, V, gemm, monkeypatch):
+def test_gpu_matches_reference(dtype, N, H, V, gemm):
     """Compiled kernels in `dtype` against the reference on fp32 copies of the same values (the
     bf16 reference rounds its logits to bf16, the kernels do not). Forward to 1e-3 (bf16) /
     1e-4; gradients to a relative Frobenius error of 1e-2 (bf16: dlogits and the outputs are
     rounded once each) / 1e-4. N (and V in fp32) are not multiples of the tiles: masked edges.
     One shape per dtype keeps the compiles to one set each (bench/gpu.sh's time budget); the
-    dense backward's GEMMs run both ways (kernels.BACKWARD_GEMM)."""
-    monkeypatch.setattr(kernels, "BACKWARD_GEMM", gemm)
+    dense backward's GEMMs run both ways (head's backward_gemm)."""
     kinds = _zipf_kinds(N, seed=N)
     hidden, weight, labels, support = _problem(kinds, H=H, V=V, seed=1, dtype=dtype, device="cuda", pool=64, max_row=64)
     h32, w32 = (x.detach().float().requires_grad_() for x in (hidden, weight))
     cl, cs = _coefs(support.to("cpu"), N, torch.Generator().manual_seed(2), centered=True)
     fwd_tol, grad_tol = (1e-3, 1e-2) if dtype == torch.bfloat16 else (1e-4, 1e-4)
     for sparse in (False, True):
-        out, (dh, dw) = _run(hidden, weight, labels, support, cl, cs, 0.8, "triton", sparse=sparse)
+        out, (dh, dw) = _run(hidden, weight, labels, support, cl, cs, 0.8, "triton", sparse=sparse,
+                             backward_gemm=gemm)
         ref, (rh, rw) = _run(h32, w32, labels, support, cl, cs, 0.8, "torch", sparse=sparse)
         for a, b in zip(out, ref):
             _close(a, b, atol=fwd_tol)

@@ -1,0 +1,66 @@
+"""The modules form layers (docs/design.md "Modules and layers"): the repo's own imports have no
+cycle, and parallel.py, the bottom of the torchrun stack, imports no repo module at all.
+
+Every import counts, wherever it sits: at the top of a file, inside a function (it runs on the
+first call) or under `if TYPE_CHECKING:` (a type checker follows it). The files are parsed, not
+imported, so the check needs none of their dependencies.
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULES = {p.stem: p for p in sorted(ROOT.glob("*.py"))}  # the flat modules in the repo root
+
+
+def repo_imports(name: str) -> set[str]:
+    """The other repo modules that module `name` imports anywhere in its file."""
+    tree = ast.parse(MODULES[name].read_text(), filename=str(MODULES[name]))
+    found = set()
+    for node in ast.walk(tree):  # every scope: module, function, class, if-block
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return (found & MODULES.keys()) - {name}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as a path that ends where it starts, or None. Depth-first: reaching
+    a module that is still on the current path closes a cycle."""
+    path, done = [], set()
+
+    def visit(m: str) -> list[str] | None:
+        if m in path:
+            return path[path.index(m):] + [m]
+        if m in done:
+            return None
+        path.append(m)
+        for n in sorted(graph.get(m, ())):
+            if cycle := visit(n):
+                return cycle
+        path.pop()
+        done.add(m)
+        return None
+
+    for m in sorted(graph):
+        if cycle := visit(m):
+            return cycle
+    return None
+
+
+def test_find_cycle_names_the_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_repo_imports_have_no_cycle():
+    graph = {m: repo_imports(m) for m in MODULES}
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_parallel_imports_no_repo_module():
+    """parallel.py depends on torch and the standard library alone; everything above may use it."""
+    found = repo_imports("parallel")
+    assert not found, f"parallel.py imports {', '.join(sorted(found))}"
