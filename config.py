@@ -68,7 +68,7 @@ class Config:
     lr: float = 0.0  # 0: the stage's default (rl 5e-4, sft 3e-3)
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global grad norm; 0: off
-    epochs: int = 1  # optimizer passes over each rollout batch (>1: ppo/cispo's pi_old is a no-grad pass)
+    epochs: int = 1  # optimizer passes over each rollout batch (>1: ppo/cispo/gspo's pi_old is a no-grad pass)
 
     # --- sampling (the engine)
     engine: Literal["auto", "torch", "vllm"] = "auto"  # auto: vllm on a GPU when it imports, else the built-in torch engine
@@ -82,10 +82,10 @@ class Config:
     inference_gpus: int = 0  # under torchrun: the last k processes only sample (remote.py); 0: every rank samples its share
 
     # --- the loss (loss.py; docs/design.md "The loss")
-    loss: Literal["reinforce", "icepop", "ipo", "tis", "ppo", "cispo"] = "icepop"
+    loss: Literal["reinforce", "icepop", "ipo", "tis", "ppo", "cispo", "gspo"] = "icepop"
     icepop_alpha: float = 0.5  # icepop: keep tokens with alpha <= p/q <= beta
     icepop_beta: float = 5.0  # icepop: upper bound, the paper's value
-    icepop: bool = False  # ppo/cispo: also apply the IcePop mask on pi_old/q
+    icepop: bool = False  # ppo/cispo/gspo: also apply the IcePop mask on pi_old/q
     ipo_eps: float = 0.2  # ipo: keep tokens with |p - q| <= eps
     max_importance_ratio: float = 5.0  # ipo: cap on p/q
     tis_cap: float = 2.0  # tis: w = clamp(p/q, floor, cap), truncated importance sampling
@@ -96,8 +96,8 @@ class Config:
     kl_mask: Literal["off", "k1", "k3", "binary"] = "off"  # zero tokens (sequences with --seq-mask) whose KL(q||p) estimate > threshold
     kl_mask_threshold: float = 0.5  # on |log r| (k1), r - 1 - log r (k3), KL(Bern(q(a))||Bern(p(a))) (binary)
     correction_metrics_only: bool = False  # train plain reinforce; log what each correction would mask
-    clip_low: float = 0.2  # ppo/cispo: lower clip on p/pi_old (1 - clip_low)
-    clip_high: float = 0.28  # ppo/cispo: upper clip (1 + clip_high)
+    clip_low: float = 0.2  # ppo/cispo/gspo: lower clip on p/pi_old (1 - clip_low; gspo's paper: 3e-4)
+    clip_high: float = 0.28  # ppo/cispo/gspo: upper clip (1 + clip_high; gspo's paper: 4e-4)
     adv_tau: float = 1.0  # plain multiplier on the advantage
     score_centering_k: int = 16  # draws per token for centering under untruncated sampling
     kl_coeff: float = 0.0  # sampler KL coefficient beta; 0: off
@@ -152,7 +152,7 @@ class Config:
         reinforce = self.loss == "reinforce" or self.correction_metrics_only
         _check(self.epochs == 1 or not reinforce, "--epochs",
                f"{self.epochs} with plain reinforce would retrain the batch off-policy with no correction; "
-               "use --loss ppo or cispo (clipped against pi_old), or icepop/tis/ipo (weighted by p/q)")
+               "use --loss ppo, cispo or gspo (clipped against pi_old), or icepop/tis/ipo (weighted by p/q)")
         _check(self.save_every >= 0, "--save-every", f"must be >= 0, got {self.save_every}")
         _check(self.eval_every >= 0, "--eval-every", f"must be >= 0 (0: no eval), got {self.eval_every}")
         _check(self.eval_prompts >= 1, "--eval-prompts", f"must be >= 1, got {self.eval_prompts}")

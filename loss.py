@@ -1,4 +1,4 @@
-"""The RL loss: one policy-gradient estimator with six weightings, sequence and KL masks, score
+"""The RL loss: one policy-gradient estimator with seven weightings, sequence and KL masks, score
 centering, a sampler KL, global normalization and metrics (the evidence it reads is checked
 first, in evidence.py).
 docs/design.md "The loss" writes it out in full and README.md "The loss" tabulates the corrections;
@@ -9,8 +9,9 @@ tests/test_loss.py checks every path against a dense fp64 reference written from
 A_t is the advantage times --adv-tau and w is detached: a weight of r = p/q for reinforce,
 icepop, ipo and tis, the four that get score centering (the sum over the support S_t: u_v = q_v
 on a replayed top-p/top-k row, 1/K on K draws); sg(clip(rho))*M(k) for cispo, rho = p/pi_old;
-ppo keeps its surrogate -M(k)*min(rho*A, clip(rho)*A). M(k) is IcePop's mask on k = pi_old/q
-(with --icepop). --seq-mask and --kl-mask zero every w of a sequence or token, centering included.
+ppo keeps its surrogate -M(k)*min(rho*A, clip(rho)*A), and gspo the same with rho replaced by
+its sequence's s = exp(mean of log rho). M(k) is IcePop's mask on k = pi_old/q (with --icepop).
+--seq-mask and --kl-mask zero every w of a sequence or token, centering included.
 
 Simplifications and decisions:
 1. Everything is in log space. Masks are decided on log r = log p - log q and the weight
@@ -68,6 +69,7 @@ LOSSES = {
     "tis": Loss(centered=True, sparse_draws=False, clipped=False),  # w = r clamped to [floor, cap]
     "ppo": Loss(centered=False, sparse_draws=False, clipped=True),  # min(rho*A, clip(rho)*A)
     "cispo": Loss(centered=False, sparse_draws=False, clipped=True),  # sg(clip(rho)) * log p
+    "gspo": Loss(centered=False, sparse_draws=False, clipped=True),  # ppo's clip on the sequence's mean ratio
 }
 
 
@@ -292,7 +294,8 @@ def _centered_term(logp: Tensor, logq: Tensor, adv: Tensor, rows: _Rows | None, 
 
 def _clipped_term(logp: Tensor, logq: Tensor, adv: Tensor, old: Tensor, mb: MicroBatch, cfg: Config,
                   keep: Tensor, mask: Tensor, metrics: Metrics) -> Tensor:
-    """ppo/cispo: the clip on rho = p/pi_old, times M(k), k = pi_old/q, with --icepop; 0 off `keep`."""
+    """ppo/cispo/gspo: the clip on rho = p/pi_old, times M(k), k = pi_old/q, with --icepop; 0 off `keep`.
+    gspo's rho is its sequence's: exp(mean of log p/pi_old over the tokens M keeps), with grad."""
     lo, hi = math.log1p(-cfg.clip_low), math.log1p(cfg.clip_high)
     m = keep.to(logp.dtype)  # 0 where a sequence or KL mask removes the token
     if cfg.icepop:
@@ -300,6 +303,11 @@ def _clipped_term(logp: Tensor, logq: Tensor, adv: Tensor, old: Tensor, mb: Micr
         m = m * mk
         metrics.update(_masked_stats("icepop", low, high, mask, logp.dtype))
     log_rho = logp - old
+    if cfg.loss == "gspo":  # one ratio per sequence (a document of the micro-batch)
+        on = mask & (m > 0)
+        x = torch.stack([on.to(logp.dtype), torch.where(on, log_rho, 0.0)], 1)
+        n, total = sum_by(mb.doc_ids, x, len(x)).unbind(1)
+        log_rho = (total / n.clamp(min=1))[mb.doc_ids]
     clipped_rho = log_rho.detach().clamp(lo, hi).exp()
     if cfg.loss == "cispo":
         clipped = (log_rho < lo) | (log_rho > hi)

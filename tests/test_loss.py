@@ -28,8 +28,9 @@ aten = torch.ops.aten
 
 def cfg_for(loss: str, **kw) -> Config:
     """Bounds tight enough that every mask triggers on the random data below."""
+    clip = 0.05 if loss == "gspo" else 0.1  # a sequence's mean ratio spreads less than a token's
     base = dict(loss=loss, icepop_alpha=0.5, icepop_beta=2.0, ipo_eps=0.1, max_importance_ratio=1.5,
-                clip_low=0.1, clip_high=0.15, adv_tau=1.3, score_centering_k=K)
+                clip_low=clip, clip_high=1.5 * clip, adv_tau=1.3, score_centering_k=K)
     return Config(**{**base, **kw})
 
 
@@ -220,10 +221,8 @@ def ref_centered(cfg: Config, t: Tok, keep: bool, st: Stats) -> torch.Tensor:
     return -t.A * term
 
 
-def ref_clipped(cfg: Config, t: Tok, old_a: float, keep: bool, st: Stats) -> torch.Tensor:
-    """ppo: -M*min(rho*A, clip(rho)*A); cispo: -A*M*sg(clip(rho))*log p(a)."""
-    logp_a = t.lp(t.a)
-    rho = torch.exp(logp_a - old_a)
+def ref_icepop_m(cfg: Config, t: Tok, old_a: float, keep: bool, st: Stats) -> float:
+    """M(k) = k inside [alpha, beta], else 0 (with --icepop; 1 without), times the sequence/KL masks."""
     m = 1.0
     if cfg.icepop:
         k = math.exp(old_a - t.lq_a)
@@ -231,13 +230,34 @@ def ref_clipped(cfg: Config, t: Tok, old_a: float, keep: bool, st: Stats) -> tor
         st.add("icepop/masked_fraction", float(m == 0.0))
         st.add("icepop/masked_fraction/low", float(k < cfg.icepop_alpha))
         st.add("icepop/masked_fraction/high", float(k > cfg.icepop_beta))
-    m *= keep
+    return m * keep
+
+
+def ref_clipped(cfg: Config, t: Tok, old_a: float, keep: bool, st: Stats) -> torch.Tensor:
+    """ppo: -M*min(rho*A, clip(rho)*A); cispo: -A*M*sg(clip(rho))*log p(a)."""
+    logp_a = t.lp(t.a)
+    rho = torch.exp(logp_a - old_a)
+    m = ref_icepop_m(cfg, t, old_a, keep, st)
     lo, hi, A = 1 - cfg.clip_low, 1 + cfg.clip_high, t.A
     if cfg.loss == "ppo":
         st.add("ppo/clip_fraction", float((A > 0 and rho.item() > hi) or (A < 0 and rho.item() < lo)))
         return -m * torch.minimum(rho * A, rho.clamp(lo, hi) * A)
     st.add("ppo/clip_fraction", float(not lo <= rho.item() <= hi))
     return -A * m * min(max(rho.item(), lo), hi) * logp_a
+
+
+def ref_gspo(cfg: Config, toks: list, keep: list[bool], st: Stats) -> list[torch.Tensor]:
+    """gspo, one sequence: s = exp(mean of log p(a)/pi_old(a) over the tokens M keeps), a tensor
+    with grad; each token's term -M*min(s*A, clip(s)*A), the sequence's A being every token's."""
+    ms = [ref_icepop_m(cfg, t, old_a, k, st) for (t, old_a, _), k in zip(toks, keep)]
+    on = [(t, old_a) for (t, old_a, _), m in zip(toks, ms) if m > 0]
+    log_s = sum((t.lp(t.a) - old_a for t, old_a in on), torch.zeros((), dtype=F64)) / max(len(on), 1)
+    s, A = torch.exp(log_s), toks[0][0].A
+    lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
+    clipped = (A > 0 and s.item() > hi) or (A < 0 and s.item() < lo)
+    for _ in toks:
+        st.add("ppo/clip_fraction", float(clipped))
+    return [-m * torch.minimum(s * A, s.clamp(lo, hi) * A) for m in ms]
 
 
 def ref_kl(cfg: Config, t: Tok, age: int, st: Stats) -> torch.Tensor:
@@ -336,8 +356,12 @@ def reference(docs: list[Doc], cfg: Config, step: int, old: bool):
         if cfg.correction_metrics_only and toks:
             ref_would_mask(cfg, [t.lp(t.a).item() for t, _, _ in toks], lqs, st)
         keep = ref_keep(train, [o for _, o, _ in toks], lqs, st) if toks else []
-        for (t, old_a, age), k in zip(toks, keep):
-            term = ref_centered(train, t, k, st) if centered else ref_clipped(train, t, old_a, k, st)
+        if train.loss == "gspo" and toks:  # one ratio for the whole sequence
+            terms = ref_gspo(train, toks, keep, st)
+        else:
+            terms = [ref_centered(train, t, k, st) if centered else ref_clipped(train, t, old_a, k, st)
+                     for (t, old_a, _), k in zip(toks, keep)]
+        for (t, old_a, age), term in zip(toks, terms):
             if cfg.kl_coeff > 0:
                 term = term + ref_kl(cfg, t, age, st)
             doc_sum = doc_sum + term
@@ -354,7 +378,8 @@ VARIANTS = {  # name: (loss, --icepop, pi_old differs from p)
     "reinforce": ("reinforce", False, False), "icepop": ("icepop", False, False), "ipo": ("ipo", False, False),
     "tis": ("tis", False, False),
     "ppo": ("ppo", False, True), "ppo+icepop": ("ppo", True, True), "ppo+icepop+sg": ("ppo", True, False),
-    "cispo": ("cispo", False, True), "cispo+icepop": ("cispo", True, True), "cispo+icepop+sg": ("cispo", True, False)}
+    "cispo": ("cispo", False, True), "cispo+icepop": ("cispo", True, True), "cispo+icepop+sg": ("cispo", True, False),
+    "gspo": ("gspo", False, True), "gspo+icepop": ("gspo", True, True), "gspo+icepop+sg": ("gspo", True, False)}
 KLS = {"no-kl": {}, "exact": dict(kl_coeff=0.3, kl_estimator="exact", kl_staleness="inv_sqrt"),
        "k1": dict(kl_coeff=0.3, kl_estimator="k1", kl_staleness="none")}
 
@@ -365,9 +390,9 @@ def assert_metrics_close(got: dict, want: dict, tol: float = 1e-9):
         assert got[k] == pytest.approx(want[k], rel=tol, abs=tol), k
 
 
-def compare_with_reference(cfg, kind, old):
+def compare_with_reference(cfg, kind, old, seed=None):
     """loss.py against the dense reference on one micro-batch: loss, metrics, logit gradients."""
-    docs = make_docs(kind)
+    docs = make_docs(kind, seed)
     mb, logits, noise = assemble(docs, T=24)
     leaves = [d.logits for d in docs]
     got, got_m = run_loss([mb], [logits], cfg, old_list=[noise] if old else None)
@@ -385,7 +410,9 @@ def compare_with_reference(cfg, kind, old):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_matches_dense_reference(variant, kind, kl, agg):
     loss_type, icepop, old = VARIANTS[variant]
-    want_m = compare_with_reference(cfg_for(loss_type, icepop=icepop, loss_agg=agg, **KLS[kl]), kind, old)
+    # gspo clips whole sequences: seed 1's clip on both kinds, on the side each advantage pushes
+    seed = 1 if loss_type == "gspo" else None
+    want_m = compare_with_reference(cfg_for(loss_type, icepop=icepop, loss_agg=agg, **KLS[kl]), kind, old, seed)
     # the masks must actually act, or this test could not catch a wrong one
     for name in ("icepop/masked_fraction", "ipo/masked_fraction"):
         if name in want_m:
@@ -526,7 +553,7 @@ def test_monte_carlo_pure_importance_weights(kind):
 
 # ----------------------------------------------------------------------------- 3. micro-batch invariance
 
-SPLITS = {"icepop": ("icepop", {}), "ipo": ("ipo", {}), "cispo+icepop": ("cispo+icepop", {}),
+SPLITS = {"icepop": ("icepop", {}), "ipo": ("ipo", {}), "cispo+icepop": ("cispo+icepop", {}), "gspo+icepop": ("gspo+icepop", {}),
           "tis+masks": ("tis", dict(seq_mask="geometric", seq_mask_low=0.6, seq_mask_high=1.5, kl_mask="binary")),
           "metrics-only": ("ppo+icepop", dict(correction_metrics_only=True, seq_mask="max", kl_mask="k3"))}
 
@@ -557,7 +584,7 @@ def test_one_vs_four_micro_batches(name, agg):
 @pytest.mark.parametrize("masks", ["off", "seq+kl", "metrics-only"])
 @pytest.mark.parametrize("kl", ["no-kl", "exact"])
 @pytest.mark.parametrize("variant", ["reinforce", "icepop", "ipo", "tis", "ppo", "ppo+icepop+sg", "cispo",
-                                     "cispo+icepop+sg"])
+                                     "cispo+icepop+sg", "gspo", "gspo+icepop+sg"])
 def test_log_ratio_of_1000(variant, kl, masks):
     loss_type, icepop, _ = VARIANTS[variant]
     extra = {"off": {}, "seq+kl": dict(seq_mask="geometric", kl_mask="binary"),
@@ -584,7 +611,7 @@ def test_log_ratio_of_1000(variant, kl, masks):
         assert grad.abs().sum() > 0  # the other tokens still train
 
 
-@pytest.mark.parametrize("loss_type", ["ppo", "cispo"])
+@pytest.mark.parametrize("loss_type", ["ppo", "cispo", "gspo"])
 def test_masked_token_with_overflowing_rho(loss_type):
     """pi_old = p * e^-1000 on one token: rho overflows, M(k) masks it; it must add exactly 0."""
     cfg = cfg_for(loss_type, icepop=True)
@@ -993,3 +1020,31 @@ def test_sft_loss_is_global_mean_nll():
     want = torch.cat(nll).mean()
     assert torch.allclose(total, want, rtol=1e-12)
     assert L.reduce_metrics(metrics)["loss"] == pytest.approx(want.item(), rel=1e-12)
+
+
+def test_gspo_ratio_is_the_sequence_s_and_matters_from_the_second_epoch():
+    """At pi_old = sg(p) (s = 1) gspo's gradient is the plain policy gradient, -A/(|y|*N_seq) per
+    token under --loss-agg sequence; with pi_old off p every token of a sequence shares one s."""
+    docs = make_docs("draws", seed=11)
+    mb, logits, noise = assemble(docs, T=24, with_support=False)
+    cfg = cfg_for("gspo", loss_agg="sequence", clip_low=0.9, clip_high=10.0)  # no clip acts
+    logp, slogp, ent = head(logits, mb)
+    loss, _ = L.rl_loss(logp, slogp, ent, mb, cfg, L.denominators([mb]), STEP)
+    g = torch.autograd.grad(loss, logp)[0]
+    n = L.sum_by(mb.doc_ids, mb.loss_mask.double(), len(mb.doc_ids))[mb.doc_ids]
+    want = torch.where(mb.loss_mask, -mb.advantages.double() * cfg.adv_tau / (n * L.denominators([mb]).seqs), 0.0)
+    assert torch.allclose(g, want, rtol=1e-12, atol=1e-15)
+    old = logp.detach() + noise
+    loss, _ = L.rl_loss(logp, slogp, ent, mb, cfg, L.denominators([mb]), STEP, old_logp=old)
+    g = torch.autograd.grad(loss, logp)[0]
+    for d in mb.doc_ids[mb.loss_mask].unique():
+        on = mb.loss_mask & (mb.doc_ids == d)
+        s = torch.exp((logp.detach() - old)[on].mean())
+        assert torch.allclose(g[on], want[on] * s, rtol=1e-12) and not torch.allclose(s, torch.ones((), dtype=F64))
+
+
+def test_every_loss_name_is_declared_once():
+    """config.py's --loss list and loss.LOSSES name the same losses: what a loss needs is in its row."""
+    import typing
+
+    assert set(typing.get_args(typing.get_type_hints(Config)["loss"])) == set(L.LOSSES)
