@@ -194,6 +194,19 @@ class Prompt:
     reference: str | None = None  # the reference completion (--stage sft); None where the task has none
 
 
+def truncated(top_p: float, top_k: int) -> bool:
+    """Whether sampling keeps only a top-p/top-k set: its support rows are that set (replayed),
+    else K draws from the whole distribution."""
+    return top_p < 1.0 or top_k > 0
+
+
+def entry_rows(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
+    """The row of each of a CSR's nnz entries, from its offsets, without a host sync; cummax keeps
+    it in range on broken offsets (the evidence checks read it before they reject them)."""
+    mono, at = torch.cummax(offsets, 0).values, torch.arange(nnz, device=offsets.device)
+    return (torch.searchsorted(mono, at, right=True) - 1).clamp(0, offsets.numel() - 2)
+
+
 @dataclass
 class TokenSupport:
     """Ragged per-token support (docs/design.md "TokenSupport"): row t is ids[offsets[t]:offsets[t+1]]."""
@@ -275,7 +288,6 @@ class Sample:
     support: TokenSupport | None = None  # one row per completion token
     reward: float = 0.0
     advantage: float = 0.0
-    group: int = 0  # index of its prompt group in the step
 
     @property
     def ids(self) -> list[int]:
@@ -284,7 +296,8 @@ class Sample:
 
 @dataclass
 class MicroBatch:
-    """A fixed-shape packed token buffer; every tensor is [T] (T = --micro-batch-tokens)."""
+    """A packed token buffer; every tensor is [T]: T = --micro-batch-tokens, or less where
+    `pack` trims the padding (an eager CPU forward)."""
 
     tokens: torch.Tensor  # int64 input ids
     positions: torch.Tensor  # int64 position inside its document (RoPE)
@@ -296,8 +309,7 @@ class MicroBatch:
     versions: torch.Tensor  # int64 policy version that sampled the label
     sample_idx: torch.Tensor  # int64 index of the sample in the step's list; -1 on padding and shared prompts
     support: TokenSupport | None  # T rows; empty rows where nothing is centered
-    num_loss_tokens: int  # host-side counts, for global normalization
-    num_docs: int
+    num_loss_tokens: int  # host-side count, for global normalization
     samples: list[int] = field(default_factory=list)  # the samples packed here, in order
     parents: torch.Tensor | None = None  # int64 the document (a shared prompt) each token's document continues, else -1
 
@@ -409,7 +421,7 @@ def _fill(samples: list[Sample], units: list[list[int]], T: int) -> MicroBatch:
     t = {k: torch.from_numpy(v) for k, v in cols.items()}
     return MicroBatch(t["tokens"], t["positions"], t["doc_ids"], t["labels"], torch.from_numpy(mask), torch.from_numpy(adv), torch.from_numpy(logq), t["versions"],
                       torch.from_numpy(sample_idx), TokenSupport.cat(rows) if has_support else None,
-                      int(mask.sum()), len(flat), flat, torch.from_numpy(parents))
+                      int(mask.sum()), flat, torch.from_numpy(parents))
 
 
 # ----------------------------------------------------------------------------- each rank's share

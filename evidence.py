@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from config import Config
-from data import MicroBatch, RunError
-from loss import Metrics, any_by, entry_rows, sum_by, trained
+from data import MicroBatch, RunError, entry_rows
+from loss import Metrics, any_by, sum_by, trained
 
 CHECKS = {  # name: what the error says
     "offsets": "support offsets are not non-decreasing from 0 to nnz",  # structural: always raises

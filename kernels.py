@@ -69,15 +69,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import triton_head
-from data import TokenSupport
+from data import TokenSupport, entry_rows
 
 TILE_ELEMENTS = 1 << 25  # a [chunk, V] fp32 tile of at most 128 MiB
 KEEP_ELEMENTS = 1 << 20  # the reference keeps [N, V] logits for the backward up to 4 MiB, else recomputes
-
-
-def _rows(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
-    """The row of each support entry, from CSR offsets, without a host sync."""
-    return torch.searchsorted(offsets, torch.arange(nnz, device=offsets.device), right=True) - 1
 
 
 def _row_logsumexp(x: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
@@ -97,7 +92,7 @@ def _chunk(hidden, weight, labels, ids, offsets, replayed, temperature: float, n
         entropy = lse - (p * logits).sum(-1)
     if nnz == 0:
         return label_logit - lse, entropy, logits.new_zeros(0)
-    rows = _rows(offsets, nnz)
+    rows = entry_rows(offsets, nnz)
     sup_logit = logits[rows, ids.long()]  # (nnz,)
     lse_s = _row_logsumexp(sup_logit, rows, labels.shape[0])
     norm = torch.where(replayed, lse_s, lse)  # replayed rows: renormalize over the support
@@ -164,7 +159,7 @@ class _SparseHead(torch.autograd.Function):
         N, nnz = hidden.shape[0], ids.shape[0]
         g_logp = hidden.new_zeros(N, dtype=torch.float32) if g_logp is None else g_logp.float()
         g_slp = hidden.new_zeros(nnz, dtype=torch.float32) if g_slp is None else g_slp.float()
-        rows = _rows(offsets, nnz)
+        rows = entry_rows(offsets, nnz)
         # G_t, the coefficient on the normalizer; a replayed row takes -G_t*p_S on its entries
         G = g_logp + torch.segment_reduce(g_slp, "sum", offsets=offsets, unsafe=True)
         coef = torch.where(replayed[rows], g_slp - G[rows] * slp.exp(), g_slp)  # (nnz,)

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from config import Config
-from data import MicroBatch, TokenSupport
+from data import MicroBatch, TokenSupport, entry_rows, truncated
 
 Metrics = dict[str, tuple[Tensor, Tensor]]
 METRIC_CLAMP = 20.0  # |log r| cap for metrics and KL masks only
@@ -83,8 +83,7 @@ def reads_support(cfg: Config) -> bool:
     it; truncated sampling always reports its kept set, whatever the loss, because the trainer's p
     is renormalized over it: otherwise log p - log q would be off by the log of the trainer's mass
     on the kept set, which is no mismatch."""
-    truncated = cfg.top_p < 1.0 or cfg.top_k > 0
-    return truncated or trained(cfg).centered or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")
+    return truncated(cfg.top_p, cfg.top_k) or trained(cfg).centered or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")
 
 
 def sparse_ok(cfg: Config, support: TokenSupport | None) -> bool:
@@ -97,8 +96,7 @@ def sparse_ok(cfg: Config, support: TokenSupport | None) -> bool:
     its row (Sampling(support=True)): an empty draws row on a loss token needs the dense path."""
     if support is None:
         return False
-    replayed = cfg.top_p < 1.0 or cfg.top_k > 0
-    return replayed or (trained(cfg).sparse_draws and cfg.kl_coeff == 0)
+    return truncated(cfg.top_p, cfg.top_k) or (trained(cfg).sparse_draws and cfg.kl_coeff == 0)
 
 
 def sum_by(idx: Tensor, x: Tensor, size: int) -> Tensor:
@@ -109,6 +107,20 @@ def sum_by(idx: Tensor, x: Tensor, size: int) -> Tensor:
 def any_by(idx: Tensor, flags: Tensor, size: int) -> Tensor:
     """[size] bool: OR of `flags` over the entries with each index."""
     return sum_by(idx, flags.long(), size) > 0
+
+
+def group_advantages(rewards: list[float], group_size: int, std_norm: bool = False) -> list[float]:
+    """A = r - mean(group) (/ std(group) with std_norm); groups are consecutive. A NaN
+    reward (a skipped sample) is left out of its group's statistics and gets A = 0."""
+    r = torch.tensor(rewards, dtype=torch.float64).view(-1, group_size)
+    ok = r.isfinite()
+    n = ok.sum(1, keepdim=True).clamp(min=1)
+    mean = torch.where(ok, r, 0.0).sum(1, keepdim=True) / n
+    a = torch.where(ok, r - mean, 0.0)
+    if std_norm:
+        std = (a.pow(2).sum(1, keepdim=True) / n).sqrt()
+        a = a / (std + 1e-6)
+    return a.flatten().tolist()
 
 
 @dataclass
@@ -220,12 +232,6 @@ class _Rows:
     def sum(self, x: Tensor) -> Tensor:
         """[T]: x summed over each row's entries."""
         return sum_by(self.row, x, self.counts.numel())
-
-
-def entry_rows(offsets: Tensor, nnz: int) -> Tensor:
-    """Row of each entry without a host sync; cummax keeps it defined on broken offsets."""
-    mono, at = torch.cummax(offsets, 0).values, torch.arange(nnz, device=offsets.device)
-    return (torch.searchsorted(mono, at, right=True) - 1).clamp(0, offsets.numel() - 2)
 
 
 def _rows(sup: TokenSupport, support_logp: Tensor, mask: Tensor) -> _Rows:

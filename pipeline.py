@@ -1,7 +1,8 @@
 """Async rollouts (--async-level a): one thread owns the engine and samples a batch ahead while
 the trainer trains, every batch with exactly the weights the version rule names, so a run
-repeats whatever the threads' timing. `AsyncRollouts` has the rule and the decisions; with
-a = 0 it makes each batch inline and train.py's loop is the synchronous one.
+repeats whatever the threads' timing. `AsyncRollouts` has the rule and the decisions; train.py
+wraps its step in it only for a >= 1 (with a = 0 it would make each batch inline, as the
+synchronous step does itself: tests/test_async.py holds the two equal).
 
     python -m pytest -q tests/test_async.py
 """
@@ -43,7 +44,7 @@ class AsyncRollouts:
     2. The exact version, not the newest: the thread waits for v(s) and `_make` asserts it, so a
        fixed seed gives the same batches, hence the same metrics, whatever the thread timing. Only
        the rollout side draws prompts (`rng`) and samples (`engine.gen`), one batch after another.
-    3. a = 0 makes each batch inline when `get` asks for it: no thread, today's loop exactly.
+    3. a = 0 makes each batch inline when `get` asks for it: no thread, the synchronous step.
        a >= 1 runs one daemon thread; torch ops release the GIL, so it overlaps on a CPU too. a >= 2
        adds staleness but no speed: the push after step s waits for batch s + a, which needs the
        version before, so each training step still overlaps exactly one rollout.

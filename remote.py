@@ -40,16 +40,16 @@ GEN, PUSH, STOP = 1, 2, 3
 # ----------------------------------------------------------------------------- the wire format
 
 def _request(prompts: list[list[int]], n: int, s: Sampling, seed: int, version: int) -> list[torch.Tensor]:
-    ints = [GEN, version, n, s.max_new_tokens, s.top_k, s.support, s.draws, s.greedy, seed]
+    ints = [GEN, version, n, s.max_new_tokens, s.top_k, s.support, s.draws, seed]
     return [torch.tensor(ints), torch.tensor([s.temperature, s.top_p], dtype=torch.float64),
             torch.tensor([len(p) for p in prompts]), torch.tensor([t for p in prompts for t in p], dtype=torch.int64)]
 
 
 def _read_request(msg: list[torch.Tensor]):
-    (_, version, n, max_new, top_k, support, draws, greedy, seed), (temperature, top_p) = msg[0].tolist(), msg[1].tolist()
+    (_, version, n, max_new, top_k, support, draws, seed), (temperature, top_p) = msg[0].tolist(), msg[1].tolist()
     prompts = [p.tolist() for p in msg[3].split(msg[2].tolist())]
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new,
-                        greedy=bool(greedy), seed=seed, support=bool(support), draws=draws)
+                        seed=seed, support=bool(support), draws=draws)
     return prompts, n, sampling, version
 
 

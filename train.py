@@ -1,8 +1,8 @@
 """floe's training loop: a supervised warm-up stage and the RL stage, on one file.
 
-One RL step: the task (tasks.py) draws prompts -> the engine generates a group of
-completions per prompt, with the sampler's evidence for every token -> the task's rewards
-and group-centered advantages -> pack into fixed-shape micro-batches -> validate the
+One RL step (`rl_step`, read top to bottom): the task (tasks.py) draws prompts -> the engine
+generates a group of completions per prompt, with the sampler's evidence for every token ->
+the task's rewards and group-centered advantages -> pack into micro-batches -> validate the
 evidence once -> per micro-batch: forward, fused head, loss, backward -> clip, AdamW step
 (skipped when the gradient is not finite) -> push the weights to the engine (version + 1)
 -> one log line, one metrics.jsonl row.
@@ -27,7 +27,7 @@ Simplifications:
    whole batch's prompts through a `RemoteEngine`, and everything else here is unchanged.
 6. `--async-level a` (pipeline.AsyncRollouts): step s trains on a batch sampled with the weights
    after step s-1-a (exactly that version: a fixed seed repeats the run), made on a thread
-   while earlier steps train; a = 0 is the synchronous loop, inline. Each rank has its own
+   while earlier steps train; a = 0 is the synchronous step, which samples its own. Each rank has its own
    thread; gathers, weight pushes and eval stay on the main thread. The timeline line shows
    the overlap (wall time below rollout + train); a resume refills the pipeline from the
    checkpoint's weights, so for a >= 1 it is valid but not bit-identical.
@@ -44,6 +44,7 @@ Simplifications:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -69,9 +70,9 @@ from checkpoint import (Logger, check_fresh, check_resumable, kept_metrics, load
 from kernels import head
 import parallel as P
 from parallel import RANK, full, gather, print0, setup_distributed, shard, sum_over_ranks
-from pipeline import AsyncRollouts
+from pipeline import AsyncRollouts, RolloutRNG
 from remote import RemoteEngine, serve
-from rollout import Sampling, group_advantages, make_engine, vllm_logprobs
+from rollout import Sampling, make_engine, vllm_logprobs
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -144,9 +145,9 @@ def rollout_phase(cfg, task, engine, rng, step, context: int):
     completions = engine.generate([p.ids for p in prompts], cfg.group_size, rl_sampling(cfg)) if prompts else []
     owners = [prompts[i // cfg.group_size] for i in range(len(completions))]
     rewards = task.score(owners, [c.ids for c in completions], cfg.group_size)
-    samples = [D.Sample(p, c.ids, c.logq, c.versions, c.finish_reason, c.support, reward=r, group=i // cfg.group_size)
-               for i, (p, c, r) in enumerate(zip(owners, completions, rewards))]
-    advs = group_advantages([s.reward for s in samples], cfg.group_size, cfg.adv_std_norm)
+    samples = [D.Sample(p, c.ids, c.logq, c.versions, c.finish_reason, c.support, reward=r)
+               for p, c, r in zip(owners, completions, rewards)]
+    advs = L.group_advantages([s.reward for s in samples], cfg.group_size, cfg.adv_std_norm)
     for s, a in zip(samples, advs):
         s.advantage = a
     scored = [s for s in samples if math.isfinite(s.reward)]
@@ -167,14 +168,13 @@ def my_prompts(cfg, drawn: list) -> list:
     return drawn[RANK::P.WORLD]
 
 
-def batches(cfg, task, engine, rng, model, start: int) -> AsyncRollouts:
-    """Each step's batch: rl rollouts (with --async-level sampled ahead on a thread), or sft samples."""
+def make_batch(run: Run, step: int):
+    """The batch of `step` as (samples, stats): rl rollouts (prompts -> completions -> rewards ->
+    advantages), or sft samples. Inline in the synchronous loop; with --async-level on a thread."""
+    cfg = run.cfg
     if cfg.stage == "sft":
-        return AsyncRollouts(lambda step: sft_samples(cfg, task, rng), engine, rng, 0, start, cfg.steps)
-    context = model.args.max_position_embeddings
-    threads = max(1, torch.get_num_threads() // 2) if cfg.device == "cpu" else 0  # half the cores each
-    return AsyncRollouts(lambda step: rollout_phase(cfg, task, engine, rng, step - 1, context), engine, rng,
-                         cfg.async_level, start, cfg.steps, threads)
+        return sft_samples(cfg, run.task, run.rng)
+    return rollout_phase(cfg, run.task, run.engine, run.rng, step - 1, run.model.args.max_position_embeddings)
 
 
 def sft_samples(cfg, task, rng):
@@ -230,19 +230,6 @@ def backward_pass(cfg, model, fwd, mbs, denom, step, old=None):
         loss.backward()
         L.accumulate(total, metrics)
     return total
-
-
-def train_phase(cfg, model, fwd, opt, samples, step):
-    """--epochs optimizer steps on one batch; metrics of the first pass (the sampled policy)."""
-    mbs, denom, total = prepare(cfg, samples, model.args.vocab_size, cfg.device)
-    clipped = cfg.stage == "rl" and L.trained(cfg).clipped
-    old = old_logprobs(cfg, model, fwd, mbs) if clipped and cfg.epochs > 1 else None
-    for epoch in range(cfg.epochs):
-        metrics = backward_pass(cfg, model, fwd, mbs, denom, step, old)
-        metrics.update(optimizer_step(cfg, model, opt, step + 1))
-        if epoch == 0:
-            L.accumulate(total, metrics)
-    return total, denom.tokens, sum(len(mb.tokens) for mb in mbs) * P.WORLD
 
 
 def optimizer_step(cfg, model, opt, step):
@@ -378,7 +365,7 @@ def launch(cfg: C.Config, s: Start) -> dict:
     log = None
     try:
         log = Logger(cfg, start, s.kept)  # an OSError here (a full disk) reaches main's one line
-        run(cfg, log, start, s.out, src, s.model, fwd, s.task, engine, opt, rng)
+        loop(Run(cfg, s.task, s.model, fwd, opt, engine, rng, log, s.out, src), start)
     except D.RunError as e:
         fail(e, 1)  # what was logged and saved so far stays
     finally:
@@ -392,44 +379,97 @@ def launch(cfg: C.Config, s: Start) -> dict:
     return summary
 
 
-def run(cfg, log, start, out, src, model, fwd, task, engine, opt, rng):
-    """The loop: rollout, train, push weights, eval, log, checkpoint. The batches come from
-    pipeline.AsyncRollouts: made inline, or with --async-level from a thread that samples ahead."""
+@dataclass
+class Run:
+    """One run's parts, built once by `launch`; every step reads them from here."""
+
+    cfg: C.Config
+    task: T.Task
+    model: M.Transformer  # the trainer's fp32 weights (FSDP2-sharded under torchrun)
+    fwd: object  # the model, or torch.compile(model)
+    opt: torch.optim.Optimizer
+    engine: object  # a rollout.Engine (or a remote.RemoteEngine): samples with a copy of the weights
+    rng: random.Random  # draws the prompts
+    log: Logger
+    out: Path  # --out-dir
+    src: Path  # the model directory the engine loaded; checkpoints copy its tokenizer
+
+
+def loop(run: Run, start: int) -> None:
+    """Steps start+1..--steps, then a checkpoint at --save-every and at the end. With --async-level
+    a thread samples each batch ahead (pipeline.AsyncRollouts) and hands it to the step."""
+    cfg = run.cfg
     if cfg.eval_every and not start and RANK == 0:
-        log.row(0, evaluate(cfg, task, engine))
-        print0(eval_line(0, log.rows[-1]))
+        run.log.row(0, evaluate(cfg, run.task, run.engine))
+        print0(eval_line(0, run.log.rows[-1]))
+    ahead = None
+    if cfg.async_level > 0 and cfg.stage == "rl":
+        threads = max(1, torch.get_num_threads() // 2) if cfg.device == "cpu" else 0  # half the cores each
+        ahead = AsyncRollouts(lambda step: make_batch(run, step), run.engine, run.rng, cfg.async_level, start,
+                              cfg.steps, threads)
     skipped = 0  # non-finite steps in a row
-    with batches(cfg, task, engine, rng, model, start) as pipe:
+    with ahead or contextlib.nullcontext():
         for step in range(start + 1, cfg.steps + 1):
-            t0 = time.time()
-            samples, total, t_rollout = pipe.get(step)
-            t_roll = time.time()
-            batch = gather(samples)  # every rank's samples: the global batch
-            metrics, n_loss, n_tok = train_phase(cfg, model, fwd, opt, batch, step - 1)
-            t_train = time.time() - t_roll
-            L.accumulate(total, metrics)
-            due = bool(cfg.eval_every) and RANK == 0 and (step % cfg.eval_every == 0 or step == cfg.steps)
-            pipe.publish(model, step, hold=due)  # version `step`; held: the next batch waits for the eval
-            m = L.reduce_metrics(sum_over_ranks(total, cfg.device))
-            m["skipped/empty_step"] = float(not batch)  # nothing scored: the step trained nothing
-            if cfg.stage == "rl" and batch:  # a std does not sum over ranks
-                m["reward/std"] = torch.tensor([s.reward for s in batch], dtype=torch.float64).std(unbiased=False).item()
-            t1 = time.time()
-            m.update({"time/rollout": t_rollout, "time/train": t_train, "time/step": t1 - t0, "tokens/train": n_loss,
-                      "tokens/packed": n_tok})  # loss tokens; micro-batch slots (the work done, padding included)
-            if due:
-                m.update(evaluate(cfg, task, engine))  # this step's weights
-                pipe.release()
-                print0(eval_line(step, m))
-            log.row(step, m)
-            log.line(step, m, n_tok, t1 - t0)
+            m, batch = rl_step(run, step, ahead)
             skipped = skipped + 1 if m.get("skipped/nonfinite_step") else 0
             if skipped == 3:
                 raise D.RunError(f"3 steps in a row skipped for {nonfinite_cause(batch, m)}; "
                                  "none of them was applied or saved")
             if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-                st = pipe.rng_after(step)  # the RNGs as the next batch found them (AsyncRollouts, 5)
-                save_checkpoint(out, step, model, opt, st.rng, st.gen, src)
+                # the RNGs as the next batch finds them (with a thread: as this one's left them, AsyncRollouts 5)
+                st = RolloutRNG(run.rng, run.engine.gen) if ahead is None else ahead.rng_after(step)
+                save_checkpoint(run.out, step, run.model, run.opt, st.rng, st.gen, run.src)
+
+
+def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[dict, list]:
+    """One step (1-based: the trainer has made step - 1 optimizer steps), top to bottom; returns
+    its metrics row and the global batch. `ahead` (--async-level) hands over a batch sampled
+    ahead on a thread; without it the step samples its own."""
+    cfg, model, t0 = run.cfg, run.model, time.time()
+    # 1-3. prompts -> completions with the sampler's evidence -> rewards -> group advantages
+    if ahead is None:
+        samples, stats = make_batch(run, step)
+        t_rollout = time.time() - t0
+    else:
+        samples, stats, t_rollout = ahead.get(step)
+    t1 = time.time()
+    batch = gather(samples)  # every rank's samples: the global batch
+    # 4. pack into micro-batches, check the sampler's evidence, count the loss's denominators
+    mbs, denom, checks = prepare(cfg, batch, model.args.vocab_size, cfg.device)
+    L.accumulate(stats, checks)
+    clipped = cfg.stage == "rl" and L.trained(cfg).clipped
+    old = old_logprobs(cfg, model, run.fwd, mbs) if clipped and cfg.epochs > 1 else None
+    for epoch in range(cfg.epochs):
+        # 5. per micro-batch: forward, fused head, loss, backward (gradients accumulate)
+        metrics = backward_pass(cfg, model, run.fwd, mbs, denom, step - 1, old)
+        # 6. clip the gradient and step AdamW, or skip a non-finite update
+        metrics.update(optimizer_step(cfg, model, run.opt, step))
+        if epoch == 0:  # the metrics of the sampled policy
+            L.accumulate(stats, metrics)
+    t_train = time.time() - t1
+    # 7. push the weights to the engine as version `step` (held for an eval first)
+    due = bool(cfg.eval_every) and RANK == 0 and (step % cfg.eval_every == 0 or step == cfg.steps)
+    if ahead is None:
+        run.engine.load_weights(model, version=step)
+    else:
+        ahead.publish(model, step, hold=due)
+    # 8. metrics (one all_reduce, one host read), the eval, the log line and metrics.jsonl row
+    m = L.reduce_metrics(sum_over_ranks(stats, cfg.device))
+    m["skipped/empty_step"] = float(not batch)  # nothing scored: the step trained nothing
+    if cfg.stage == "rl" and batch:  # a std does not sum over ranks
+        m["reward/std"] = torch.tensor([s.reward for s in batch], dtype=torch.float64).std(unbiased=False).item()
+    n_tok = sum(len(mb.tokens) for mb in mbs) * P.WORLD  # micro-batch slots: the work done, padding included
+    t2 = time.time()
+    m.update({"time/rollout": t_rollout, "time/train": t_train, "time/step": t2 - t0,
+              "tokens/train": denom.tokens, "tokens/packed": n_tok})
+    if due:
+        m.update(evaluate(cfg, run.task, run.engine))  # this step's weights
+        if ahead is not None:
+            ahead.release()
+        print0(eval_line(step, m))
+    run.log.row(step, m)
+    run.log.line(step, m, n_tok, t2 - t0)
+    return m, batch
 
 
 def finish(cfg: C.Config, log: Logger) -> dict:

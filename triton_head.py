@@ -57,12 +57,10 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from data import TokenSupport
+from data import TokenSupport, entry_rows
 
 # Kernel bodies are plain functions here, decorated by `_triton()` on first use, so importing
 # floe never imports triton. A kernel body resolves `tl` from this module's globals when it
@@ -134,12 +132,6 @@ def _precision(x: torch.Tensor) -> str:
 def _nonempty(x: torch.Tensor) -> torch.Tensor:
     """A one-element stand-in for an empty tensor passed as a pointer the kernel never reads."""
     return x if x.numel() else x.new_zeros(1)
-
-
-def _rows(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
-    """The row of each support entry, from CSR offsets, without a host sync (the reference in
-    kernels.py has the same one-liner: this file does not import kernels.py)."""
-    return torch.searchsorted(offsets, torch.arange(nnz, device=offsets.device), right=True) - 1
 
 
 # ----------------------------------------------------------------------------- forward kernels
@@ -489,7 +481,7 @@ def _triton_forward(hidden, weight, labels, ids, offsets, replayed, temperature:
     lse, entropy = _launch_lse(k, t, x, w, inv_t, _programs(hidden.device))
     label, raw, lse_s = _launch_support(k, t, x, w, labels, ids, offsets, inv_t)
     norm = torch.where(replayed, lse_s, lse)  # replayed rows: renormalize over the support
-    return label - norm, entropy, raw - norm[_rows(offsets, ids.shape[0])], lse
+    return label - norm, entropy, raw - norm[entry_rows(offsets, ids.shape[0])], lse
 
 
 def _triton_backward(hidden, weight, labels, ids, offsets, replayed, slp, lse, g_logp, g_slp, temperature: float,
@@ -501,7 +493,7 @@ def _triton_backward(hidden, weight, labels, ids, offsets, replayed, slp, lse, g
     k, t, x, w = _setup(hidden, weight)
     N, nnz, inv_t = x.shape[0], ids.shape[0], 1.0 / temperature
     g_logp, g_slp = g_logp.float(), g_slp.float()
-    rows = _rows(offsets, nnz)
+    rows = entry_rows(offsets, nnz)
     G = g_logp + torch.segment_reduce(g_slp, "sum", offsets=offsets, unsafe=True) if nnz else g_logp
     coef = torch.where(replayed[rows], g_slp - G[rows] * slp.exp(), g_slp)  # (nnz,)
     toks = torch.cat([torch.arange(N, device=rows.device), rows])  # the (token, vocab id, coef / T) triples

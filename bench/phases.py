@@ -44,7 +44,7 @@ def instrument(prof) -> None:
     """Wrap the step's functions in named ranges; the step boundary advances the profiler."""
     import loss as L
     import model as M
-    import pipeline
+    import rollout
 
     train.rollout_phase = _timed("rollout", train.rollout_phase)
     train.prepare = _timed("pack+validate", train.prepare)
@@ -53,7 +53,7 @@ def instrument(prof) -> None:
     M.Transformer.forward = _timed("forward", M.Transformer.forward)
     torch.Tensor.backward = _timed("backward", torch.Tensor.backward)
     train.optimizer_step = _timed("optimizer", train.optimizer_step)
-    pipeline.AsyncRollouts.publish = _timed("push", pipeline.AsyncRollouts.publish)
+    rollout.TorchEngine.load_weights = _timed("push", rollout.TorchEngine.load_weights)
     log_row = train.Logger.row
 
     def row(self, step, m):  # one metrics row per step: profile from the end of the warm-up step on

@@ -128,8 +128,11 @@ def test_async_level_0_is_the_synchronous_loop(tmp_path):
     rng = random.Random(cfg.seed)
     for step in range(1, 4):
         samples, total = train.rollout_phase(cfg, task, engine, rng, step - 1, model.args.max_position_embeddings)
-        metrics, _, _ = train.train_phase(cfg, model, fwd, opt, samples, step - 1)
-        L.accumulate(total, metrics)
+        mbs, denom, checks = train.prepare(cfg, samples, 32, "cpu")
+        metrics = train.backward_pass(cfg, model, fwd, mbs, denom, step - 1)
+        metrics.update(train.optimizer_step(cfg, model, opt, step))
+        for part in (checks, metrics):
+            L.accumulate(total, part)
         engine.load_weights(model, version=step)
         want = L.reduce_metrics(total)
         assert {k: rows[step - 1][k] for k in want} == want, step

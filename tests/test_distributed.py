@@ -62,7 +62,9 @@ def one_step(cfg, state, samples):
             train.backward_pass(cfg, model, model, mbs, denom, step=0)
             runs.append(({n: train.full(p.grad) for n, p in model.named_parameters()}, len(mbs)))
         else:
-            total, _, _ = train.train_phase(cfg, model, model, opt, batch, step=0)
+            mbs, denom, total = train.prepare(cfg, batch, 32, "cpu")
+            L.accumulate(total, train.backward_pass(cfg, model, model, mbs, denom, step=0))
+            L.accumulate(total, train.optimizer_step(cfg, model, opt, step=1))
             metrics = L.reduce_metrics(train.sum_over_ranks(total, "cpu"))
             runs.append((metrics, {n: train.full(p.detach()) for n, p in model.named_parameters()}))
     (grads, n_mb), (metrics, weights) = runs

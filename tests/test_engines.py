@@ -299,7 +299,6 @@ def test_what_vllm_is_asked_for_and_what_it_refuses():
     from rollout import vllm_logprobs
 
     assert vllm_logprobs(Sampling(), 151936) == 0  # no support wanted: the sampled token's logq only
-    assert vllm_logprobs(Sampling(support=True, greedy=True), 151936) == 0
     assert vllm_logprobs(Sampling(support=True, top_k=64, top_p=0.9), 151936) == 128  # room for ties at the k-th
     assert vllm_logprobs(Sampling(support=True, top_k=8), 32) == -1
     assert vllm_logprobs(Sampling(support=True, top_p=0.9), 32) == -1  # small vocabulary: whole rows

@@ -113,7 +113,7 @@ def assemble(docs: list[Doc], T: int, with_support: bool = True) -> tuple[MicroB
                     logq=cat([d.logq for d in docs], 0, torch.float32),
                     versions=cat([d.versions for d in docs], 0, torch.int64),
                     sample_idx=cat([torch.full((n,), d.sample) for d, n in zip(docs, ns)], -1, torch.int64),
-                    support=support, num_loss_tokens=int(mask.sum()), num_docs=len(docs),
+                    support=support, num_loss_tokens=int(mask.sum()),
                     samples=[d.sample for d in docs])
     logits = torch.cat([d.logits for d in docs] + [torch.zeros(pad, V, dtype=F64)])
     return mb, logits, torch.cat([d.old_noise for d in docs] + [torch.zeros(pad, dtype=F64)])
@@ -500,7 +500,7 @@ def mc_batch(N: int, p_logits: torch.Tensor, q_logits: torch.Tensor, kind: str, 
                        torch.full((N,), kind == "replayed"), host)
     ar = torch.arange(N)
     mb = MicroBatch(ar * 0, ar * 0, ar, labels, torch.ones(N, dtype=torch.bool), torch.ones(N),
-                    logq_v[labels].float(), torch.full((N,), STEP), ar, sup, N, N, list(range(N)))
+                    logq_v[labels].float(), torch.full((N,), STEP), ar, sup, N, list(range(N)))
     return mb, p_logits.repeat(N, 1).requires_grad_()
 
 
@@ -633,7 +633,7 @@ def one_doc_batch(logp: list[float], logq: list[float], adv: float = 1.0) -> Mic
     n = len(logp)
     z = torch.zeros(n, dtype=torch.int64)
     return MicroBatch(z, torch.arange(n), z, z, torch.ones(n, dtype=torch.bool), torch.full((n,), adv),
-                      torch.tensor(logq, dtype=F64), torch.full((n,), STEP), z, None, n, 1, [0])
+                      torch.tensor(logq, dtype=F64), torch.full((n,), STEP), z, None, n, [0])
 
 
 def docs_batch(logp: list[list[float]], logq: list[list[float]], adv: list[float], pad: int = 0,
@@ -647,7 +647,7 @@ def docs_batch(logp: list[list[float]], logq: list[list[float]], adv: list[float
     advs = flat([[a] * n for a, n in zip(adv, ns)], 0.0)
     z = torch.zeros(T, dtype=torch.int64)
     mb = MicroBatch(z, z, doc_ids, z, mask, advs, flat(logq, 0.0), torch.full((T,), STEP),
-                    torch.where(mask, doc_ids, -1), None, int(mask.sum()), len(ns), list(range(len(ns))))
+                    torch.where(mask, doc_ids, -1), None, int(mask.sum()), list(range(len(ns))))
     return mb, flat(logp, 0.0).requires_grad_()
 
 

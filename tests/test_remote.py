@@ -36,7 +36,7 @@ remote, local = RemoteEngine(P.LINK, 0, "bf16"), TorchEngine(model, "bf16", stop
 remote.start(src)
 prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [6, 6], [7]]
 cases = [Sampling(support=True, draws=4, seed=11), Sampling(top_p=0.9, support=True, seed=11),
-         Sampling(top_k=5, temperature=0.7, seed=11), Sampling(greedy=True)]
+         Sampling(top_k=5, temperature=0.7, seed=11), Sampling(temperature=0.5, max_new_tokens=6, seed=3)]
 for push in (False, True):
     if push:  # different weights, version 7, into both
         torch.manual_seed(0)

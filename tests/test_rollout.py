@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import model as M
-from rollout import Sampling, TorchEngine, group_advantages
+from loss import group_advantages
+from rollout import Sampling, TorchEngine
 
 
 def _model():
