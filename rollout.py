@@ -139,8 +139,10 @@ class SupportRecorder:
             self.steps.append((rows[b], v, logprobs[b, v]))
         else:
             ids = draw(logprobs, self.k, gen)
-            full = torch.zeros(self.batch, self.k, device=ids.device)  # the rows already done: never read
-            self.steps.append((None, full.long().index_copy_(0, rows, ids), full.index_copy_(0, rows, logprobs.gather(1, ids))))
+            # every output row's slot; those of rows already done stay 0 and are never read
+            all_ids = ids.new_zeros(self.batch, self.k).index_copy_(0, rows, ids)
+            all_logq = logprobs.new_zeros(self.batch, self.k).index_copy_(0, rows, logprobs.gather(1, ids))
+            self.steps.append((None, all_ids, all_logq))
 
     def finish(self) -> None:
         """Order every entry by (row, step) once; each sample's rows are then one slice."""
