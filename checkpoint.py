@@ -41,8 +41,9 @@ def gathered(named) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in ((k, full(v)) for k, v in named) if RANK == 0}
 
 
-def save_checkpoint(out: Path, step: int, model, opt, rng, gen: torch.Generator, src) -> Path | None:
-    """A HF directory plus the training state (optimizer, RNGs, step) in one atomic rename, by rank 0."""
+def save_checkpoint(out: Path, step: int, model, opt, rng, gen: torch.Generator, src, scale=None) -> Path | None:
+    """A HF directory plus the training state (optimizer, RNGs, step, the fp16 loss scale) in one
+    atomic rename, by rank 0."""
     names = {id(p): n for n, p in model.named_parameters()}
     tensors = gathered((f"optim/{names[id(p)]}/{k}", v) for p, st in opt.state.items() for k, v in st.items())
     weights = gathered(model.state_dict().items())
@@ -51,6 +52,8 @@ def save_checkpoint(out: Path, step: int, model, opt, rng, gen: torch.Generator,
         return None
     tensors.update({"rng/engine" + (f"/{r}" if r else ""): g for r, g in enumerate(gens)})  # each rank's engine
     state = {"step": step, "python_rng": rng.getstate(), "world_size": P.WORLD}
+    if scale is not None and scale.dynamic:
+        state["loss_scale"] = [scale.value, scale.good]
     path = out / f"step_{step:06d}"
     try:
         M.save(model, path, src, state=weights, extra={f"{STATE}/state.json": json.dumps(state).encode(),
@@ -86,7 +89,7 @@ def damage(path: Path) -> str | None:
     return None
 
 
-def load_training_state(path: Path, model, opt, rng, engine) -> int:
+def load_training_state(path: Path, model, opt, rng, engine, scale=None) -> int:
     state = json.loads((path / STATE / "state.json").read_text())
     tensors = st_load((path / STATE / "optim_rng.safetensors").read_bytes())
     params = dict(model.named_parameters())
@@ -100,6 +103,8 @@ def load_training_state(path: Path, model, opt, rng, engine) -> int:
     engine.gen.set_state(tensors["rng/engine" + (f"/{RANK}" if RANK else "")])
     version, internal, gauss = state["python_rng"]
     rng.setstate((version, tuple(internal), gauss))
+    if scale is not None and scale.dynamic and "loss_scale" in state:  # (a run resumed in another dtype starts afresh)
+        scale.value, scale.good = state["loss_scale"]
     engine.load_weights(model, version=state["step"])
     return state["step"]
 
@@ -239,7 +244,7 @@ class Logger:
         reward = f"{m['reward']:.3f}" if "reward" in m else "-"
         P.print0(f"step {step}/{self.cfg.steps} | reward {reward} | loss {m.get('loss', math.nan):+.4f} "
                f"| masked {masked:.4f} | mismatch kl {m.get('mismatch/kl', 0.0):.2e} | {tokens / dt:,.0f} tok/s "
-               f"| eta {eta:.0f}s")
+               f"| eta {eta:.0f}s" + (f" | loss scale {m['loss_scale']:.0f}" if "loss_scale" in m else ""))
         if self.cfg.async_level and self.cfg.stage == "rl":  # the overlap: wall time below the phases' sum
             r, t = m["time/rollout"], m["time/train"]
             P.print0(f"  async | rollout {r:.2f}s + train {t:.2f}s = {r + t:.2f}s | wall {m['time/step']:.2f}s "

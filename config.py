@@ -73,8 +73,9 @@ class Config:
     # --- sampling (the engine)
     engine: Literal["auto", "torch", "vllm"] = "auto"  # auto: vllm on a GPU when it imports, else the built-in torch engine
     vllm_memory: float = 0.2  # vllm: the share of GPU memory (on a CPU: of RAM) it reserves for weights and KV cache
-    engine_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"  # the engine's weights; the trainer keeps fp32
-    train_dtype: Literal["fp32", "bf16"] = "fp32"  # the trainer's matmuls (bf16: autocast and a bf16 head); weights stay fp32
+    engine_dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"  # the engine's weights (fp8: W8A8 e4m3); the trainer keeps fp32
+    engine_noise: float = 0.0  # built-in engine: N(0, s^2) on every logit it samples from, a controlled mismatch; 0: off
+    train_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # the trainer's matmuls (autocast and a bf16/fp16 head; fp16 with loss scaling); weights stay fp32
     temperature: float = 1.0  # sampling temperature; the trainer scores at the same temperature
     top_p: float = 1.0  # nucleus sampling; 1: off
     top_k: int = 0  # top-k sampling; 0: off
@@ -108,7 +109,7 @@ class Config:
 
     def __post_init__(self) -> None:
         for name in ("lr", "weight_decay", "temperature", "adv_tau", "kl_coeff", "icepop_alpha", "icepop_beta",
-                     "ipo_eps", "clip_low", "clip_high", "tis_floor", "seq_mask_low", "top_p", "vllm_memory"):
+                     "ipo_eps", "clip_low", "clip_high", "tis_floor", "seq_mask_low", "top_p", "vllm_memory", "engine_noise"):
             v = getattr(self, name)  # caps whose inf means "no cap" (--tis-cap, --grad-clip, ...) may stay inf
             _check(math.isfinite(v), f"--{name.replace('_', '-')}", f"must be a finite number, got {v}")
         _check(self.weight_decay >= 0, "--weight-decay", f"must be >= 0, got {self.weight_decay}")
@@ -158,6 +159,7 @@ class Config:
         _check(self.eval_prompts >= 1, "--eval-prompts", f"must be >= 1, got {self.eval_prompts}")
         _check(self.adv_tau > 0, "--adv-tau", f"must be > 0, got {self.adv_tau}")
         _check(0 < self.vllm_memory < 1, "--vllm-memory", f"must be in (0, 1), got {self.vllm_memory}")
+        _check(self.engine_noise >= 0, "--engine-noise", f"must be >= 0 (0: off), got {self.engine_noise}")
         _check(self.async_level >= 0, "--async-level", f"must be >= 0 (0: synchronous), got {self.async_level}")
         _check(self.inference_gpus >= 0, "--inference-gpus", f"must be >= 0 (0: colocated), got {self.inference_gpus}")
 
@@ -189,6 +191,11 @@ class Config:
         if self.engine == "vllm" and colocated:
             raise ConfigError("--engine vllm under torchrun needs --inference-gpus k (vLLM on the last k ranks; "
                               "in a trainer rank it would take over the process group); or use --engine torch")
+        if self.engine == "vllm" and self.engine_dtype == "fp8" and device != "cuda":
+            raise ConfigError("--engine-dtype fp8 with --engine vllm needs a CUDA GPU (vLLM's fp8 path); on a "
+                              f"{device} use --engine torch, which emulates W8A8 fp8")
+        if self.engine == "vllm" and self.engine_noise:
+            raise ConfigError("--engine-noise is the built-in engine's (--engine torch); vLLM samples its own logits")
         return self.engine
 
     def to_json(self) -> str:

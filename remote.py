@@ -41,15 +41,15 @@ GEN, PUSH, STOP = 1, 2, 3
 
 def _request(prompts: list[list[int]], n: int, s: Sampling, seed: int, version: int) -> list[torch.Tensor]:
     ints = [GEN, version, n, s.max_new_tokens, s.top_k, s.support, s.draws, seed]
-    return [torch.tensor(ints), torch.tensor([s.temperature, s.top_p], dtype=torch.float64),
+    return [torch.tensor(ints), torch.tensor([s.temperature, s.top_p, s.noise], dtype=torch.float64),
             torch.tensor([len(p) for p in prompts]), torch.tensor([t for p in prompts for t in p], dtype=torch.int64)]
 
 
 def _read_request(msg: list[torch.Tensor]):
-    (_, version, n, max_new, top_k, support, draws, seed), (temperature, top_p) = msg[0].tolist(), msg[1].tolist()
+    (_, version, n, max_new, top_k, support, draws, seed), (temperature, top_p, noise) = msg[0].tolist(), msg[1].tolist()
     prompts = [p.tolist() for p in msg[3].split(msg[2].tolist())]
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new,
-                        seed=seed, support=bool(support), draws=draws)
+                        seed=seed, support=bool(support), draws=draws, noise=noise)
     return prompts, n, sampling, version
 
 

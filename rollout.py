@@ -51,7 +51,9 @@ from data import RunError, TokenSupport, truncated
 from model import KVCache, Transformer
 from parallel import full
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "fp8": torch.bfloat16}  # fp8: e4m3 weights and activations into each matmul, bf16 everywhere else
+FP8_MAX = 448.0  # the largest float8 e4m3 (fn) value
 
 
 @dataclass
@@ -63,6 +65,7 @@ class Sampling:
     seed: int | None = None  # a fixed seed for this call alone (eval: the same draws every time)
     support: bool = False  # report each token's support: the kept set when truncated, else K draws
     draws: int = 16  # K, draws per token under untruncated sampling (--score-centering-k)
+    noise: float = 0.0  # --engine-noise (built-in engine, rl rollouts only): N(0, noise^2) on every logit
 
 
 @dataclass
@@ -186,25 +189,64 @@ class Rounded(nn.Module):
         return F.linear(x.to(self.dtype).float(), self.weight, self.bias).to(self.dtype).float()
 
 
-def _emulate(model: Transformer, dtype: torch.dtype) -> None:
-    """Swap every nn.Linear of `model` for a `Rounded` one (state_dict names unchanged)."""
+def fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x ~ q * scale per row (the last dim): q holds float8 e4m3 values (returned in fp32, where
+    they are exact), scale = max |row| / 448 in fp32, so each row's largest entry maps to 448.
+    A weight [out, in] gets one scale per output channel; activations one per token."""
+    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float(), scale
+
+
+class Fp8Linear(nn.Module):
+    """An nn.Linear as a W8A8 fp8 engine computes it (vLLM's fp8 path; --engine-dtype fp8): the
+    weight in e4m3 with a scale per output channel, requantized on every push (load_weights),
+    and the input quantized per token with a dynamic scale right before the matmul. The e4m3
+    values are exact in fp32 and bf16 and so are their products in fp32, so the matmul
+    `xq @ wq.T` accumulates as an fp8 GEMM does; the two scales are applied after it, the bias
+    in fp32, and the output is rounded to bf16. On a CPU it all runs in fp32 (`emulated`); on a
+    GPU wq is stored in bf16 and the matmul runs in bf16 (its output rounded before the scales)."""
+
+    def __init__(self, linear: nn.Linear, emulated: bool):
+        super().__init__()
+        self.weight, self.bias, self.emulated = linear.weight, linear.bias, emulated  # the same names
+        self.register_buffer("scale", torch.ones(linear.out_features, device=linear.weight.device), persistent=False)
+
+    @torch.no_grad()
+    def quantize(self, weight: torch.Tensor) -> None:
+        q, scale = fp8_quantize(weight)
+        self.weight.copy_(q)
+        self.scale.copy_(scale[:, 0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq, sx = fp8_quantize(x.to(torch.bfloat16))  # what a bf16 engine would hand the fp8 GEMM
+        y = F.linear(xq.to(self.weight.dtype), self.weight).float() * sx * self.scale
+        if self.bias is not None:
+            y = y + self.bias.float()
+        y = y.to(torch.bfloat16)
+        return y.float() if self.emulated else y
+
+
+def _emulate(model: Transformer, dtype: str, emulated: bool) -> None:
+    """Swap every nn.Linear of `model` for a `Rounded` one, or with fp8 for an `Fp8Linear`
+    (state_dict names unchanged). An fp8 engine's head is its own quantized copy (TorchEngine)."""
     for module in list(model.modules()):
         for child, sub in list(module.named_children()):
             if type(sub) is nn.Linear:
-                setattr(module, child, Rounded(sub, dtype))
+                setattr(module, child, Fp8Linear(sub, emulated) if dtype == "fp8" else Rounded(sub, DTYPES[dtype]))
 
 
 class TorchEngine:
     def __init__(self, model: Transformer, dtype: str, stop_ids: list[int], seed: int = 0, compile_step: bool = False):
         self.device = next(model.parameters()).device
-        self.dtype = DTYPES[dtype]  # what the weights and each matmul's output hold
-        self.emulated = self.device.type == "cpu" and self.dtype != torch.float32  # Rounded: fp32 arithmetic
+        self.dtype, self.fp8 = DTYPES[dtype], dtype == "fp8"  # what the weights and each matmul's output hold
+        self.emulated = self.device.type == "cpu" and self.dtype != torch.float32  # Rounded/Fp8Linear: fp32 arithmetic
         self.model = copy.deepcopy(model).to(torch.float32 if self.emulated else self.dtype).eval().requires_grad_(False)
-        if self.emulated:
-            _emulate(self.model, self.dtype)
+        if self.emulated or self.fp8:
+            _emulate(self.model, dtype, self.emulated)
+        self.quantized = {f"{n}.weight": m for n, m in self.model.named_modules() if isinstance(m, Fp8Linear)}
         self.stop_ids = torch.tensor(stop_ids, device=self.device)
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
-        self.load_weights(model, 0)  # rounds the copy's weights to dtype
+        self.load_weights(model, 0)  # rounds (fp8: quantizes) the copy's weights
         self.step = torch.compile(self._step) if compile_step else self._step
         self.syncs = self.device.type == "cpu"  # a host sync is free: stop the moment every row has
 
@@ -212,14 +254,32 @@ class TorchEngine:
     def load_weights(self, model: Transformer, version: int) -> None:
         src = model.state_dict()
         for k, v in self.model.state_dict().items():  # FSDP2 shards are gathered one tensor at a time
-            v.copy_(full(src[k]).to(self.dtype))
+            if k in self.quantized:
+                self.quantized[k].quantize(full(src[k]))
+            else:
+                v.copy_(full(src[k]).to(self.dtype))
+        if self.fp8:  # the head's own e4m3 copy (a tied embedding stays bf16 for the lookup)
+            q, scale = fp8_quantize(full(model.head_weight))
+            self.head_q, self.head_scale = q.to(next(self.model.parameters()).dtype), scale[:, 0]
         self.version = version
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head, in the engine's precision -> fp32 logits."""
+        if self.fp8:
+            hq, sh = fp8_quantize(h.to(torch.bfloat16))
+            return ((hq.to(self.head_q.dtype) @ self.head_q.T).float() * sh * self.head_scale).bfloat16().float()
         if self.emulated:
             return (h.to(self.dtype).float() @ self.model.head_weight.T).to(self.dtype).float()
         return (h @ self.model.head_weight.T).float()
+
+    @staticmethod
+    def _noisy(logits: torch.Tensor, noise: float, gen: torch.Generator) -> torch.Tensor:
+        """--engine-noise: a controlled sampler-trainer mismatch for teaching and for testing the
+        corrections. Unlike a real engine's (systematic, correlated across tokens) it is fresh
+        i.i.d. noise on every logit; the engine samples from, and reports, the noisy distribution."""
+        if not noise:
+            return logits
+        return logits + noise * torch.randn(logits.shape, generator=gen, device=logits.device)
 
     def _step(self, tok, pos, cache):
         return self._logits(self.model.forward_cached(tok[:, None], pos[:, None], cache)[:, 0])  # (B, V)
@@ -245,7 +305,7 @@ class TorchEngine:
         rows = torch.arange(B, device=dev)  # the output row of each batch row still being decoded
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         for t in range(T_new):
-            tok, logq, logprobs = sample(logits, sampling, gen)
+            tok, logq, logprobs = sample(self._noisy(logits, sampling.noise, gen), sampling, gen)
             out_ids[rows, t], out_logq[rows, t] = tok, logq  # past a row's stop: cut by _completions
             if rec is not None:
                 rec.record(logprobs, gen, rows)
@@ -279,7 +339,7 @@ class TorchEngine:
         return out
 
 
-VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}  # fp8: quantization="fp8"
 FULL_ROW_VOCAB = 4096  # up to this vocabulary vLLM returns whole sampler distributions as support rows
 
 
@@ -324,7 +384,8 @@ class VLLMEngine:
         from vllm import LLM
 
         self.cuda, self.sleeps = device == "cuda", device == "cuda" and sleep  # no sleep alone on a GPU
-        self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=VLLM_DTYPES[dtype], seed=seed,
+        fp8 = {"quantization": "fp8"} if dtype == "fp8" else {}  # online W8A8; a reload re-quantizes (vLLM layerwise reload)
+        self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=VLLM_DTYPES[dtype], seed=seed, **fp8,
                        logprobs_mode="processed_logprobs", max_logprobs=-1, max_model_len=max_len,
                        gpu_memory_utilization=memory, enforce_eager=not self.cuda,
                        enable_sleep_mode=self.sleeps)

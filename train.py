@@ -127,7 +127,7 @@ def can_compile(device: str) -> bool:
 
 def rl_sampling(cfg) -> Sampling:
     return Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens,
-                    support=L.reads_support(cfg), draws=cfg.score_centering_k)
+                    support=L.reads_support(cfg), draws=cfg.score_centering_k, noise=cfg.engine_noise)
 
 
 def rollout_phase(cfg, task, engine, rng, step, context: int):
@@ -197,15 +197,18 @@ def prepare(cfg, samples, vocab_size, device):
     return D.my_share(mbs, RANK, P.WORLD), L.denominators(mbs), checks
 
 
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --train-dtype: the matmuls' dtype (fp32: none)
+
+
 def _head(cfg, model, fwd, mb):
-    """--train-dtype bf16: the forward's matmuls under autocast, and the head on bf16 copies of the
-    hidden states and the weight (the cast is differentiable: the fp32 weight gets the gradient)."""
-    bf16 = cfg.train_dtype == "bf16"
-    with torch.autocast(mb.tokens.device.type, torch.bfloat16, enabled=bf16):
+    """--train-dtype bf16/fp16: the forward's matmuls under autocast, and the head on bf16/fp16 copies
+    of the hidden states and the weight (the cast is differentiable: the fp32 weight gets the gradient)."""
+    low = LOW.get(cfg.train_dtype)
+    with torch.autocast(mb.tokens.device.type, low or torch.bfloat16, enabled=low is not None):
         hidden = fwd(mb.tokens, mb.positions, mb.doc_ids, mb.parents)
     weight = model.head_weight
-    if bf16:
-        hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    if low is not None:
+        hidden, weight = hidden.to(low), weight.to(low)
     if cfg.stage == "sft":
         return head(hidden, weight, mb.labels)
     sparse = L.sparse_ok(cfg, mb.support)  # the gradient lies on label and support rows only
@@ -218,8 +221,9 @@ def old_logprobs(cfg, model, fwd, mbs):
     return [_head(cfg, model, fwd, mb)[0] for mb in mbs]
 
 
-def backward_pass(cfg, model, fwd, mbs, denom, step, old=None):
-    """Forward, head, loss, backward per micro-batch; gradients accumulate; returns metrics."""
+def backward_pass(cfg, model, fwd, mbs, denom, step, old=None, scale: float = 1.0):
+    """Forward, head, loss, backward per micro-batch; gradients accumulate (times `scale`, the fp16
+    loss scale); returns metrics."""
     total: dict = {}
     for i, mb in enumerate(mbs):
         logp, entropy, support_logp = _head(cfg, model, fwd, mb)
@@ -227,27 +231,63 @@ def backward_pass(cfg, model, fwd, mbs, denom, step, old=None):
             loss, metrics = L.rl_loss(logp, support_logp, entropy, mb, cfg, denom, step, None if old is None else old[i])
         else:
             loss, metrics = L.sft_loss(logp, mb, denom)
-        loss.backward()
+        (loss * scale if scale != 1.0 else loss).backward()
         L.accumulate(total, metrics)
     return total
 
 
-def optimizer_step(cfg, model, opt, step):
-    """Clip and step. A non-finite gradient norm (NaN advantages, an overflowing loss) skips the
-    update, so no NaN ever reaches the weights, the optimizer state or a checkpoint; the norm is
-    global over FSDP2 ranks, so every rank skips the same steps."""
+@dataclass
+class LossScale:
+    """--train-dtype fp16's dynamic loss scaling (PyTorch GradScaler's defaults): the loss is
+    multiplied by `value` before the backward, so small gradients do not flush to zero in fp16,
+    and the gradients are divided by it before clipping. A non-finite gradient halves it and
+    skips the step; `growth` finite steps in a row double it. bf16 and fp32 keep 1.0."""
+
+    value: float = 1.0
+    dynamic: bool = False
+    good: int = 0  # finite steps since the last change
+    growth: int = 2000
+
+    @classmethod
+    def for_dtype(cls, train_dtype: str) -> LossScale:
+        return cls(2.0**16, dynamic=True) if train_dtype == "fp16" else cls()
+
+    def update(self, finite: bool) -> None:
+        if not self.dynamic:
+            return
+        self.good = self.good + 1 if finite else 0
+        if not finite:
+            self.value /= 2
+        elif self.good == self.growth:
+            self.value, self.good = self.value * 2, 0
+
+
+def optimizer_step(cfg, model, opt, step, scale: LossScale | None = None, loss=None):
+    """Unscale, clip and step. A non-finite gradient norm (NaN advantages, an overflowing loss) skips
+    the update, so no NaN ever reaches the weights, the optimizer state or a checkpoint; the norm is
+    global over FSDP2 ranks, so every rank skips the same steps (and halves the same loss scale).
+    With fp16 a non-finite gradient from a finite `loss` is the loss scale's overflow
+    (`skipped/overflow`, the scale halves and the run goes on), not a broken step."""
+    scale = scale or LossScale()
     lr = cfg.lr * min(1.0, step / 5)  # a 5-step linear warm-up
     for g in opt.param_groups:
         g["lr"] = lr
+    if scale.value != 1.0:
+        torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None], 1.0 / scale.value)
     clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     norm = full(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)).detach().double()
     finite = bool(torch.isfinite(norm))  # the step's one extra host sync
+    overflow = not finite and scale.dynamic and scale.value > 1 and (loss is None or bool(torch.isfinite(loss)))
     if finite:
         opt.step()
     opt.zero_grad(set_to_none=True)
+    scale.update(finite)
     one = torch.tensor(1.0, dtype=torch.float64)
-    return {"grad_norm": (norm if finite else one * 0, one if finite else one * 0),
-            "skipped/nonfinite_step": (one * (not finite), one)}
+    m = {"grad_norm": (norm if finite else one * 0, one if finite else one * 0),
+         "skipped/nonfinite_step": (one * (not finite and not overflow), one)}
+    if scale.dynamic:
+        m.update({"skipped/overflow": (one * overflow, one), "loss_scale": (one * scale.value, one)})
+    return m
 
 
 def nonfinite_cause(batch: list, m: dict) -> str:
@@ -356,8 +396,8 @@ def launch(cfg: C.Config, s: Start) -> dict:
             fail(e, 2)
         if RANK == 0:  # the engine started: now the config, which a resume checks its flags against
             write_config(s.out, {**json.loads(cfg.to_json()), "reward_sha256": hashes})
-    rng = random.Random(cfg.seed)
-    start = load_training_state(s.resume_from, s.model, opt, rng, engine) if s.resume_from else 0
+    rng, scale = random.Random(cfg.seed), LossScale.for_dtype(cfg.train_dtype)
+    start = load_training_state(s.resume_from, s.model, opt, rng, engine, scale) if s.resume_from else 0
     print0(f"model {src}: {sum(p.numel() for p in s.model.parameters()) / 1e6:.2f}M params on {cfg.device}"
            + (f" x {P.WORLD} ranks (FSDP2)" if P.WORLD > 1 else "")
            + (f", sampling on {cfg.inference_gpus} more" if cfg.inference_gpus else "")
@@ -365,7 +405,7 @@ def launch(cfg: C.Config, s: Start) -> dict:
     log = None
     try:
         log = Logger(cfg, start, s.kept)  # an OSError here (a full disk) reaches main's one line
-        loop(Run(cfg, s.task, s.model, fwd, opt, engine, rng, log, s.out, src), start)
+        loop(Run(cfg, s.task, s.model, fwd, opt, engine, rng, log, s.out, src, scale), start)
     except D.RunError as e:
         fail(e, 1)  # what was logged and saved so far stays
     finally:
@@ -393,6 +433,7 @@ class Run:
     log: Logger
     out: Path  # --out-dir
     src: Path  # the model directory the engine loaded; checkpoints copy its tokenizer
+    scale: LossScale  # --train-dtype fp16's dynamic loss scale (1.0 otherwise)
 
 
 def loop(run: Run, start: int) -> None:
@@ -418,7 +459,7 @@ def loop(run: Run, start: int) -> None:
             if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                 # the RNGs as the next batch finds them (with a thread: as this one's left them, AsyncRollouts 5)
                 st = RolloutRNG(run.rng, run.engine.gen) if ahead is None else ahead.rng_after(step)
-                save_checkpoint(run.out, step, run.model, run.opt, st.rng, st.gen, run.src)
+                save_checkpoint(run.out, step, run.model, run.opt, st.rng, st.gen, run.src, run.scale)
 
 
 def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[dict, list]:
@@ -441,9 +482,9 @@ def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[di
     old = old_logprobs(cfg, model, run.fwd, mbs) if clipped and cfg.epochs > 1 else None
     for epoch in range(cfg.epochs):
         # 5. per micro-batch: forward, fused head, loss, backward (gradients accumulate)
-        metrics = backward_pass(cfg, model, run.fwd, mbs, denom, step - 1, old)
-        # 6. clip the gradient and step AdamW, or skip a non-finite update
-        metrics.update(optimizer_step(cfg, model, run.opt, step))
+        metrics = backward_pass(cfg, model, run.fwd, mbs, denom, step - 1, old, run.scale.value)
+        # 6. unscale (fp16), clip the gradient and step AdamW, or skip a non-finite update
+        metrics.update(optimizer_step(cfg, model, run.opt, step, run.scale, metrics.get("loss", (None,))[0]))
         if epoch == 0:  # the metrics of the sampled policy
             L.accumulate(stats, metrics)
     t_train = time.time() - t1

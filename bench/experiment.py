@@ -1,30 +1,40 @@
-"""The mismatch experiment: what do IcePop and IPO buy when the engine's numerics differ
-from the trainer's?
+"""The mismatch study: what do the corrections buy as the engine drifts from the trainer?
 
-The grid is --loss reinforce, icepop (--icepop-beta 2.0, as in the README's main command)
-and ipo x --engine-dtype bf16, fp16 and fp32 x --seeds seeds, each a short RL run of the
-shipped tiny model on reverse-text. The trainer always keeps fp32 weights, so the engine
-dtype sets the size of the training-inference mismatch and fp32 is the no-mismatch
-control. Each run is `train.main([...])` in this process, one after another, in
-`<out>/<loss>-<dtype>-s<seed>/` (its log lines in `train.log` there). At the end:
-`<out>/results.md`, a table per configuration (held-out reward at step 0 and at the end,
-mean ± std over seeds; the loss's own masked fraction, the mismatch KL and the wall time
-per run, means over steps and seeds), headed by the command and the date; and `--png`,
-plot.py's four panels with one line per configuration (the mean over its seeds).
+Each setting fixes where the sampler's probabilities come from, and each is trained with
+--loss reinforce (no correction), tis (truncated importance weights, --tis-cap 2) and
+icepop (--icepop-beta 2.0, as in the README's main command), over --seeds seeds:
+- --engine-dtype bf16 and fp8 (the built-in engine's W8A8 emulation), each synchronous
+  and two steps stale (--async-level 2, colocated);
+- --engine-noise s (the controlled knob: i.i.d. logit noise in the rollouts, not a real
+  engine's error), synchronous;
+- and two reinforce-only references, synchronous: an fp32 engine (no mismatch beyond
+  rounding) and an fp16 trainer with an fp16 engine (--train-dtype fp16: the numeric
+  format a 2025 study proposes against bf16's mismatch).
+
+Each run is `train.main([...])` in this process, one after another, in
+`<out>/<setting>-<loss>-s<seed>/` (its log in `train.log` there). At the end
+`<out>/results.md` (written to docs/experiment.md by default) holds one table row per
+setting and loss: mismatch KL (k3 on the sampled tokens, mean over steps and seeds), the
+loss's own masked or clipped fraction, the held-out reward at step 0 and at the end (mean ±
+std over seeds), the gap to reinforce in the same setting (paired by seed: mean ± std of
+the per-seed differences, and whether the mean exceeds 2 of those std), and how many seeds
+collapsed: a final held-out reward below its step-0 value, or a mean entropy under 0.05
+nats over the last 5 steps. `--png`: final reward (mean ± std) and mismatch KL per setting.
 
 Simplifications:
-1. Sequential and in-process: on a 2-core CPU, parallel runs only share the cores, and
-   oversubscribed torch threads slow a step many-fold (measured: ~1 s/step on quiet cores,
-   15-30 s while other jobs shared them), which would also corrupt the wall-time column.
-   Run it on a quiet machine.
+1. Sequential and in-process: on a 2-core CPU parallel runs only share the cores and
+   oversubscribed torch threads slow each step many-fold, corrupting the wall-time column.
 2. A run directory holding `result.json` for the same train flags is not run again, so an
-   interrupted experiment picks up at the run it stopped in (that run starts over).
-3. The std is over seeds with n - 1 (0 for one seed); a reinforce run masks nothing and
-   has no masked fraction ("-").
+   interrupted study picks up at the run it stopped in (that run starts over).
+3. The held-out reward is sampled by the run's own engine (train.py's eval): the fp8 rows
+   evaluate through the fp8 engine; the noise rows evaluate noise-free (only rollouts get it).
+4. On a CPU the fp16 trainer runs ~6x slower than fp32 (no fp16 matmul units: autocast pays
+   conversions), which is most of the study's time; on a GPU it is the fast one.
 
-    python bench/experiment.py                      # the whole grid: 27 runs x ~46 s, ~21 min on 2 quiet CPU cores
-    python bench/experiment.py --seeds 1 --steps 2 --out /tmp/exp --png /tmp/exp.png \\
-        --extra "--prompts-per-step 2 --group-size 2 --eval-prompts 4 --max-new-tokens 8"   # smoke test, ~10 s
+    python bench/experiment.py                       # the whole grid on 2 CPU cores (README has the time)
+    python bench/experiment.py --model /path/to/Qwen3-0.6B --device cuda --extra "--max-new-tokens 256"
+    python bench/experiment.py --seeds 1 --steps 2 --only bf16 --out /tmp/exp --png /tmp/exp.png \\
+        --extra "--prompts-per-step 2 --group-size 2 --eval-prompts 4 --max-new-tokens 8"   # smoke test
 """
 
 from __future__ import annotations
@@ -33,32 +43,60 @@ import argparse
 import contextlib
 import datetime
 import json
-import shutil
 import shlex
+import shutil
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
 import plot  # noqa: E402
 import train  # noqa: E402
 
-LOSSES = {"reinforce": [], "icepop": ["--icepop-beta", "2.0"], "ipo": []}
-DTYPES = ["bf16", "fp16", "fp32"]
-# a smaller batch than train.py's default (32 x 16) so 27 runs fit in ~25 min on 2 cores: one
-# 40-step run (icepop, bf16) took 46 s, ~1.05 s/step plus 5 evals (2026-11-30, 2 quiet cores)
+LOSSES = {"reinforce": [], "tis": ["--tis-cap", "2.0"], "icepop": ["--icepop-beta", "2.0"]}
+FRACTION = {"tis": "tis/clip_fraction", "icepop": "icepop/masked_fraction"}  # the loss's own (loss.py)
+# a smaller batch than train.py's default (32 x 16) so the grid fits in an hour on 2 cores
 BATCH = ["--prompts-per-step", "16", "--group-size", "8"]
 
 
-def run_args(loss: str, dtype: str, seed: int, steps: int, run_dir: Path, extra: list[str]) -> list[str]:
+@dataclass(frozen=True)
+class Setting:
+    """Where the sampler's probabilities come from: one row group of the table."""
+
+    engine: str = "bf16"  # --engine-dtype
+    stale: int = 0  # --async-level
+    train: str = "fp32"  # --train-dtype
+    noise: float = 0.0  # --engine-noise
+    losses: tuple = tuple(LOSSES)
+
+    @property
+    def name(self) -> str:
+        noise = f"-noise{self.noise:g}" if self.noise else ""
+        train = f"-train{self.train}" if self.train != "fp32" else ""
+        return f"{self.engine}{train}{noise}-a{self.stale}"
+
+    def flags(self) -> list[str]:
+        noise = ["--engine-noise", f"{self.noise:g}", "--engine", "torch"] if self.noise else []  # vLLM has no knob
+        return ["--engine-dtype", self.engine, "--async-level", str(self.stale), "--train-dtype", self.train, *noise]
+
+
+def settings(noise: float) -> list[Setting]:
+    grid = [Setting(engine, stale) for engine in ("bf16", "fp8") for stale in (0, 2)]
+    return grid + [Setting(noise=noise), Setting("fp32", losses=("reinforce",)),
+                   Setting("fp16", train="fp16", losses=("reinforce",))]
+
+
+def run_args(s: Setting, loss: str, seed: int, steps: int, run_dir: Path, extra: list[str]) -> list[str]:
     """train.py flags of one run; --extra comes last, and the last value of a flag wins."""
-    return (["--loss", loss, *LOSSES[loss], "--engine-dtype", dtype, "--seed", str(seed), "--steps", str(steps),
-             *BATCH, "--out-dir", str(run_dir), *extra])
+    return ["--loss", loss, *LOSSES[loss], *s.flags(), "--seed", str(seed), "--steps", str(steps), *BATCH,
+            "--out-dir", str(run_dir), *extra]
 
 
 def run_one(args: list[str], run_dir: Path) -> dict:
@@ -66,7 +104,7 @@ def run_one(args: list[str], run_dir: Path) -> dict:
     done = run_dir / "result.json"
     if done.is_file() and json.loads(done.read_text())["args"] == args:
         return {**json.loads(done.read_text()), "reused": True}
-    shutil.rmtree(run_dir, ignore_errors=True)  # the bench's own directory: a changed run starts over
+    shutil.rmtree(run_dir, ignore_errors=True)  # the study's own directory: a changed run starts over
     run_dir.mkdir(parents=True)
     t0 = time.perf_counter()
     with open(run_dir / "train.log", "w") as f, contextlib.redirect_stdout(f):
@@ -76,79 +114,130 @@ def run_one(args: list[str], run_dir: Path) -> dict:
     return result
 
 
-def run_stats(loss: str, run_dir: Path, result: dict) -> dict:
-    """One run's numbers for the table, from its metrics.jsonl."""
+def run_stats(loss: str, run_dir: Path, wall_s: float) -> dict:
+    """One run's numbers, from its metrics.jsonl."""
     rows = plot.load(run_dir)
     steps = [r for r in rows if "loss" in r]  # the train rows (an eval-only row has no loss)
-    masked = [r[f"{loss}/masked_fraction"] for r in steps if f"{loss}/masked_fraction" in r]
     evals = [r["eval/reward"] for r in rows if "eval/reward" in r]
-    return {"eval0": evals[0] if evals else None, "eval": evals[-1] if evals else None,
-            "masked": statistics.fmean(masked) if masked else None,
-            "kl": statistics.fmean(r["mismatch/kl"] for r in steps), "wall_s": result["wall_s"]}
+    frac = [r[FRACTION[loss]] for r in steps if FRACTION.get(loss) in r]
+    entropy = statistics.fmean(r["entropy"] for r in steps[-5:])
+    return {"eval0": evals[0], "eval": evals[-1], "kl": statistics.fmean(r["mismatch/kl"] for r in steps),
+            "frac": statistics.fmean(frac) if frac else None, "entropy": entropy, "wall_s": wall_s,
+            "collapsed": evals[-1] < evals[0] or entropy < 0.05}
 
 
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}"
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
-def _mean_std(xs: list) -> str:
-    if any(x is None for x in xs):
-        return "-"
-    std = statistics.stdev(xs) if len(xs) > 1 else 0.0
-    return f"{statistics.fmean(xs):.3f} ± {std:.3f}"
+def _ms(xs: list[float]) -> str:
+    return "{:.3f} ± {:.3f}".format(*_mean_std(xs))
 
 
-def table(stats: dict[tuple[str, str], list[dict]]) -> str:
-    lines = ["| loss | engine dtype | seeds | eval reward @0 | eval reward, final | masked fraction | mismatch kl "
-             "| wall s/run |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for (loss, dtype), runs in stats.items():
-        masked = [s["masked"] for s in runs]
-        masked_s = "-" if None in masked else f"{statistics.fmean(masked):.2e}"
-        kl, wall = statistics.fmean(s["kl"] for s in runs), statistics.fmean(s["wall_s"] for s in runs)
-        lines.append(f"| {loss} | {dtype} | {len(runs)} | {_mean_std([s['eval0'] for s in runs])} "
-                     f"| {_mean_std([s['eval'] for s in runs])} | {masked_s} | {kl:.2e} | {wall:.1f} |")
+def gap(runs: list[dict], base: list[dict]) -> tuple[float, float] | None:
+    """The paired per-seed difference in final held-out reward against `base` (mean, std)."""
+    if runs is base or len(runs) != len(base):
+        return None
+    return _mean_std([r["eval"] - b["eval"] for r, b in zip(runs, base)])
+
+
+def table(stats: dict[tuple[Setting, str], list[dict]]) -> str:
+    lines = ["| setting | loss | seeds | mismatch kl | masked/clipped | reward @0 | reward, final "
+             "| vs reinforce | > 2 std | collapsed | wall s/run |", "|" + " --- |" * 11]
+    for (s, loss), runs in stats.items():
+        frac = [r["frac"] for r in runs]
+        g = gap(runs, stats.get((s, "reinforce"), runs))
+        wins = "-" if g is None or len(runs) < 2 else ("yes" if abs(g[0]) > 2 * g[1] else "no")
+        lines.append(f"| {s.name} | {loss} | {len(runs)} | {statistics.fmean(r['kl'] for r in runs):.2e} "
+                     f"| {'-' if None in frac else f'{statistics.fmean(frac):.2e}'} "
+                     f"| {_ms([r['eval0'] for r in runs])} | {_ms([r['eval'] for r in runs])} "
+                     f"| {'-' if g is None else f'{g[0]:+.3f} ± {g[1]:.3f}'} | {wins} "
+                     f"| {sum(r['collapsed'] for r in runs)}/{len(runs)} "
+                     f"| {statistics.fmean(r['wall_s'] for r in runs):.0f} |")
     return "\n".join(lines)
 
 
-def report(argv: list[str], example: list[str], stats: dict) -> str:
+def figure(stats: dict[tuple[Setting, str], list[dict]], png: str) -> None:
+    """Final held-out reward (mean ± std over seeds) and mismatch KL, per setting and loss."""
+    names = list(dict.fromkeys(s.name for s, _ in stats))
+    fig = Figure(figsize=(11, 7))
+    top, bottom = fig.add_subplot(2, 1, 1), fig.add_subplot(2, 1, 2, sharex=None)
+    for j, loss in enumerate(LOSSES):
+        xs, ys, es, kls = [], [], [], []
+        for (s, lo), runs in stats.items():
+            if lo == loss:
+                x = names.index(s.name) + (j - 1) * 0.2
+                m, sd = _mean_std([r["eval"] for r in runs])
+                xs.append(x), ys.append(m), es.append(sd), kls.append(max(statistics.fmean(r["kl"] for r in runs), 1e-12))
+        top.errorbar(xs, ys, yerr=es, fmt="o", capsize=3, label=loss)
+        bottom.scatter(xs, kls, label=loss)
+    start = statistics.fmean(r["eval0"] for runs in stats.values() for r in runs)
+    top.axhline(start, ls="--", color="gray", lw=1, label="step 0 (mean)")
+    top.set_ylabel("held-out reward, final")
+    bottom.set_ylabel("mismatch kl (k3), log")
+    bottom.set_yscale("log")
+    for ax in (top, bottom):
+        ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+        ax.grid(alpha=0.3)
+    top.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def report(argv: list[str], example: list[str], stats: dict, total_s: float) -> str:
     date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    return (f"# Mismatch experiment\n\n{date}, torch {torch.__version__}, {torch.get_num_threads()} threads\n\n"
-            f"    python bench/experiment.py {shlex.join(argv)}\n\n"
-            f"One run (the loss, dtype and seed vary):\n\n    python train.py {shlex.join(example)}\n\n"
-            f"{table(stats)}\n\nEval reward: mean over the held-out prompts (--eval-prompts, the same "
-            "set for every seed), 4 samples each; mean ± std over seeds. "
-            "Masked fraction (the loss's own mask), mismatch kl (k3 on the sampled tokens) and wall time: "
-            "means over steps and seeds.\n")
+    return (f"# Mismatch study\n\n{date}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+            f"{total_s / 60:.0f} min of runs\n\n    python bench/experiment.py {shlex.join(argv)}\n\n"
+            f"One run (the setting, loss and seed vary):\n\n    python train.py {shlex.join(example)}\n\n"
+            f"{table(stats)}\n\nSettings: engine dtype, `-train<dtype>` a non-fp32 trainer, `-noise<s>` the "
+            "--engine-noise knob, `-a<k>` --async-level. Reward: the held-out prompts (--eval-prompts, one set "
+            "for every seed), 4 samples each, mean ± std over seeds. vs reinforce: the final reward minus "
+            "reinforce's in the same setting, per seed, mean ± std; > 2 std: whether that mean is more than "
+            "twice its std. Collapsed: final reward below step 0's, or entropy under 0.05 nats over the last "
+            "5 steps. Mismatch kl, masked/clipped (the loss's own) and wall time: means over steps and seeds.\n")
 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description="reinforce/icepop/ipo x engine dtype x seeds on reverse-text")
+    ap = argparse.ArgumentParser(description="engine dtype x staleness x loss, plus references, on reverse-text")
     ap.add_argument("--steps", type=int, default=40, help="RL steps per run")
     ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per configuration")
+    ap.add_argument("--noise", type=float, default=1.0, help="--engine-noise of the knob setting")
+    ap.add_argument("--model", default=None, help="train.py --model for every run (default: the shipped tiny model)")
+    ap.add_argument("--device", default=None, help="train.py --device for every run (cuda: the GPU run)")
+    ap.add_argument("--only", default="", help="run only the settings whose name contains this")
     ap.add_argument("--out", default="runs/experiment", help="run directories and results.md")
-    ap.add_argument("--png", default="docs/experiment.png", help="the curves, one line per configuration")
+    ap.add_argument("--md", default="docs/experiment.md", help="a copy of results.md ('' for none)")
+    ap.add_argument("--png", default="docs/experiment.png", help="the summary figure")
     ap.add_argument("--extra", default="", help='more train.py flags for every run, e.g. "--max-new-tokens 16"')
     a = ap.parse_args(argv)
-    if a.seeds < 1:
-        ap.error(f"--seeds must be >= 1, got {a.seeds}")
-    out, extra = Path(a.out), shlex.split(a.extra)
-    grid = [(loss, dtype, seed) for loss in LOSSES for dtype in DTYPES for seed in range(a.seeds)]
-    stats: dict[tuple[str, str], list[dict]] = {}
-    labels = {}
-    for i, (loss, dtype, seed) in enumerate(grid, 1):
-        run_dir = out / f"{loss}-{dtype}-s{seed}"
-        result = run_one(run_args(loss, dtype, seed, a.steps, run_dir, extra), run_dir)
-        s = run_stats(loss, run_dir, result)
-        stats.setdefault((loss, dtype), []).append(s)
-        labels[run_dir] = f"{loss} {dtype}"
+    if a.seeds < 1 or a.steps < 1:
+        ap.error(f"--seeds and --steps must be >= 1, got {a.seeds} and {a.steps}")
+    extra = shlex.split(a.extra) + (["--model", a.model] if a.model else []) + (["--device", a.device] if a.device else [])
+    out = Path(a.out)
+    grid = [(s, loss, seed) for s in settings(a.noise) if a.only in s.name for loss in s.losses
+            for seed in range(a.seeds)]
+    if not grid:
+        ap.error(f"--only {a.only!r} matches no setting")
+    stats: dict[tuple[Setting, str], list[dict]] = {}
+    t0 = time.perf_counter()
+    for i, (s, loss, seed) in enumerate(grid, 1):
+        run_dir = out / f"{s.name}-{loss}-s{seed}"
+        result = run_one(run_args(s, loss, seed, a.steps, run_dir, extra), run_dir)
+        r = run_stats(loss, run_dir, result["wall_s"])
+        stats.setdefault((s, loss), []).append(r)
         kept = " (kept from result.json)" if "reused" in result else ""
-        print(f"[{i}/{len(grid)}] {run_dir.name}: eval reward {_fmt(s['eval0'])} -> {_fmt(s['eval'])}, "
-              f"mismatch kl {s['kl']:.2e}, {s['wall_s']:.0f} s{kept}", flush=True)
-    example = run_args("icepop", "bf16", 0, a.steps, out / "icepop-bf16-s0", extra)
-    (out / "results.md").write_text(report(argv, example, stats))
-    plot.plot(list(labels), a.png, group=labels.__getitem__)
-    print(f"wrote {out / 'results.md'} and {a.png}")
+        print(f"[{i}/{len(grid)}] {run_dir.name}: eval reward {r['eval0']:.3f} -> {r['eval']:.3f}, "
+              f"mismatch kl {r['kl']:.2e}, {r['wall_s']:.0f} s{kept}", flush=True)
+    s0 = grid[0][0]
+    md = report(argv, run_args(s0, "icepop", 0, a.steps, out / f"{s0.name}-icepop-s0", extra), stats,
+                time.perf_counter() - t0)
+    (out / "results.md").write_text(md)
+    if a.md:
+        Path(a.md).write_text(md)
+    figure(stats, a.png)
+    print(table(stats))
+    print(f"wrote {out / 'results.md'}{' and ' + a.md if a.md else ''} and {a.png}")
     return stats
 
 

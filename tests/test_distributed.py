@@ -57,14 +57,15 @@ def one_step(cfg, state, samples):
         assert isinstance(model.head_weight, DTensor) == (train.P.WORLD > 1)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         batch = train.gather(samples)
+        scale = train.LossScale.for_dtype(cfg.train_dtype)  # fp16: 2^16, unscaled in optimizer_step
         if phase == "grads":
             mbs, denom, _ = train.prepare(cfg, batch, 32, "cpu")
-            train.backward_pass(cfg, model, model, mbs, denom, step=0)
-            runs.append(({n: train.full(p.grad) for n, p in model.named_parameters()}, len(mbs)))
+            train.backward_pass(cfg, model, model, mbs, denom, step=0, scale=scale.value)
+            runs.append(({n: train.full(p.grad) / scale.value for n, p in model.named_parameters()}, len(mbs)))
         else:
             mbs, denom, total = train.prepare(cfg, batch, 32, "cpu")
-            L.accumulate(total, train.backward_pass(cfg, model, model, mbs, denom, step=0))
-            L.accumulate(total, train.optimizer_step(cfg, model, opt, step=1))
+            L.accumulate(total, train.backward_pass(cfg, model, model, mbs, denom, step=0, scale=scale.value))
+            L.accumulate(total, train.optimizer_step(cfg, model, opt, step=1, scale=scale, loss=total["loss"][0]))
             metrics = L.reduce_metrics(train.sum_over_ranks(total, "cpu"))
             runs.append((metrics, {n: train.full(p.detach()) for n, p in model.named_parameters()}))
     (grads, n_mb), (metrics, weights) = runs
@@ -96,8 +97,8 @@ def _cases():
         longest = max(len(s.ids) - 1 for s in samples)  # three micro-batches: one rank runs a masked copy
         budget = next(b for b in range(longest, 4096) if len(D.pack(samples, b)) == 3)
         cases.append((C.dataclasses.replace(cfg, micro_batch_tokens=budget).resolve(False), m.state_dict(), samples))
-    cfg, state, samples = cases[0]  # --train-dtype bf16: autocast around FSDP2's fp32 weights, as in 1 process
-    return cases + [(C.dataclasses.replace(cfg, train_dtype="bf16"), state, samples)]
+    cfg, state, samples = cases[0]  # --train-dtype bf16/fp16: autocast around FSDP2's fp32 weights, as in 1 process
+    return cases + [(C.dataclasses.replace(cfg, train_dtype=d), state, samples) for d in ("bf16", "fp16")]
 
 
 def test_two_gloo_ranks_match_one_process(tmp_path):

@@ -28,7 +28,7 @@ from rollout import Sampling, TorchEngine
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 ROOT = Path(__file__).resolve().parent.parent
 needs_vllm = pytest.mark.skipif(not HAS_VLLM and not os.environ.get("CI"), reason="vllm does not import here")
-ENGINES = ["torch", pytest.param("vllm", marks=[pytest.mark.vllm, needs_vllm])]
+ENGINES = ["torch", "fp8", pytest.param("vllm", marks=[pytest.mark.vllm, needs_vllm])]
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11]]
 STOPS = [2, 0]  # what the tiny directories' generation_config.json lists (vLLM reads it too)
 TOL = 1e-4  # the bound for two fp32 implementations (vLLM against the trainer)
@@ -37,15 +37,21 @@ TOL = 1e-4  # the bound for two fp32 implementations (vLLM against the trainer)
 def _tols(engine) -> tuple[float, float]:
     """(sampled tokens, other kept entries). The built-in engine is held to 1e-5 on what it
     samples; on the rest of a kept set fp32 cached decode and the full forward sum in
-    different orders, and the worst entry seen differs by 1.2e-5 in log q."""
+    different orders, and the worst entry seen differs by 1.2e-5 in log q. The fp8 engine,
+    against its own emulated forward, to the same (the worst seen: 5e-7; its roundings mostly
+    absorb the order)."""
     return (1e-5, 2e-5) if isinstance(engine, TorchEngine) else (TOL, TOL)
 
 
+def _fp8(engine) -> bool:
+    return isinstance(engine, TorchEngine) and engine.fp8
+
+
 def _kept(probs: list[float], top_k: int, top_p: float) -> set[int]:
-    """Independent top-k then top-p, by sorting in plain python (vLLM's order)."""
+    """Independent top-k then top-p, by sorting in plain python (vLLM's order and its ties)."""
     order = sorted(range(len(probs)), key=lambda v: -probs[v])
-    if top_k:
-        order = order[:top_k]
+    if top_k:  # and every token tied with the k-th (bf16-rounded logits, as the fp8 engine's, tie)
+        order = [v for v in order if probs[v] >= probs[order[min(top_k, len(order)) - 1]]]
     if top_p < 1:
         z = sum(probs[v] for v in order)
         kept, mass = [], 0.0
@@ -82,19 +88,25 @@ def vllm_engine(model_dir):
 
 @pytest.fixture
 def engine(request):
-    if request.param == "torch":
-        return TorchEngine(_model(), "fp32", STOPS, seed=0)
+    if request.param in ("torch", "fp8"):
+        return TorchEngine(_model(), "fp32" if request.param == "torch" else "fp8", STOPS, seed=0)
     e = request.getfixturevalue("vllm_engine")
     e.load_weights(_model(), version=0)
     return e
 
 
-def _probs(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
-    """The trainer's full-vocabulary distribution at every completion position, fp64."""
+def _probs(model, prompt: list[int], completion: list[int], temperature: float, fp8: bool = False) -> torch.Tensor:
+    """The trainer's full-vocabulary distribution at every completion position, fp64; with `fp8`
+    the emulated fp8 forward of the same weights instead: a fresh fp8 engine's copy of `model`
+    run as one full forward (not the decode loop), so a push that failed to requantize shows."""
     ids = torch.tensor(prompt + completion)
     with torch.no_grad():
-        h = model(ids, torch.arange(len(ids)), torch.zeros(len(ids), dtype=torch.long))
-        p = ((h @ model.head_weight.T).double() / temperature).softmax(-1)
+        if fp8:
+            e = TorchEngine(model, "fp8", STOPS)
+            logits = e._logits(e.model(ids, torch.arange(len(ids)), torch.zeros(len(ids), dtype=torch.long)))
+        else:
+            logits = model(ids, torch.arange(len(ids)), torch.zeros(len(ids), dtype=torch.long)) @ model.head_weight.T
+        p = (logits.double() / temperature).softmax(-1)
     return p[len(prompt) - 1: len(prompt) - 1 + len(completion)]
 
 
@@ -111,7 +123,7 @@ def test_logq_equals_a_full_forward(engine, sampling):
     assert len(out) == len(PROMPTS) * n
     checked = 0
     for i, c in enumerate(out):
-        probs = _probs(model, PROMPTS[i // n], c.ids, s.temperature)
+        probs = _probs(model, PROMPTS[i // n], c.ids, s.temperature, _fp8(engine))
         for t, (tok, logq) in enumerate(zip(c.ids, c.logq)):
             row = probs[t].tolist()
             kept = _kept(row, s.top_k, s.top_p)
@@ -134,7 +146,7 @@ def test_kept_set_and_q_equal_a_full_forward(engine, top_k, top_p):
     for i, c in enumerate(out):
         sup = c.support
         assert sup.num_rows == len(c.ids) and bool(sup.replayed.all())
-        probs = _probs(model, PROMPTS[i // 3], c.ids, s.temperature)
+        probs = _probs(model, PROMPTS[i // 3], c.ids, s.temperature, _fp8(engine))
         for t in range(len(c.ids)):
             a, b = int(sup.host_offsets[t]), int(sup.host_offsets[t + 1])
             row = probs[t].tolist()
@@ -158,15 +170,15 @@ def test_untruncated_support_serves_centering(engine):
     out = engine.generate(PROMPTS, 2, s)
     for i, c in enumerate(out):
         sup = c.support
-        probs = _probs(model, PROMPTS[i // 2], c.ids, 1.0)
+        probs = _probs(model, PROMPTS[i // 2], c.ids, 1.0, _fp8(engine))
         for t in range(len(c.ids)):
             a, b = int(sup.host_offsets[t]), int(sup.host_offsets[t + 1])
             ids, logq = sup.ids[a:b].tolist(), sup.logq[a:b].tolist()
             if bool(sup.replayed[t]):
-                assert c.ids[t] in ids and abs(sum(math.exp(q) for q in logq) - 1) < TOL
+                assert c.ids[t] in ids and abs(sum(math.exp(q) for q in logq) - 1) < TOL  # q's own sum
             else:
                 assert len(ids) == s.draws
-            assert all(abs(q - math.log(probs[t, v].item())) < TOL for v, q in zip(ids, logq))
+            assert all(abs(q - math.log(probs[t, v].item())) < _tols(engine)[1] for v, q in zip(ids, logq))
 
 
 @pytest.mark.parametrize("engine", ENGINES, indirect=True)
@@ -181,9 +193,9 @@ def test_a_pushed_zero_head_gives_uniform_logq_and_versions_advance(engine):
         assert all(abs(lq + math.log(32)) < 1e-5 for lq in c.logq)
     engine.load_weights(_model(), version=8)  # and back: the trained distribution again
     c = engine.generate(PROMPTS[:1], 1, Sampling(temperature=0.7, max_new_tokens=4))[0]
-    probs = _probs(_model(), PROMPTS[0], c.ids, 0.7)
+    probs = _probs(_model(), PROMPTS[0], c.ids, 0.7, _fp8(engine))
     assert c.versions == [8] * len(c.ids)
-    assert all(abs(lq - math.log(probs[t, v].item())) < TOL for t, (v, lq) in enumerate(zip(c.ids, c.logq)))
+    assert all(abs(lq - math.log(probs[t, v].item())) < _tols(engine)[0] for t, (v, lq) in enumerate(zip(c.ids, c.logq)))
 
 
 @pytest.mark.parametrize("engine", ENGINES, indirect=True)
@@ -195,8 +207,8 @@ def test_pushed_weights_are_the_ones_sampled_from(engine):
     for version, m in ((1, other), (2, _model())):
         engine.load_weights(m, version)
         for i, c in enumerate(engine.generate(PROMPTS, 2, Sampling(temperature=0.7, max_new_tokens=8))):
-            probs = _probs(m, PROMPTS[i // 2], c.ids, 0.7)
-            assert all(abs(lq - math.log(probs[t, v].item())) < TOL for t, (v, lq) in enumerate(zip(c.ids, c.logq)))
+            probs = _probs(m, PROMPTS[i // 2], c.ids, 0.7, _fp8(engine))
+            assert all(abs(lq - math.log(probs[t, v].item())) < _tols(engine)[0] for t, (v, lq) in enumerate(zip(c.ids, c.logq)))
             assert c.versions == [version] * len(c.ids)
 
 
@@ -308,6 +320,21 @@ def test_what_vllm_is_asked_for_and_what_it_refuses():
         vllm_logprobs(Sampling(support=True, top_p=0.9), 151936)
 
 
+@needs_vllm
+def test_vllm_refuses_fp8_off_a_gpu_and_engine_noise():
+    """vLLM's fp8 path is CUDA's: on a CPU --engine-dtype fp8 is the built-in engine's emulation,
+    and --engine-noise is the built-in engine's alone; both say so before anything starts."""
+    from config import Config, ConfigError
+
+    with pytest.raises(ConfigError, match="fp8 with --engine vllm needs a CUDA GPU"):
+        Config(engine="vllm", engine_dtype="fp8").resolve(False)
+    with pytest.raises(ConfigError, match="--engine-noise is the built-in engine's"):
+        Config(engine="vllm", engine_noise=0.5).resolve(False)
+    assert Config(engine_dtype="fp8", engine_noise=0.5).resolve(False).engine == "torch"
+    with pytest.raises(ConfigError, match="--engine-noise must be >= 0"):
+        Config(engine_noise=-1.0)
+
+
 def test_auto_picks_the_built_in_engine_on_a_cpu():
     from config import Config
 
@@ -360,3 +387,27 @@ def test_vllm_kept_set_on_a_vocabulary_too_large_for_whole_rows(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["rows"] > 10 and r["worst"] < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.skipif(not (HAS_VLLM and torch.cuda.is_available()), reason="vLLM's fp8 path needs vllm and a CUDA GPU")
+def test_vllm_fp8_follows_pushes_and_stays_near_the_emulated_fp8_forward(model_dir):
+    """--engine vllm --engine-dtype fp8 on a GPU: vLLM's online W8A8 (its scales are per tensor,
+    the built-in emulation's per channel and per token, so the two agree loosely), and a push
+    re-quantizes: a zero head gives uniform logq, and the weights pushed back are sampled again."""
+    from rollout import VLLMEngine
+
+    e = VLLMEngine(model_dir, 32, "fp8", STOPS, seed=0, memory=0.2, device="cuda", sleep=False)
+    zero = _model()
+    with torch.no_grad():
+        zero.model.embed_tokens.weight.zero_()
+    e.load_weights(zero.cuda(), version=1)
+    for c in e.generate(PROMPTS, 2, Sampling(max_new_tokens=6)):
+        assert all(abs(lq + math.log(32)) < 1e-3 for lq in c.logq)
+    e.load_weights(_model().cuda(), version=2)
+    gaps = []
+    for i, c in enumerate(e.generate(PROMPTS, 3, Sampling(temperature=0.7, max_new_tokens=8))):
+        probs = _probs(_model(), PROMPTS[i // 3], c.ids, 0.7, fp8=True)
+        gaps += [abs(lq - math.log(probs[t, v].item())) for t, (v, lq) in enumerate(zip(c.ids, c.logq))]
+    assert sum(gaps) / len(gaps) < 0.05, max(gaps)

@@ -174,3 +174,60 @@ def test_bf16_training_takes_the_fp32_step_to_bf16_rounding(device):
     cos = torch.nn.functional.cosine_similarity(g32, g16, dim=0)
     assert cos > 0.99 and (g16.norm() / g32.norm() - 1).abs() < 0.05, (cos, g16.norm(), g32.norm())
     assert not torch.equal(g32, g16)  # it did compute in bf16
+
+
+def _fp16_step(device, cfg, m, samples, scale):
+    """One step through backward_pass and optimizer_step with plain SGD (lr 1, no clip), so the
+    weights move by exactly the unscaled gradient: (metrics, the weights' change)."""
+    model = M.Transformer(m.args)
+    model.load_state_dict(m.state_dict())
+    model.to(device)
+    before = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    mbs, denom, _ = train.prepare(cfg, samples, 32, device)
+    metrics = train.backward_pass(cfg, model, model, mbs, denom, step=0, scale=scale.value)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    metrics.update(train.optimizer_step(cfg, model, opt, step=5, scale=scale, loss=metrics["loss"][0]))
+    return import_reduce(metrics), before - torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_fp16_training_with_loss_scaling_takes_the_fp32_step(device):
+    """--train-dtype fp16 (autocast + an fp16 head, the loss scaled by 2^16 and the gradient unscaled
+    before the optimizer): one step's gradient against the fp32 step's on the same batch, cosine
+    >= 0.999 and norm within 1%; the weights stay fp32."""
+    codec, m, task = _setup()
+    cfg = C.Config(loss="icepop", prompts_per_step=4, group_size=3, max_new_tokens=10, lr=1.0, grad_clip=0.0)
+    samples = _samples(cfg, m, codec, task)
+    m32, g32 = _fp16_step(device, cfg, m, samples, train.LossScale.for_dtype("fp32"))
+    scale = train.LossScale.for_dtype("fp16")
+    m16, g16 = _fp16_step(device, C.dataclasses.replace(cfg, train_dtype="fp16"), m, samples, scale)
+    cos = torch.nn.functional.cosine_similarity(g32, g16, dim=0)
+    assert cos >= 0.999 and (g16.norm() / g32.norm() - 1).abs() < 0.01, (cos, g16.norm(), g32.norm())
+    assert not torch.equal(g32, g16)  # it did compute in fp16
+    assert m16["loss_scale"] == 2.0**16 and m16["skipped/overflow"] == 0 and m16["skipped/nonfinite_step"] == 0
+    assert m32["grad_norm"] == pytest.approx(m16["grad_norm"], rel=0.01)  # the norm of the unscaled gradient
+    # no loss scale (fp16 with 1.0): small gradients flush to zero, which the scale is there to prevent
+    _, g1 = _fp16_step(device, C.dataclasses.replace(cfg, train_dtype="fp16"), m, samples, train.LossScale())
+    assert (g1 == 0).sum() > (g16 == 0).sum()
+
+
+def test_an_fp16_overflow_skips_the_step_and_halves_the_scale_a_nan_loss_stops():
+    codec, m, task = _setup()
+    cfg = C.Config(loss="icepop", prompts_per_step=4, group_size=3, max_new_tokens=10, lr=1.0, grad_clip=0.0,
+                   train_dtype="fp16")
+    samples = _samples(cfg, m, codec, task)
+    scale = train.LossScale(2.0**100, dynamic=True)  # the scaled fp16 gradients overflow
+    metrics, moved = _fp16_step("cpu", cfg, m, samples, scale)
+    assert torch.equal(moved, torch.zeros_like(moved))  # nothing applied
+    assert metrics["skipped/overflow"] == 1 and metrics["skipped/nonfinite_step"] == 0
+    assert scale.value == 2.0**99 and metrics["loss_scale"] == 2.0**99
+    for s in samples:
+        s.advantage = float("nan")  # a broken batch: the loss itself is NaN, and no scale would help
+    metrics, moved = _fp16_step("cpu", cfg, m, samples, train.LossScale.for_dtype("fp16"))
+    assert torch.equal(moved, torch.zeros_like(moved))
+    assert metrics["skipped/nonfinite_step"] == 1 and metrics["skipped/overflow"] == 0
+    grown = train.LossScale(4.0, dynamic=True, growth=2)
+    grown.update(True), grown.update(True)
+    assert grown.value == 8.0 and grown.good == 0

@@ -1,0 +1,46 @@
+"""bench/experiment.py, the mismatch study: its table's numbers are the runs' own, and the
+paired gap to reinforce is the per-seed difference."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import experiment as E  # noqa: E402
+
+
+def _run(eval0, final, kl=1e-3, frac=None, entropy=1.0):
+    return {"eval0": eval0, "eval": final, "kl": kl, "frac": frac, "entropy": entropy, "wall_s": 1.0,
+            "collapsed": final < eval0 or entropy < 0.05}
+
+
+def test_the_gap_is_paired_by_seed_and_flagged_beyond_two_std():
+    s = E.Setting("bf16", 2)
+    base = [_run(0.5, 0.52), _run(0.5, 0.55), _run(0.5, 0.50)]
+    better = [_run(0.5, 0.57), _run(0.5, 0.61), _run(0.5, 0.54, frac=0.01)]  # +0.05, +0.06, +0.04
+    noisy = [_run(0.5, 0.60), _run(0.5, 0.49), _run(0.5, 0.55, entropy=0.01)]  # +0.08, -0.06, +0.05
+    mean, std = E.gap(better, base)
+    assert mean == pytest.approx(0.05) and std == pytest.approx(0.01)
+    rows = E.table({(s, "reinforce"): base, (s, "tis"): better, (s, "icepop"): noisy}).splitlines()[2:]
+    assert rows[0].split(" | ")[7:9] == ["-", "-"]  # reinforce against itself: no gap
+    assert rows[1].split(" | ")[7:10] == ["+0.050 ± 0.010", "yes", "0/3"]
+    assert rows[2].split(" | ")[7:10] == ["+0.023 ± 0.074", "no", "2/3"]  # one fell below step 0, one lost entropy
+
+
+def test_one_setting_runs_and_its_row_holds_the_runs_numbers(tmp_path):
+    out = tmp_path / "exp"
+    stats = E.main(["--only", "fp32", "--seeds", "2", "--steps", "1", "--out", str(out), "--md", "",
+                    "--png", str(tmp_path / "exp.png"), "--extra",
+                    "--prompts-per-step 2 --group-size 2 --eval-prompts 4 --max-new-tokens 6 --eval-every 1"])
+    ((setting, loss), runs), = stats.items()
+    assert (setting.engine, loss, len(runs)) == ("fp32", "reinforce", 2)
+    for seed, r in enumerate(runs):
+        rows = [json.loads(x) for x in (out / f"fp32-a0-reinforce-s{seed}" / "metrics.jsonl").read_text().splitlines()]
+        assert r["eval0"] == rows[0]["eval/reward"] and r["eval"] == rows[-1]["eval/reward"]
+        assert r["kl"] == pytest.approx(rows[-1]["mismatch/kl"]) and r["kl"] < 1e-6  # fp32 engine: rounding only
+    assert "| fp32-a0 | reinforce | 2 |" in (out / "results.md").read_text()
+    assert (tmp_path / "exp.png").stat().st_size > 10_000
