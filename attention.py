@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 
-ATTENTION = "auto"  # the packed forward's attention: auto (CUDA flex; CPU rows, compiled dense) | flex | rows | dense
 _compiled_flex = None
 
 
@@ -75,14 +74,15 @@ def document_rows(doc_ids: torch.Tensor, parents: torch.Tensor | None) -> Rows:
     return Rows(buckets, torch.from_numpy(back).to(doc_ids.device))
 
 
-def document_mask(doc_ids: torch.Tensor, parents: torch.Tensor | None = None):
+def document_mask(doc_ids: torch.Tensor, parents: torch.Tensor | None = None, mode: str = "auto"):
     """Who attends to whom in packed rows: the same document and not the future, or the document's
-    parent (a shared prompt). A dense [1, 1, T, T] bool mask, a flex BlockMask, or `Rows`."""
+    parent (a shared prompt). A dense [1, 1, T, T] bool mask, a flex BlockMask, or `Rows`; `mode`
+    (the model's `attention`): auto (CUDA flex; CPU rows, compiled dense) | flex | rows | dense."""
     T = doc_ids.shape[0]
     # torch.compile takes the dense mask on a CPU: `Rows` shapes follow the documents, so every new
     # packing would recompile
     cpu = "dense" if torch.compiler.is_compiling() else "rows"
-    mode = ATTENTION if ATTENTION != "auto" else ("flex" if doc_ids.is_cuda else cpu)
+    mode = mode if mode != "auto" else ("flex" if doc_ids.is_cuda else cpu)
     par = torch.full_like(doc_ids, -1) if parents is None else parents
     if mode == "rows":
         return document_rows(doc_ids, parents)

@@ -51,7 +51,7 @@ def save_checkpoint(out: Path, step: int, model, opt, rng, gen: torch.Generator,
     if RANK:
         return None
     tensors.update({"rng/engine" + (f"/{r}" if r else ""): g for r, g in enumerate(gens)})  # each rank's engine
-    state = {"step": step, "python_rng": rng.getstate(), "world_size": P.WORLD}
+    state = {"step": step, "python_rng": rng.getstate(), "world_size": P.world()}
     if scale is not None and scale.dynamic:
         state["loss_scale"] = [scale.value, scale.good]
     path = out / f"step_{step:06d}"
@@ -168,8 +168,8 @@ def check_resumable(cfg: C.Config, out: Path) -> Path:
     except (OSError, json.JSONDecodeError) as e:
         raise C.ConfigError(f"--resume: {out / 'config.json'} is unreadable ({e})") from None
     world = json.loads((path / STATE / "state.json").read_text()).get("world_size", 1)
-    if world != P.WORLD:
-        raise C.ConfigError(f"--resume: the run in {out} ran on {world} trainer processes, this one on {P.WORLD} "
+    if world != P.world():
+        raise C.ConfigError(f"--resume: the run in {out} ran on {world} trainer processes, this one on {P.world()} "
                             f"(torchrun --nproc_per_node); start a new run with --model {path} instead")
     if cfg.model != saved.get("model"):
         P.print0(f"note: --model {cfg.model} is not used: a resumed run continues from {path}")

@@ -19,7 +19,7 @@ Simplifications:
    document a row of its own queries against its parent's and its own keys, rows batched by
    length: work grows with the documents, not with [T, T]), a flex-attention BlockMask on
    CUDA (the blocks between documents are skipped), and the dense [T, T] mask under
-   torch.compile on a CPU and as the tests' reference (attention.py; `ATTENTION` picks). Static shapes on
+   torch.compile on a CPU and as the tests' reference (attention.py; the model's `attention` picks). Static shapes on
    the compiled paths, so torch.compile traces each once.
 2. RoPE angles are computed from the position tensor on the fly (no table), so packed
    documents restart at position 0 and padding can have any position.
@@ -247,6 +247,7 @@ class Transformer(nn.Module):
         self.model = Decoder(a)
         self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_frequencies(a), persistent=False)
+        self.attention = "auto"  # the packed forward's attention (attention.document_mask): auto | flex | rows | dense
 
     @property
     def head_weight(self) -> torch.Tensor:  # (V, H)
@@ -267,7 +268,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, doc_ids: torch.Tensor,
                 parents: torch.Tensor | None = None) -> torch.Tensor:
         """Packed documents: tokens, positions, doc_ids, parents (T,) -> hidden (T, H)."""
-        return self._run(tokens[None], positions[None], document_mask(doc_ids, parents))[0]
+        return self._run(tokens[None], positions[None], document_mask(doc_ids, parents, self.attention))[0]
 
     def forward_cached(self, tokens, positions, cache: KVCache) -> torch.Tensor:
         """Rows with their own positions: tokens, positions (B, S) -> hidden (B, S, H).

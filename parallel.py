@@ -2,8 +2,9 @@
 `Link` to the --inference-gpus ranks.
 
 Under `torchrun --nproc_per_node N train.py ...` every process runs the same file; RANK and
-WORLD come from torchrun's environment (1 process: RANK 0, WORLD 1, and every function here
-is the identity). gloo on the CPU (the tests), NCCL on GPUs. This is the bottom layer: it
+LAUNCHED come from torchrun's environment and never change; `world()`, the trainer ranks, is
+the default process group's size (1 process: RANK 0, world() 1, and every function here is
+the identity). Nothing here is set at run time: setup_distributed returns the `Link`. gloo on the CPU (the tests), NCCL on GPUs. This is the bottom layer: it
 imports torch and the standard library alone, so every floe module may use it.
 
     python -m pytest -q tests/test_distributed.py     # 2 gloo ranks against 1 process
@@ -21,8 +22,13 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets both
-LINK = None  # with --inference-gpus k: trainer rank 0 and the k inference ranks (a Link)
+RANK, LAUNCHED = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets both
+
+
+def world() -> int:
+    """The trainer ranks: the default group's size once setup_distributed made it (with
+    --inference-gpus k, LAUNCHED - k; the inference ranks are outside it), else 1."""
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def print0(*a, **k):
@@ -30,37 +36,37 @@ def print0(*a, **k):
         print(*a, **k, flush=True)
 
 
-def setup_distributed(device: str, inference: int = 0) -> None:
+def setup_distributed(device: str, inference: int = 0) -> Link | None:
     """Join the process group when launched by torchrun (WORLD_SIZE > 1): gloo on the CPU, NCCL on GPUs.
 
     With `inference` = k > 0 the last k ranks only sample (remote.py). The trainers' default
-    group then holds the first WORLD - k ranks alone, and WORLD becomes that count (read it as
-    `parallel.WORLD`); the inference ranks join no default group, because an in-process vLLM
-    takes that over. LINK, trainer rank 0 plus the k, is built on torchrun's store directly."""
-    global WORLD, LINK
-    if WORLD == 1 or dist.is_initialized():
-        return
+    group then holds the first LAUNCHED - k ranks alone (`world()`); the inference ranks join
+    no default group, because an in-process vLLM takes that over. The returned `Link`, trainer
+    rank 0 plus the k, is built on torchrun's store directly (None on the other trainer ranks
+    and without --inference-gpus)."""
+    if LAUNCHED == 1 or dist.is_initialized():
+        return None
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     backend = "nccl" if device == "cuda" else "gloo"
     if not inference:
         dist.init_process_group(backend)
-        return
-    trainers = WORLD - inference
+        return None
+    trainers = LAUNCHED - inference
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts the store
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=RANK == 0 and not agent)
     if RANK < trainers:
         dist.init_process_group(backend, store=dist.PrefixStore("floe/train", store), rank=RANK, world_size=trainers)
     if RANK == 0 or RANK >= trainers:
-        LINK = Link(store, max(0, RANK - trainers + 1), inference + 1, device)
-    WORLD = trainers
+        return Link(store, max(0, RANK - trainers + 1), inference + 1, device)
+    return None
 
 
 def pin_inference_gpu(inference: int) -> None:
     """Before CUDA starts: an --inference-gpus rank sees only its own GPU, as cuda:0. An in-process
     vLLM puts its engine on cuda:0 of what the process sees (its uniproc executor's local rank is
     0), so without this every inference rank's engine would land on the first GPU."""
-    if not inference or not 0 < WORLD - inference <= RANK:  # (a bad split is Config.resolve's to refuse)
+    if not serving(inference):
         return
     local = int(os.environ.get("LOCAL_RANK", 0))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -69,9 +75,10 @@ def pin_inference_gpu(inference: int) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"], os.environ["LOCAL_RANK"] = ids[local], "0"
 
 
-def serving() -> bool:
-    """An --inference-gpus rank: it runs remote.serve, not the trainer."""
-    return RANK >= WORLD
+def serving(inference: int) -> bool:
+    """An --inference-gpus rank: it runs remote.serve, not the trainer. (A bad split, k >= LAUNCHED,
+    is Config.resolve's to refuse.)"""
+    return inference > 0 and 0 < LAUNCHED - inference <= RANK
 
 
 def shard(model: nn.Module) -> nn.Module:
@@ -80,7 +87,7 @@ def shard(model: nn.Module) -> nn.Module:
     it stays gathered from forward to backward, so the head outside the forward reads the full
     weight). Gradients are summed over ranks, not averaged: every rank's loss is already divided
     by the global count (loss.denominators)."""
-    if WORLD == 1:
+    if world() == 1:
         return model
     # the forward returns hidden[0], a view that nothing edits in place
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
@@ -100,9 +107,9 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def gather(items: list) -> list:
     """Every rank's items, concatenated in rank order (pickled: host-side records only)."""
-    if WORLD == 1:
+    if world() == 1:
         return items
-    parts = [None] * WORLD
+    parts = [None] * world()
     dist.all_gather_object(parts, items)
     return [x for part in parts for x in part]
 
@@ -110,7 +117,7 @@ def gather(items: list) -> list:
 def sum_over_ranks(total: dict[str, tuple], device) -> dict[str, tuple]:
     """Each (sum, count) pair (loss.Metrics) summed over ranks in one all_reduce; a name missing
     on a rank counts 0 there."""
-    if WORLD == 1:
+    if world() == 1:
         return total
     names = list(dict.fromkeys(gather(list(total))))
     pairs = [total.get(k, (0.0, 0.0)) for k in names]  # stats from the host, metrics from the device

@@ -47,10 +47,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import random
 import resource
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -65,62 +63,14 @@ import evidence
 import loss as L
 import model as M
 import tasks as T
-from checkpoint import (Logger, check_fresh, check_resumable, kept_metrics, load_training_state,
-                        note_changed_rewards, save_checkpoint, undone_on_failure, write_config)
+from checkpoint import Logger, load_training_state, note_changed_rewards, save_checkpoint, undone_on_failure, write_config
 from kernels import head
 import parallel as P
-from parallel import RANK, full, gather, print0, setup_distributed, shard, sum_over_ranks
+from parallel import RANK, full, gather, print0, setup_distributed, sum_over_ranks
 from pipeline import AsyncRollouts, RolloutRNG
 from remote import RemoteEngine, serve
-from rollout import Sampling, make_engine, vllm_logprobs
-
-
-# ----------------------------------------------------------------------------- set-up
-
-def load_model(cfg: C.Config, src: Path | None, codec: D.TextCodec) -> M.Transformer:
-    """The model in `src`, or with `--model scratch` (src None) a fresh tiny one in memory."""
-    if src is not None:
-        return M.load(src, device=cfg.device)
-    args = M.ModelArgs(codec.tok.get_vocab_size(), **M.TINY, eos_token_id=codec.stop_ids[0])
-    model = M.Transformer(args)
-    M.init_weights(model, seed=cfg.seed)
-    return model.to(cfg.device)
-
-
-def write_scratch(cfg: C.Config, out: Path, model: M.Transformer, task: T.Task) -> Path:
-    """`--model scratch`: the fresh model as a HF directory in the run, for the engine and checkpoints."""
-    src = out / "scratch"
-    if RANK == 0:
-        src.mkdir(parents=True, exist_ok=True)
-        D.write_tokenizer(src, task.alphabet)
-        M.save(model, src, src)
-    if P.WORLD > 1:
-        dist.barrier()
-    return src
-
-
-def build(cfg: C.Config, src: Path, model: M.Transformer, codec: D.TextCodec):
-    """Engine, sharded model, optimizer and the (compiled) forward, around the loaded model."""
-    if cfg.compile == "on" and not can_compile(cfg.device):
-        cfg = C.dataclasses.replace(cfg, compile="off")  # the engine's decode step too
-    if cfg.inference_gpus:  # the last ranks sample (remote.py): they load `src` once rank 0 says so
-        engine = RemoteEngine(P.LINK, cfg.seed + RANK, cfg.engine_dtype)
-        if RANK == 0:
-            engine.start(src)
-    else:
-        engine = make_engine(cfg, model, src, codec.stop_ids, cfg.seed + RANK)
-    shard(model)  # after the engine took its full copy
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
-    fwd = torch.compile(model) if cfg.compile == "on" else model
-    return fwd, engine, opt
-
-
-def can_compile(device: str) -> bool:
-    """torch.compile on a CPU builds C++: without a compiler the run goes on eager, saying so."""
-    if device != "cpu" or shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++"):
-        return True
-    print0("note: --compile on needs a C++ compiler on a CPU (none found: set CXX or install g++); running eager")
-    return False
+from rollout import Sampling
+from start import Start, build, check_start, write_scratch
 
 
 # ----------------------------------------------------------------------------- phases
@@ -165,7 +115,7 @@ def my_prompts(cfg, drawn: list) -> list:
     """This rank's share of the step's prompts; with --inference-gpus rank 0 sends them all out."""
     if cfg.inference_gpus:
         return drawn if RANK == 0 else []
-    return drawn[RANK::P.WORLD]
+    return drawn[RANK::P.world()]
 
 
 def make_batch(run: Run, step: int):
@@ -179,7 +129,7 @@ def make_batch(run: Run, step: int):
 
 def sft_samples(cfg, task, rng):
     samples = []
-    for p in task.sample(cfg.prompts_per_step, rng)[RANK::P.WORLD]:
+    for p in task.sample(cfg.prompts_per_step, rng)[RANK::P.world()]:
         ids = task.completion_ids(p)
         samples.append(D.Sample(p, ids, [0.0] * len(ids), [0] * len(ids), "stop"))
     return samples, {}
@@ -194,7 +144,7 @@ def prepare(cfg, samples, vocab_size, device):
     checks = evidence.validate(mbs, vocab_size, cfg) if cfg.stage == "rl" else {}
     if RANK:  # every rank checked the whole batch; rank 0 alone counts it
         checks = {k: (s * 0, c * 0) for k, (s, c) in checks.items()}
-    return D.my_share(mbs, RANK, P.WORLD), L.denominators(mbs), checks
+    return D.my_share(mbs, RANK, P.world()), L.denominators(mbs), checks
 
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --train-dtype: the matmuls' dtype (fp32: none)
@@ -325,63 +275,25 @@ def fail(e: Exception, code: int):
     raise SystemExit(code) from None
 
 
-@dataclass
-class Start:
-    """What a run starts from, every part of it checked before the run writes its first byte."""
-
-    out: Path  # --out-dir
-    src: Path | None  # the model directory (a checkpoint on resume); None: --model scratch
-    resume_from: Path | None  # the checkpoint --resume continues
-    kept: list[dict] | None  # on resume, the metrics rows up to that checkpoint
-    codec: D.TextCodec
-    task: T.Task
-    model: M.Transformer
-
-
-def check_start(cfg: C.Config) -> Start:
-    """Flags, run directory, checkpoint, model directory, tokenizer, task and rewards, engine choice."""
-    if cfg.prompts_per_step % P.WORLD and not cfg.inference_gpus:
-        raise C.ConfigError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the {P.WORLD} "
-                            "torchrun processes (each rank samples its own share)")
-    out = Path(cfg.out_dir)
-    resume_from = check_resumable(cfg, out) if cfg.resume else check_fresh(out)
-    kept = kept_metrics(out, int(resume_from.name[5:])) if resume_from else None  # step_NNNNNN
-    src = resume_from or (None if cfg.model == "scratch" else Path(cfg.model))
-    codec = D.TextCodec.load(src) if src else D.TextCodec.tiny(T.alphabet(cfg))
-    task = T.build(cfg, codec)
-    torch.manual_seed(cfg.seed)
-    model = load_model(cfg, src, codec)
-    task.fit_eval_set(cfg.max_new_tokens, model.args.max_position_embeddings, cfg.eval_every > 0)
-    if cfg.engine == "vllm":  # can vLLM report the support this loss needs? Ask before starting it
-        vllm_logprobs(rl_sampling(cfg), model.args.vocab_size)
-    if (n := codec.tok.get_vocab_size()) > model.args.vocab_size:
-        raise C.ConfigError(f"{src}: tokenizer.json has {n} tokens, more than config.json's vocab_size "
-                            f"{model.args.vocab_size} (ids past it would index outside the embedding)")
-    if cfg.epochs > 1 and not L.trained(cfg).clipped:  # (plain reinforce: refused by Config)
-        print0(f"note: --epochs {cfg.epochs} with --loss {cfg.loss}: the later passes reweight by p/q against the "
-               "sampler; nothing clips them against pi_old (ppo, cispo and gspo do)")
-    return Start(out, src, resume_from, kept, codec, task, model)
-
-
 def main(argv: list[str] | None = None) -> dict:
     cfg = C.parse(argv)
     P.pin_inference_gpu(cfg.inference_gpus)
     try:
         cfg = cfg.resolve(torch.cuda.is_available())
-        setup_distributed(cfg.device, cfg.inference_gpus)
-        if P.serving():  # an --inference-gpus rank: it samples for the trainers until they stop it
-            serve(cfg, P.LINK)
+        link = setup_distributed(cfg.device, cfg.inference_gpus)
+        if P.serving(cfg.inference_gpus):  # an --inference-gpus rank: it samples for the trainers until they stop it
+            serve(cfg, link)
             return {}
         s = check_start(cfg)
     except (C.ConfigError, FileNotFoundError, ValueError) as e:  # bad flags, run directory, model, task or reward
         fail(e, 2)
     try:
-        return launch(cfg, s)
+        return launch(cfg, s, link)
     except OSError as e:  # a read-only or full disk: one line, and what was written before stays
         fail(f"cannot write the run in {s.out}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else ""), 1)
 
 
-def launch(cfg: C.Config, s: Start) -> dict:
+def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
     """Build the engine and optimizer, write the run's config, resume if asked, loop, summarize.
     A start that fails before the loop (the engine refuses, a full disk) leaves --out-dir as it was."""
     hashes = T.reward_hashes(s.task.rewards)
@@ -391,7 +303,7 @@ def launch(cfg: C.Config, s: Start) -> dict:
     with undone_on_failure(s.out):  # everything was checked: the run may write now
         src = s.src or write_scratch(cfg, s.out, s.model, s.task)  # the engine loads from a directory
         try:
-            fwd, engine, opt = build(cfg, src, s.model, s.codec)
+            fwd, engine, opt = build(cfg, src, s.model, s.codec, link)
         except (FileNotFoundError, ValueError, C.ConfigError) as e:  # flags the engine can't serve
             fail(e, 2)
         if RANK == 0:  # the engine started: now the config, which a resume checks its flags against
@@ -399,7 +311,7 @@ def launch(cfg: C.Config, s: Start) -> dict:
     rng, scale = random.Random(cfg.seed), LossScale.for_dtype(cfg.train_dtype)
     start = load_training_state(s.resume_from, s.model, opt, rng, engine, scale) if s.resume_from else 0
     print0(f"model {src}: {sum(p.numel() for p in s.model.parameters()) / 1e6:.2f}M params on {cfg.device}"
-           + (f" x {P.WORLD} ranks (FSDP2)" if P.WORLD > 1 else "")
+           + (f" x {P.world()} ranks (FSDP2)" if P.world() > 1 else "")
            + (f", sampling on {cfg.inference_gpus} more" if cfg.inference_gpus else "")
            + (f" | resuming at step {start}" if start else "") + (" | compiling, ~1 min" if cfg.compile == "on" else ""))
     log = None
@@ -414,7 +326,7 @@ def launch(cfg: C.Config, s: Start) -> dict:
         if isinstance(engine, RemoteEngine):
             engine.stop()
     summary = finish(cfg, log)
-    if P.WORLD > 1 or cfg.inference_gpus:  # the group setup_distributed made (vLLM may own another one)
+    if P.world() > 1 or cfg.inference_gpus:  # the group setup_distributed made (vLLM may own another one)
         dist.destroy_process_group()
     return summary
 
@@ -499,7 +411,7 @@ def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[di
     m["skipped/empty_step"] = float(not batch)  # nothing scored: the step trained nothing
     if cfg.stage == "rl" and batch:  # a std does not sum over ranks
         m["reward/std"] = torch.tensor([s.reward for s in batch], dtype=torch.float64).std(unbiased=False).item()
-    n_tok = sum(len(mb.tokens) for mb in mbs) * P.WORLD  # micro-batch slots: the work done, padding included
+    n_tok = sum(len(mb.tokens) for mb in mbs) * P.world()  # micro-batch slots: the work done, padding included
     t2 = time.time()
     m.update({"time/rollout": t_rollout, "time/train": t_train, "time/step": t2 - t0,
               "tokens/train": denom.tokens, "tokens/packed": n_tok})

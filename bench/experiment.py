@@ -31,7 +31,7 @@ Simplifications:
 4. On a CPU the fp16 trainer runs ~6x slower than fp32 (no fp16 matmul units: autocast pays
    conversions), which is most of the study's time; on a GPU it is the fast one.
 
-    python bench/experiment.py                       # the whole grid on 2 CPU cores (README has the time)
+    python bench/experiment.py                       # the whole grid: 51 runs of 60 steps, ~37 min on 2 CPU cores
     python bench/experiment.py --model /path/to/Qwen3-0.6B --device cuda --extra "--max-new-tokens 256"
     python bench/experiment.py --seeds 1 --steps 2 --only bf16 --out /tmp/exp --png /tmp/exp.png \\
         --extra "--prompts-per-step 2 --group-size 2 --eval-prompts 4 --max-new-tokens 8"   # smoke test
@@ -200,7 +200,7 @@ def report(argv: list[str], example: list[str], stats: dict, total_s: float) -> 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description="engine dtype x staleness x loss, plus references, on reverse-text")
-    ap.add_argument("--steps", type=int, default=40, help="RL steps per run")
+    ap.add_argument("--steps", type=int, default=60, help="RL steps per run")
     ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per configuration")
     ap.add_argument("--noise", type=float, default=1.0, help="--engine-noise of the knob setting")
     ap.add_argument("--model", default=None, help="train.py --model for every run (default: the shipped tiny model)")

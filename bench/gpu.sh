@@ -17,14 +17,14 @@ fi
 python3 -c "import torch; print('torch', torch.__version__, '|', torch.cuda.get_device_name(0))" | tee "$OUT/env.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/env.txt"
 
-echo "== gpu tests (kernels, flex attention and bf16 training against CPU/eager references)"
+echo "== gpu tests (kernels, flex attention, bf16/fp16 training against CPU/eager references; vLLM fp8 where it imports)"
 timeout 150 python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/tests.txt"
 
 echo "== bench/support.py"
 timeout 30 python3 bench/support.py 2>&1 | tee "$OUT/support.txt"
 
 echo "== bench/head.py (the fused head: Triton kernels vs baselines; its tests ran with -m gpu above)"
-timeout 100 python3 bench/head.py 2>&1 | tee "$OUT/head.txt"
+timeout 90 python3 bench/head.py 2>&1 | tee "$OUT/head.txt"
 
 echo "== bench/engine.py (rollout tok/s: built-in engine, and vLLM where the image has it)"
 timeout 30 python3 bench/engine.py 2>&1 | grep -E '^[#|]' | tee "$OUT/engine.txt"
@@ -38,5 +38,8 @@ timeout 60 python3 bench/e2e.py --compile off --train-dtype fp32 2>&1 | grep -v 
 echo "== end to end: the default job on the GPU, 10 steps"
 timeout 30 python3 train.py --device cuda --loss icepop --icepop-beta 2.0 --steps 10 --eval-every 5 \
   --out-dir "$OUT/run" 2>&1 | grep -v '^  "' | tee "$OUT/run.txt"
-# worst case, every timeout reached: 150 + 30 + 100 + 30 + 60 + 60 + 30 = 460 s of commands, plus
+echo "== the mismatch lab on the GPU: fp8 rollouts (vLLM's fp8 where the image has vLLM) and an fp16 trainer, 10 steps"
+timeout 30 python3 train.py --device cuda --loss icepop --icepop-beta 2.0 --steps 10 --eval-every 5 --engine-dtype fp8 \
+  --train-dtype fp16 --out-dir "$OUT/run-fp8" 2>&1 | grep -v '^  "' | tee "$OUT/run-fp8.txt"
+# worst case, every timeout reached: 150 + 30 + 90 + 30 + 60 + 60 + 30 + 30 = 480 s of commands, plus
 # start-up; typical runs finish well inside them.

@@ -16,6 +16,7 @@ import data as D
 import tasks as T
 import loss as L
 import model as M
+import start
 import train
 from pipeline import AsyncRollouts
 from rollout import TorchEngine
@@ -122,9 +123,9 @@ def test_async_level_0_is_the_synchronous_loop(tmp_path):
     rows = _rows(tmp_path)
     assert not any("staleness/mean" in r or "kl/age0" in r for r in rows)  # the rows as before
     cfg = C.parse([*args[:-1], str(tmp_path / "by-hand")]).resolve(False)  # the loop before --async-level, by hand
-    s = train.check_start(cfg)
+    s = start.check_start(cfg)
     model, task = s.model, s.task
-    fwd, engine, opt = train.build(cfg, s.src, model, s.codec)
+    fwd, engine, opt = start.build(cfg, s.src, model, s.codec)
     rng = random.Random(cfg.seed)
     for step in range(1, 4):
         samples, total = train.rollout_phase(cfg, task, engine, rng, step - 1, model.args.max_position_embeddings)

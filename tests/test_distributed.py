@@ -40,7 +40,7 @@ import torch, train
 from test_distributed import one_step, only_on_rank1
 train.setup_distributed("cpu")
 cases = pickle.loads(open(sys.argv[1] + "/cases.pkl", "rb").read())
-n = len(cases[0][2]) // train.P.WORLD  # each rank gets its contiguous share of the samples
+n = len(cases[0][2]) // train.P.world()  # each rank gets its contiguous share of the samples
 out = [one_step(cfg, state, samples[train.RANK * n:(train.RANK + 1) * n]) for cfg, state, samples in cases]
 torch.save({{"steps": out, "names": only_on_rank1()}}, f"{{sys.argv[1]}}/rank{{train.RANK}}.pt")
 torch.distributed.destroy_process_group()
@@ -53,8 +53,8 @@ def one_step(cfg, state, samples):
     for phase in ("grads", "step"):
         model = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
         model.load_state_dict(state)
-        train.shard(model)
-        assert isinstance(model.head_weight, DTensor) == (train.P.WORLD > 1)
+        train.P.shard(model)
+        assert isinstance(model.head_weight, DTensor) == (train.P.world() > 1)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         batch = train.gather(samples)
         scale = train.LossScale.for_dtype(cfg.train_dtype)  # fp16: 2^16, unscaled in optimizer_step

@@ -17,6 +17,7 @@ from safetensors.torch import save as st_save
 
 import checkpoint
 import model as M
+import start
 import train
 from conftest import one_line
 
@@ -281,7 +282,7 @@ def test_an_engine_that_fails_to_start_leaves_the_run_dir_as_it_was(tmp_path, mo
     def refuses(*a, **k):
         raise ValueError("--engine torch: refuses this flag")
 
-    monkeypatch.setattr(train, "make_engine", refuses)
+    monkeypatch.setattr(start, "make_engine", refuses)
     new = tmp_path / "runs" / "new"
     one_line(_main(capsys, *flags, "--out-dir", str(new)), 2, "refuses this flag")
     assert not (tmp_path / "runs").exists()  # and the parent this start would have made

@@ -6,7 +6,6 @@ import functools
 import pytest
 import torch
 
-import attention as A
 import config as C
 import data as D
 import loss as L
@@ -27,8 +26,8 @@ def _step(monkeypatch, cfg, m, samples, share: bool, attention: str, device: str
     every buffer [T]; shared: the buffers train.prepare asks for (trimmed on an eager CPU)."""
     trimmed = functools.partial(PACK, share_prompts=True)
     monkeypatch.setattr(D, "pack", trimmed if share else lambda s, T, trim: PACK(s, T, share_prompts=False))
-    monkeypatch.setattr(A, "ATTENTION", attention)
     model = M.Transformer(m.args)
+    model.attention = attention
     model.load_state_dict(m.state_dict())
     model.to(device)
     mbs, denom, _ = train.prepare(cfg, samples, 32, device)

@@ -20,19 +20,19 @@ from rollout import Sampling, TorchEngine
 
 src = {src!r}
 cfg = C.Config(model=src, engine="torch", inference_gpus=2).resolve(False)
-P.setup_distributed("cpu", 2)
-if P.serving():
+link = P.setup_distributed("cpu", 2)
+if P.serving(2):
     plain = TorchEngine.generate
     def generate(self, prompts, n, sampling):  # a call the engine refuses (as vLLM refuses a short kept set)
         if prompts == [[31]]:
             raise D.RunError("the engine refused this call")
         return plain(self, prompts, n, sampling)
     TorchEngine.generate = generate
-    serve(cfg, P.LINK)
+    serve(cfg, link)
     raise SystemExit
 model = M.load(src)
 stops = D.TextCodec.load(src).stop_ids
-remote, local = RemoteEngine(P.LINK, 0, "bf16"), TorchEngine(model, "bf16", stops)
+remote, local = RemoteEngine(link, 0, "bf16"), TorchEngine(model, "bf16", stops)
 remote.start(src)
 prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [6, 6], [7]]
 cases = [Sampling(support=True, draws=4, seed=11), Sampling(top_p=0.9, support=True, seed=11),
@@ -136,7 +136,7 @@ def test_an_inference_rank_sees_only_its_own_gpu(monkeypatch, rank, visible, wan
     import parallel as P
 
     monkeypatch.setattr(P, "RANK", rank)
-    monkeypatch.setattr(P, "WORLD", 3)
+    monkeypatch.setattr(P, "LAUNCHED", 3)
     monkeypatch.setenv("LOCAL_RANK", str(rank))
     if visible:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)

@@ -111,6 +111,21 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     assert a == b  # every metric of every step, exactly
 
 
+def test_an_fp16_run_resumes_with_its_loss_scale(tmp_path, monkeypatch):
+    """The loss scale is training state: a resume carries it on (here it doubles after every finite
+    step, so a resume that started over at 2^16 would log, and train, differently)."""
+    monkeypatch.setattr(train.LossScale, "for_dtype", classmethod(lambda cls, d: cls(2.0**16, dynamic=True, growth=1)))
+    flags = ["--train-dtype", "fp16", *SMALL]
+    train.main(["--steps", "3", "--out-dir", str(tmp_path / "a"), *flags])
+    train.main(["--steps", "2", "--out-dir", str(tmp_path / "b"), *flags])
+    state = json.loads((tmp_path / "b" / "final" / "trainer_state" / "state.json").read_text())
+    assert state["loss_scale"] == [2.0**18, 0]
+    train.main(["--steps", "3", "--out-dir", str(tmp_path / "b"), "--resume", *flags])
+    a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
+    assert [r.get("loss_scale") for r in a] == [None, 2.0**17, 2.0**18, 2.0**19]
+    assert a == b
+
+
 def test_resume_with_a_changed_flag_is_refused(tmp_path):
     train.main(["--steps", "1", "--out-dir", str(tmp_path), *SMALL])
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--steps", "2", "--out-dir", str(tmp_path), "--resume",

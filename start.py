@@ -1,0 +1,116 @@
+"""A run's start: every flag, the run directory, the checkpoint, the model, tokenizer, task and
+rewards checked before the first byte is written (`check_start`), then the parts the loop
+runs on built around the loaded model (`build`: engine, sharded model, optimizer, compiled
+forward). train.py's `main` calls both; nothing here runs a step.
+
+Simplifications:
+1. `--model scratch` builds the tiny model in memory; `write_scratch` saves it into the run
+   (the engine, vLLM included, loads a directory, and checkpoints copy its tokenizer).
+2. The engine is built before FSDP2 shards the model, so it takes a full copy.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import config as C
+import data as D
+import loss as L
+import model as M
+import tasks as T
+from checkpoint import check_fresh, check_resumable, kept_metrics
+import parallel as P
+from parallel import RANK, print0, shard
+from remote import RemoteEngine
+from rollout import Sampling, make_engine, vllm_logprobs
+
+
+@dataclass
+class Start:
+    """What a run starts from, every part of it checked before the run writes its first byte."""
+
+    out: Path  # --out-dir
+    src: Path | None  # the model directory (a checkpoint on resume); None: --model scratch
+    resume_from: Path | None  # the checkpoint --resume continues
+    kept: list[dict] | None  # on resume, the metrics rows up to that checkpoint
+    codec: D.TextCodec
+    task: T.Task
+    model: M.Transformer
+
+
+def check_start(cfg: C.Config) -> Start:
+    """Flags, run directory, checkpoint, model directory, tokenizer, task and rewards, engine choice."""
+    if cfg.prompts_per_step % P.world() and not cfg.inference_gpus:
+        raise C.ConfigError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the {P.world()} "
+                            "torchrun processes (each rank samples its own share)")
+    out = Path(cfg.out_dir)
+    resume_from = check_resumable(cfg, out) if cfg.resume else check_fresh(out)
+    kept = kept_metrics(out, int(resume_from.name[5:])) if resume_from else None  # step_NNNNNN
+    src = resume_from or (None if cfg.model == "scratch" else Path(cfg.model))
+    codec = D.TextCodec.load(src) if src else D.TextCodec.tiny(T.alphabet(cfg))
+    task = T.build(cfg, codec)
+    torch.manual_seed(cfg.seed)
+    model = load_model(cfg, src, codec)
+    task.fit_eval_set(cfg.max_new_tokens, model.args.max_position_embeddings, cfg.eval_every > 0)
+    if cfg.engine == "vllm":  # can vLLM report the support this loss needs? Ask before starting it
+        vllm_logprobs(Sampling(top_k=cfg.top_k, support=L.reads_support(cfg)), model.args.vocab_size)
+    if (n := codec.tok.get_vocab_size()) > model.args.vocab_size:
+        raise C.ConfigError(f"{src}: tokenizer.json has {n} tokens, more than config.json's vocab_size "
+                            f"{model.args.vocab_size} (ids past it would index outside the embedding)")
+    if cfg.epochs > 1 and not L.trained(cfg).clipped:  # (plain reinforce: refused by Config)
+        print0(f"note: --epochs {cfg.epochs} with --loss {cfg.loss}: the later passes reweight by p/q against the "
+               "sampler; nothing clips them against pi_old (ppo, cispo and gspo do)")
+    return Start(out, src, resume_from, kept, codec, task, model)
+
+
+def load_model(cfg: C.Config, src: Path | None, codec: D.TextCodec) -> M.Transformer:
+    """The model in `src`, or with `--model scratch` (src None) a fresh tiny one in memory."""
+    if src is not None:
+        return M.load(src, device=cfg.device)
+    args = M.ModelArgs(codec.tok.get_vocab_size(), **M.TINY, eos_token_id=codec.stop_ids[0])
+    model = M.Transformer(args)
+    M.init_weights(model, seed=cfg.seed)
+    return model.to(cfg.device)
+
+
+def write_scratch(cfg: C.Config, out: Path, model: M.Transformer, task: T.Task) -> Path:
+    """`--model scratch`: the fresh model as a HF directory in the run, for the engine and checkpoints."""
+    src = out / "scratch"
+    if RANK == 0:
+        src.mkdir(parents=True, exist_ok=True)
+        D.write_tokenizer(src, task.alphabet)
+        M.save(model, src, src)
+    if P.world() > 1:
+        dist.barrier()
+    return src
+
+
+def build(cfg: C.Config, src: Path, model: M.Transformer, codec: D.TextCodec, link: P.Link | None = None):
+    """Engine, sharded model, optimizer and the (compiled) forward, around the loaded model; `link`
+    (setup_distributed's, --inference-gpus) reaches the sampling ranks."""
+    if cfg.compile == "on" and not can_compile(cfg.device):
+        cfg = C.dataclasses.replace(cfg, compile="off")  # the engine's decode step too
+    if cfg.inference_gpus:  # the last ranks sample (remote.py): they load `src` once rank 0 says so
+        engine = RemoteEngine(link, cfg.seed + RANK, cfg.engine_dtype)
+        if RANK == 0:
+            engine.start(src)
+    else:
+        engine = make_engine(cfg, model, src, codec.stop_ids, cfg.seed + RANK)
+    shard(model)  # after the engine took its full copy
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
+    fwd = torch.compile(model) if cfg.compile == "on" else model
+    return fwd, engine, opt
+
+
+def can_compile(device: str) -> bool:
+    """torch.compile on a CPU builds C++: without a compiler the run goes on eager, saying so."""
+    if device != "cpu" or shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++"):
+        return True
+    print0("note: --compile on needs a C++ compiler on a CPU (none found: set CXX or install g++); running eager")
+    return False
