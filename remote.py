@@ -32,9 +32,16 @@ import torch
 import data as D
 import model as M
 from parallel import Link, full
-from rollout import DTYPES, Completion, Sampling, make_engine
+from precision import DTYPES
+from rollout import Completion, Sampling, make_engine
 
 GEN, PUSH, STOP = 1, 2, 3
+
+
+def wire_dtype(engine_dtype: str) -> torch.dtype:
+    """What a push carries: the engine's dtype (the colocated push's rounding), but fp32 for fp8,
+    whose engine quantizes from the trainer's weights as a colocated one does."""
+    return torch.float32 if engine_dtype == "fp8" else DTYPES[engine_dtype]
 
 
 # ----------------------------------------------------------------------------- the wire format
@@ -87,7 +94,7 @@ class RemoteEngine:
     rank joins the weight gathers of a push. `gen` seeds the calls (simplification 2)."""
 
     def __init__(self, link: Link | None, seed: int, dtype: str):
-        self.link, self.version, self.dtype = link, 0, DTYPES[dtype]
+        self.link, self.version, self.dtype = link, 0, wire_dtype(dtype)
         self.gen = torch.Generator().manual_seed(seed)
 
     def start(self, model_dir) -> None:
@@ -131,7 +138,7 @@ def serve(cfg, link: Link) -> None:
     """An inference rank: load the directory trainer rank 0 names, then generate and take weight
     pushes in the order it sends them, until STOP."""
     src = bytes(link.recv(0)[0].tolist()).decode()
-    model = M.load(src, device=cfg.device, dtype=DTYPES[cfg.engine_dtype])  # the pushes land here
+    model = M.load(src, device=cfg.device, dtype=wire_dtype(cfg.engine_dtype))  # the pushes land here
     seed = cfg.seed + 1000 * link.rank  # unused by sampling (each call brings its seed); vLLM's init takes one
     engine = make_engine(cfg, model, src, D.TextCodec.load(src).stop_ids, seed)
     while True:

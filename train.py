@@ -68,6 +68,7 @@ from kernels import head
 import parallel as P
 from parallel import RANK, full, gather, print0, setup_distributed, sum_over_ranks
 from pipeline import AsyncRollouts, RolloutRNG
+from precision import DTYPES
 from remote import RemoteEngine, serve
 from rollout import Sampling
 from start import Start, build, check_start, write_scratch
@@ -147,13 +148,10 @@ def prepare(cfg, samples, vocab_size, device):
     return D.my_share(mbs, RANK, P.world()), L.denominators(mbs), checks
 
 
-LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --train-dtype: the matmuls' dtype (fp32: none)
-
-
 def _head(cfg, model, fwd, mb):
     """--train-dtype bf16/fp16: the forward's matmuls under autocast, and the head on bf16/fp16 copies
     of the hidden states and the weight (the cast is differentiable: the fp32 weight gets the gradient)."""
-    low = LOW.get(cfg.train_dtype)
+    low = None if cfg.train_dtype == "fp32" else DTYPES[cfg.train_dtype]
     with torch.autocast(mb.tokens.device.type, low or torch.bfloat16, enabled=low is not None):
         hidden = fwd(mb.tokens, mb.positions, mb.doc_ids, mb.parents)
     weight = model.head_weight

@@ -161,16 +161,13 @@ def figure(stats: dict[tuple[Setting, str], list[dict]], png: str) -> None:
     """Final held-out reward (mean ± std over seeds) and mismatch KL, per setting and loss."""
     names = list(dict.fromkeys(s.name for s, _ in stats))
     fig = Figure(figsize=(11, 7))
-    top, bottom = fig.add_subplot(2, 1, 1), fig.add_subplot(2, 1, 2, sharex=None)
+    top, bottom = fig.add_subplot(2, 1, 1), fig.add_subplot(2, 1, 2)
     for j, loss in enumerate(LOSSES):
-        xs, ys, es, kls = [], [], [], []
-        for (s, lo), runs in stats.items():
-            if lo == loss:
-                x = names.index(s.name) + (j - 1) * 0.2
-                m, sd = _mean_std([r["eval"] for r in runs])
-                xs.append(x), ys.append(m), es.append(sd), kls.append(max(statistics.fmean(r["kl"] for r in runs), 1e-12))
+        cells = [(s, runs) for (s, lo), runs in stats.items() if lo == loss]
+        xs = [names.index(s.name) + (j - 1) * 0.2 for s, _ in cells]
+        ys, es = zip(*[_mean_std([r["eval"] for r in runs]) for _, runs in cells]) if cells else ((), ())
         top.errorbar(xs, ys, yerr=es, fmt="o", capsize=3, label=loss)
-        bottom.scatter(xs, kls, label=loss)
+        bottom.scatter(xs, [max(statistics.fmean(r["kl"] for r in runs), 1e-12) for _, runs in cells], label=loss)
     start = statistics.fmean(r["eval0"] for runs in stats.values() for r in runs)
     top.axhline(start, ls="--", color="gray", lw=1, label="step 0 (mean)")
     top.set_ylabel("held-out reward, final")

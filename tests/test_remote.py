@@ -19,7 +19,7 @@ from remote import RemoteEngine, serve
 from rollout import Sampling, TorchEngine
 
 src = {src!r}
-cfg = C.Config(model=src, engine="torch", inference_gpus=2).resolve(False)
+cfg = C.Config(model=src, engine="torch", inference_gpus=2, engine_dtype={dtype!r}).resolve(False)
 link = P.setup_distributed("cpu", 2)
 if P.serving(2):
     plain = TorchEngine.generate
@@ -32,7 +32,7 @@ if P.serving(2):
     raise SystemExit
 model = M.load(src)
 stops = D.TextCodec.load(src).stop_ids
-remote, local = RemoteEngine(link, 0, "bf16"), TorchEngine(model, "bf16", stops)
+remote, local = RemoteEngine(link, 0, {dtype!r}), TorchEngine(model, {dtype!r}, stops)
 remote.start(src)
 prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [6, 6], [7]]
 cases = [Sampling(support=True, draws=4, seed=11), Sampling(top_p=0.9, support=True, seed=11),
@@ -72,12 +72,13 @@ SMALL = ["--engine", "torch", "--loss", "icepop", "--prompts-per-step", "4", "--
          "--max-new-tokens", "8", "--eval-prompts", "4"]
 
 
-def test_remote_engine_draws_what_a_local_engine_draws(tmp_path):
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])  # fp8: the push travels in fp32 and is quantized there
+def test_remote_engine_draws_what_a_local_engine_draws(tmp_path, dtype):
     """Two inference ranks each sample their chunk of a call; every id, logq, version and support
     row equals a local engine's with the chunk's seed, before and after a push of other weights.
     An engine's refusal comes back as the trainer's one-line RunError."""
     script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(root=str(ROOT), src=str(ROOT / "checkpoints" / "reverse-tiny")))
+    script.write_text(WORKER.format(root=str(ROOT), src=str(ROOT / "checkpoints" / "reverse-tiny"), dtype=dtype))
     r = torchrun(str(script), nproc=3)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "REMOTE OK" in r.stdout

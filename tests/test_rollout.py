@@ -8,7 +8,8 @@ import torch
 
 import model as M
 from loss import group_advantages
-from rollout import Fp8Linear, Sampling, TorchEngine, fp8_quantize
+from precision import Fp8Linear, fp8_quantize
+from rollout import Sampling, TorchEngine
 
 
 def _model():
@@ -20,7 +21,7 @@ def _model():
 def test_engine_runs_in_its_own_dtype_and_takes_new_weights():
     model = _model()
     engine = TorchEngine(model, "bf16", [2], seed=0)
-    for p in engine.model.parameters():  # on a CPU: fp32 arithmetic on bf16 values (rollout.Rounded)
+    for p in engine.model.parameters():  # on a CPU: fp32 arithmetic on bf16 values (precision.Rounded)
         assert torch.equal(p, p.bfloat16().float())
     with torch.no_grad():
         model.model.embed_tokens.weight.zero_()  # tied head: a zero head gives uniform logq
@@ -37,7 +38,7 @@ def _kl(ref: torch.Tensor, other: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_emulated_low_precision_mismatches_like_the_native_dtype(dtype):
-    """On a CPU the bf16/fp16 engine computes in fp32 on rounded values (rollout.Rounded). Its
+    """On a CPU the bf16/fp16 engine computes in fp32 on rounded values (precision.Rounded). Its
     mismatch against the fp32 trainer must stay below the native dtype's (it rounds fewer places:
     measured about 1/4 of it on this model's own text) and within 10x of it: not zero (nothing
     was rounded), not larger (the wrong thing was)."""
