@@ -56,6 +56,11 @@ class Config:
     min_words: int = 1  # reverse-text: words per prompt, at least
     max_words: int = 3  # reverse-text: words per prompt, at most
     max_operand: int = 99  # arithmetic: a + b or a - b with a in [0, max_operand], b a digit
+    call_timeout: float = 60.0  # seconds one call into your code (a reward, an environment) may take; then it is abandoned and counted
+
+    # --- multi-turn episodes (episodes.py; docs/agents.md)
+    env: str = ""  # an environment: a built-in (guess-letter), path/to/file.py:Class or module:Class; the rows come from --task jsonl:FILE
+    max_turns: int = 4  # --env: model turns per episode, at most (each up to --max-new-tokens)
 
     # --- the batch
     prompts_per_step: int = 32  # distinct prompts per rl step (sft: sequences per step)
@@ -162,6 +167,12 @@ class Config:
         _check(self.engine_noise >= 0, "--engine-noise", f"must be >= 0 (0: off), got {self.engine_noise}")
         _check(self.async_level >= 0, "--async-level", f"must be >= 0 (0: synchronous), got {self.async_level}")
         _check(self.inference_gpus >= 0, "--inference-gpus", f"must be >= 0 (0: colocated), got {self.inference_gpus}")
+        _check(math.isfinite(self.call_timeout) and self.call_timeout > 0, "--call-timeout",
+               f"must be a finite number of seconds > 0, got {self.call_timeout}")
+        _check(1 <= self.max_turns <= 1000, "--max-turns", f"must be in [1, 1000], got {self.max_turns}")
+        _check(not self.env or self.task.startswith("jsonl:"), "--env", "needs --task jsonl:FILE (the rows its episodes start from)")
+        for flag, on in (("--async-level", self.async_level), ("--inference-gpus", self.inference_gpus)):
+            _check(not (self.env and on), "--env", f"with {flag} is not built yet: run episodes synchronously, in one process")
 
     def resolve(self, cuda_available: bool) -> Config:
         """Fill in the derived values: device, compile, learning rate, engine."""
@@ -194,6 +205,10 @@ class Config:
         if self.engine == "vllm" and self.engine_dtype == "fp8" and device != "cuda":
             raise ConfigError("--engine-dtype fp8 with --engine vllm needs a CUDA GPU (vLLM's fp8 path); on a "
                               f"{device} use --engine torch, which emulates W8A8 fp8")
+        if self.env and (world > 1 or self.engine == "vllm" or (self.engine == "auto" and device == "cuda" and has_vllm)):
+            if self.engine == "vllm" or world > 1:
+                raise ConfigError("--env runs on the built-in engine in one process for now (--engine torch, no torchrun)")
+            return "torch"
         if self.engine == "vllm" and self.engine_noise:
             raise ConfigError("--engine-noise is the built-in engine's (--engine torch); vLLM samples its own logits")
         return self.engine

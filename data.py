@@ -146,12 +146,15 @@ class TextCodec:
         template writes it)."""
         if isinstance(prompt, str):
             return self.encode(prompt, special=True)
+        return self.encode(self.render_text(prompt, **template_kwargs))
+
+    def render_text(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
+        """A `messages` list through the chat template, as text."""
         if self.template is None:
             raise ValueError("a chat `messages` prompt needs a chat template, and the model directory has none "
                              "(tokenizer_config.json chat_template or chat_template.jinja); give the prompt as a string")
-        text = _jinja(self.template).render(messages=prompt, add_generation_prompt=True,
+        return _jinja(self.template).render(messages=messages, add_generation_prompt=add_generation_prompt,
                                             **{**self.specials, **template_kwargs})
-        return self.encode(text)
 
     def decode(self, ids: list[int]) -> str:
         """Decode up to (not including) the first stop token."""
@@ -288,6 +291,12 @@ class Sample:
     support: TokenSupport | None = None  # one row per completion token
     reward: float = 0.0
     advantage: float = 0.0
+    # a multi-turn episode (episodes.py): `completion` is everything after the prompt, the model's
+    # turns and the environment's replies; per token, whether the model sampled it (only those are
+    # trained: the replies' logq, versions and support rows are placeholders nothing reads) and its
+    # model turn (-1 on a reply). None: every completion token is the model's, turn 0.
+    mask: list[bool] | None = None
+    turns: list[int] | None = None
 
     @property
     def ids(self) -> list[int]:
@@ -312,6 +321,7 @@ class MicroBatch:
     num_loss_tokens: int  # host-side count, for global normalization
     samples: list[int] = field(default_factory=list)  # the samples packed here, in order
     parents: torch.Tensor | None = None  # int64 the document (a shared prompt) each token's document continues, else -1
+    turns: torch.Tensor | None = None  # int64 the model turn of each loss token's label (0 single-turn), -1 elsewhere
 
     def to(self, device: torch.device | str) -> MicroBatch:
         moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
@@ -379,7 +389,7 @@ def _fill(samples: list[Sample], units: list[list[int]], T: int) -> MicroBatch:
     parents = np.full(T, -1, dtype=np.int64)
     mask = np.zeros(T, dtype=bool)
     adv, logq = np.zeros(T, dtype=np.float32), np.zeros(T, dtype=np.float32)
-    sample_idx = np.full(T, -1, dtype=np.int64)
+    sample_idx, turns = np.full(T, -1, dtype=np.int64), np.full(T, -1, dtype=np.int64)
     flat = [i for u in units for i in u]
     has_support = any(samples[i].support is not None for i in flat)
     rows: list[TokenSupport] = []
@@ -393,7 +403,10 @@ def _fill(samples: list[Sample], units: list[list[int]], T: int) -> MicroBatch:
         if i is not None:  # a sample: its completion tokens are the labels from `c` on
             s = samples[i]
             c = slice(sl.stop - len(s.completion), sl.stop)
-            sample_idx[sl], mask[c], adv[c], logq[c], cols["versions"][c] = i, True, s.advantage, s.logq, s.versions
+            sample_idx[sl], adv[c], logq[c], cols["versions"][c] = i, s.advantage, s.logq, s.versions
+            mask[c] = True if s.mask is None else s.mask  # an episode trains its model tokens only
+            turns[c] = 0 if s.turns is None else s.turns
+            turns[c] = np.where(mask[c], turns[c], -1)
             if has_support:
                 rows.append(TokenSupport.empty(c.start - at))
                 rows.append(s.support if s.support is not None else TokenSupport.empty(len(s.completion)))
@@ -421,7 +434,7 @@ def _fill(samples: list[Sample], units: list[list[int]], T: int) -> MicroBatch:
     t = {k: torch.from_numpy(v) for k, v in cols.items()}
     return MicroBatch(t["tokens"], t["positions"], t["doc_ids"], t["labels"], torch.from_numpy(mask), torch.from_numpy(adv), torch.from_numpy(logq), t["versions"],
                       torch.from_numpy(sample_idx), TokenSupport.cat(rows) if has_support else None,
-                      int(mask.sum()), flat, torch.from_numpy(parents))
+                      int(mask.sum()), flat, torch.from_numpy(parents), torch.from_numpy(turns))
 
 
 # ----------------------------------------------------------------------------- each rank's share

@@ -50,6 +50,7 @@ from data import MicroBatch, TokenSupport, entry_rows, truncated
 
 Metrics = dict[str, tuple[Tensor, Tensor]]
 METRIC_CLAMP = 20.0  # |log r| cap for metrics and KL masks only
+MAX_TURN_METRICS = 8  # episodes' by-turn metrics cover the first 8 model turns (a turn's count 0: not logged)
 
 
 @dataclass(frozen=True)
@@ -251,13 +252,23 @@ def _stat(values: Tensor, on: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(on, values.detach(), 0.0).sum(), on.sum().to(values.dtype)
 
 
-def _masked_stats(name: str, low: Tensor, high: Tensor, mask: Tensor, dtype: torch.dtype) -> Metrics:
-    """Fractions of loss tokens a mask removed (tis: clipped); the count is every loss token, never 1 - mean."""
+def _masked_stats(name: str, low: Tensor, high: Tensor, mask: Tensor, dtype: torch.dtype,
+                  turns: Tensor | None = None) -> Metrics:
+    """Fractions of loss tokens a mask removed (tis: clipped); the count is every loss token, never 1 - mean.
+    With `turns` (episodes) also by model turn: whether later turns drift."""
     key = f"{name}/clip_fraction" if name == "tis" else f"{name}/masked_fraction"
     out = {key: _stat((low | high).to(dtype), mask)}
     if name != "ipo":
         out[f"{key}/low"], out[f"{key}/high"] = _stat(low.to(dtype), mask), _stat(high.to(dtype), mask)
+    out.update(_by_turn(f"by_turn/{key.replace('/', '_')}", (low | high).to(dtype), mask, turns))
     return out
+
+
+def _by_turn(name: str, values: Tensor, mask: Tensor, turns: Tensor | None) -> Metrics:
+    """`name/k`: the mean of `values` over the loss tokens of each model turn k (0-based) of an episode."""
+    if turns is None:
+        return {}
+    return {f"{name}/{k}": _stat(values, mask & (turns == k)) for k in range(MAX_TURN_METRICS)}
 
 
 def _k3(log_r: Tensor) -> Tensor:
@@ -266,12 +277,14 @@ def _k3(log_r: Tensor) -> Tensor:
     return (torch.expm1(lr) - lr).clamp(min=0)
 
 
-def _token_stats(log_r: Tensor, entropy: Tensor, age: Tensor, cfg: Config, mask: Tensor) -> Metrics:
+def _token_stats(log_r: Tensor, entropy: Tensor, age: Tensor, cfg: Config, mask: Tensor,
+                 turns: Tensor | None = None) -> Metrics:
     """Entropy and the sampler mismatch; with --async-level also the mean age and KL(q||p) on age-0 tokens
     (k3; with --kl-coeff _kl_term logs its estimator), telling engine mismatch from staleness. The
     synchronous loop leaves them out: every age is 0 there and kl/age0 would repeat mismatch/kl."""
     out = {"entropy": _stat(entropy.to(log_r.dtype), mask), "mismatch/kl": _stat(_k3(log_r), mask),
            "mismatch/abs_logratio": _stat(log_r.clamp(-METRIC_CLAMP, METRIC_CLAMP).abs(), mask)}
+    out.update(_by_turn("by_turn/mismatch_kl", _k3(log_r), mask, turns))
     if cfg.async_level > 0:
         out["staleness/mean"] = _stat(age, mask)
         if cfg.kl_coeff == 0:
@@ -282,11 +295,11 @@ def _token_stats(log_r: Tensor, entropy: Tensor, age: Tensor, cfg: Config, mask:
 # ----------------------------------------------------------------------------- the loss terms
 
 def _centered_term(logp: Tensor, logq: Tensor, adv: Tensor, rows: _Rows | None, support_logp: Tensor,
-                   cfg: Config, keep: Tensor, mask: Tensor, metrics: Metrics) -> Tensor:
+                   cfg: Config, keep: Tensor, mask: Tensor, metrics: Metrics, turns: Tensor | None = None) -> Tensor:
     """reinforce/icepop/ipo/tis: -A*(w(a)*log p(a) - sum_v sg[u_v*w(v)]*log p(v)), w = 0 off `keep`."""
     w, low, high = _weight(logp.detach(), logq, cfg.loss, cfg)
     if cfg.loss != "reinforce":
-        metrics.update(_masked_stats(cfg.loss, low, high, mask, logp.dtype))
+        metrics.update(_masked_stats(cfg.loss, low, high, mask, logp.dtype, turns))
     score = torch.where(keep, w, 0.0) * logp
     if rows is not None:
         wv = torch.where(keep[rows.row], _weight(rows.logp, rows.logq, cfg.loss, cfg)[0], 0.0)
@@ -307,7 +320,7 @@ def _clipped_term(logp: Tensor, logq: Tensor, adv: Tensor, old: Tensor, mb: Micr
     if cfg.icepop:
         mk, low, high = _weight(old, logq, "icepop", cfg)
         m = m * mk
-        metrics.update(_masked_stats("icepop", low, high, mask, logp.dtype))
+        metrics.update(_masked_stats("icepop", low, high, mask, logp.dtype, mb.turns if cfg.env else None))
     log_rho = logp - old
     if cfg.loss == "gspo":  # one ratio per sequence (a document of the micro-batch)
         on = mask & (m > 0)
@@ -358,7 +371,8 @@ def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch,
     adv = torch.where(mask, mb.advantages.to(lp.dtype), 0.0) * cfg.adv_tau
     logq = torch.where(mask, mb.logq.to(lp.dtype), lp)
     age = (step - mb.versions).clamp(min=0).to(lp.dtype)  # the rollouts' rule (rollout.py); step may be 0-d
-    metrics = _token_stats(lp - logq, entropy, age, cfg, mask)
+    turns = mb.turns if cfg.env else None  # episodes: the mismatch and the masks by model turn too
+    metrics = _token_stats(lp - logq, entropy, age, cfg, mask, turns)
     if cfg.correction_metrics_only:  # plain reinforce; the corrections only say what they would mask
         metrics.update(_would_mask(lp, logq, mb, cfg, mask))
         cfg = replace(cfg, loss="reinforce", seq_mask="off", kl_mask="off", correction_metrics_only=False)
@@ -367,7 +381,7 @@ def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch,
     keep = _keep(old, logq, mb, cfg, mask, metrics)  # judges p/q, or pi_old/q for ppo/cispo
     needs_rows = centered or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")
     rows = _rows(mb.support, support_logp, mask) if mb.support is not None and needs_rows else None
-    per_token = (_centered_term(logp, logq, adv, rows, support_logp, cfg, keep, mask, metrics) if centered
+    per_token = (_centered_term(logp, logq, adv, rows, support_logp, cfg, keep, mask, metrics, turns) if centered
                  else _clipped_term(logp, logq, adv, old, mb, cfg, keep, mask, metrics))
     if cfg.kl_coeff > 0:  # never masked: a regularizer, not a correction
         per_token = per_token + _kl_term(logp, logq, rows, support_logp, age, cfg, mask, metrics)

@@ -75,8 +75,11 @@ class Completion:
 class Engine(Protocol):
     version: int
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> list[Completion]:
-        """len(prompts) * n completions, prompt by prompt (a prompt's n are adjacent)."""
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling,
+                 budgets: list[int] | None = None) -> list[Completion]:
+        """len(prompts) * n completions, prompt by prompt (a prompt's n are adjacent); `budgets`:
+        each prompt's own cap on new tokens, at most sampling.max_new_tokens (a multi-turn episode's
+        room left); a completion cut by it ends with finish_reason "length"."""
         ...
 
     def load_weights(self, model: Transformer, version: int) -> None:
@@ -215,8 +218,13 @@ class TorchEngine:
         return self._logits(self.model.forward_cached(tok[:, None], pos[:, None], cache)[:, 0])  # (B, V)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> list[Completion]:
-        G, dev, T_new = len(prompts), self.device, sampling.max_new_tokens
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling,
+                 budgets: list[int] | None = None) -> list[Completion]:
+        G, dev = len(prompts), self.device
+        caps = [min(b, sampling.max_new_tokens) for b in budgets] if budgets else [sampling.max_new_tokens] * G
+        assert min(caps) >= 1, caps
+        T_new = max(caps)
+        cap = torch.tensor(caps, device=dev).repeat_interleave(n)  # (B,) each row's own budget
         lens = torch.tensor([len(p) for p in prompts], device=dev)
         P = max(len(p) for p in prompts)
         tokens = torch.zeros(G, P, dtype=torch.long, device=dev)
@@ -239,7 +247,7 @@ class TorchEngine:
             out_ids[rows, t], out_logq[rows, t] = tok, logq  # past a row's stop: cut by _completions
             if rec is not None:
                 rec.record(logprobs, gen, rows)
-            done |= torch.isin(tok, self.stop_ids)
+            done |= torch.isin(tok, self.stop_ids) | (cap[rows] <= t + 1)
             if t == T_new - 1:
                 break
             if self.syncs:  # a host sync is free: stop when every row has, drop finished rows as they pile up
@@ -255,12 +263,14 @@ class TorchEngine:
             logits = self.step(tok, pos, cache)
         if rec is not None:
             rec.finish()
-        return self._completions(out_ids[:, : t + 1].tolist(), out_logq[:, : t + 1].tolist(), rec)
+        return self._completions(out_ids[:, : t + 1].tolist(), out_logq[:, : t + 1].tolist(), rec, cap.tolist())
 
-    def _completions(self, ids: list[list[int]], logq: list[list[float]], rec: SupportRecorder | None):
+    def _completions(self, ids: list[list[int]], logq: list[list[float]], rec: SupportRecorder | None,
+                     caps: list[int]):
         stops = set(self.stop_ids.tolist())
         out = []
         for b, (row_ids, row_logq) in enumerate(zip(ids, logq)):
+            row_ids = row_ids[: caps[b]]
             end = next((i + 1 for i, t in enumerate(row_ids) if t in stops), None)
             reason = "length" if end is None else "stop"
             end = end or len(row_ids)
@@ -335,16 +345,18 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self.version = version
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling,
+                 budgets: list[int] | None = None) -> list[Completion]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         s = sampling
         self._wake()
         seed = s.seed if s.seed is not None else int(torch.randint(2**31 - 1, (1,), generator=self.gen))
-        params = SamplingParams(n=n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                max_tokens=s.max_new_tokens, logprobs=vllm_logprobs(s, self.vocab),
-                                detokenize=False, stop_token_ids=self.stop_ids, flat_logprobs=True)
+        caps = [min(b, s.max_new_tokens) for b in budgets] if budgets else [s.max_new_tokens] * len(prompts)
+        params = [SamplingParams(n=n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                 max_tokens=c, logprobs=vllm_logprobs(s, self.vocab),
+                                 detokenize=False, stop_token_ids=self.stop_ids, flat_logprobs=True) for c in caps]
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.cuda else []):
             torch.manual_seed(seed)  # vLLM draws from the global generator; see the class docstring
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)

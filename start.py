@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import config as C
 import data as D
+import episodes as E
 import loss as L
 import model as M
 import tasks as T
@@ -42,6 +43,7 @@ class Start:
     codec: D.TextCodec
     task: T.Task
     model: M.Transformer
+    env: E.EnvSpec | None = None  # --env
 
 
 def check_start(cfg: C.Config) -> Start:
@@ -55,6 +57,14 @@ def check_start(cfg: C.Config) -> Start:
     src = resume_from or (None if cfg.model == "scratch" else Path(cfg.model))
     codec = D.TextCodec.load(src) if src else D.TextCodec.tiny(T.alphabet(cfg))
     task = T.build(cfg, codec)
+    env = E.load_env(cfg, task)
+    if cfg.stage == "sft":  # a multi-turn reference must follow the token rule before anything is written
+        for p in getattr(task, "train", []):
+            if "episode" in p.columns:
+                try:
+                    E.reference(codec, p, p.columns["episode"], task.template_kwargs)
+                except (ValueError, AttributeError, TypeError) as e:
+                    raise C.ConfigError(f"{cfg.task}: a row's `episode` is not a multi-turn reference ({e})") from None
     torch.manual_seed(cfg.seed)
     model = load_model(cfg, src, codec)
     task.fit_eval_set(cfg.max_new_tokens, model.args.max_position_embeddings, cfg.eval_every > 0)
@@ -66,7 +76,7 @@ def check_start(cfg: C.Config) -> Start:
     if cfg.epochs > 1 and not L.trained(cfg).clipped:  # (plain reinforce: refused by Config)
         print0(f"note: --epochs {cfg.epochs} with --loss {cfg.loss}: the later passes reweight by p/q against the "
                "sampler; nothing clips them against pi_old (ppo, cispo and gspo do)")
-    return Start(out, src, resume_from, kept, codec, task, model)
+    return Start(out, src, resume_from, kept, codec, task, model, env)
 
 
 def load_model(cfg: C.Config, src: Path | None, codec: D.TextCodec) -> M.Transformer:

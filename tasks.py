@@ -45,10 +45,10 @@ Simplifications:
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import difflib
 import hashlib
-import importlib
-import importlib.util
 import inspect
 import json
 import math
@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import usercode
 from config import Config, ConfigError
 from data import LETTERS, Prompt, RunError, TextCodec
 
@@ -98,7 +99,7 @@ yard yeah year your zero zone
 DIGITS = LETTERS + "0123456789+-="  # arith-tiny's alphabet
 PRINTABLE = "".join(c for c in string.printable if c not in "\r\x0b\x0c")  # --model scratch for a jsonl task
 EVAL_SEED = 10_000  # one held-out set for every --seed, so runs compare
-CALL_ARGS = ("prompts", "completions", "completion_ids")
+CALL_ARGS = ("prompts", "completions", "completion_ids", "messages")
 
 
 # ----------------------------------------------------------------------------- rewards
@@ -147,6 +148,7 @@ class Reward:
     fn: Callable
     weight: float = 1.0
     source: Path | None = None  # None for the built-ins
+    timeout: float = 60.0  # --call-timeout: seconds one call may take (usercode.py)
 
     def needs(self) -> list[str]:
         """The columns the function asks for by name (parameters without a default)."""
@@ -154,16 +156,28 @@ class Reward:
         return [p.name for p in params if p.default is p.empty and p.name not in CALL_ARGS
                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
-    def __call__(self, prompts: list[Prompt], texts: list[str], ids: list[list[int]]) -> list[float]:
-        """One float per completion; NaN for each sample of a call that raised, and for None/NaN."""
+    def __call__(self, prompts: list[Prompt], texts: list[str], ids: list[list[int]],
+                 extra: dict[str, list] | None = None) -> list[float]:
+        """One float per completion; NaN for each sample of a call that raised or timed out, and for
+        None/NaN. The function gets copies: what it changes is not what floe trains on."""
         columns = {k: [p.columns.get(k) for p in prompts] for k in dict.fromkeys(k for p in prompts for k in p.columns)}
-        try:
-            out = self.fn(prompts=[p.prompt for p in prompts], completions=texts, completion_ids=ids, **columns)
-        except Exception as e:  # a user's function: an outage skips its samples, loudly
-            print(f"warning: reward {self.name} raised {type(e).__name__}: {e} ({len(texts)} samples skipped, "
-                  "counted in skipped/reward_error)", flush=True)
+        kwargs = copy.deepcopy({"prompts": [p.prompt for p in prompts], "completions": texts,
+                                "completion_ids": ids, **columns, **(extra or {})})
+        fn = self.fn
+        if inspect.iscoroutinefunction(fn):  # an async reward (TRL takes them too) runs to completion here
+            def fn(**kw):
+                return asyncio.run(self.fn(**kw))
+        res = usercode.call(lambda: fn(**kwargs), self.timeout)
+        if not res.ok:  # a user's function: an outage skips its samples, loudly
+            why = f"took longer than --call-timeout {self.timeout:g}s" if res.timed_out else f"raised {res.error}"
+            print(f"warning: reward {self.name} {why} ({len(texts)} samples skipped, counted in "
+                  "skipped/reward_error)", flush=True)
             return [math.nan] * len(texts)
-        out = list(out) if out is not None else []
+        out = res.value
+        if not isinstance(out, (list, tuple)) and not (hasattr(out, "__len__") and hasattr(out, "__iter__")):
+            raise RunError(f"reward {self.name} returned {type(out).__name__} {str(out)[:40]!r}, not a list "
+                           "(it must return one float per completion)")
+        out = list(out)
         if len(out) != len(texts):
             raise RunError(f"reward {self.name} returned {len(out)} values for {len(texts)} completions "
                            "(it must return one float per completion)")
@@ -173,43 +187,31 @@ class Reward:
             raise RunError(f"reward {self.name} returned a value that is not a number: {out[:4]}...") from None
 
 
-def load_reward(spec: str, weight: float = 1.0) -> Reward:
+def load_reward(spec: str, weight: float = 1.0, timeout: float = 60.0) -> Reward:
     """A built-in name, `path/to/file.py:fn` or `module:fn`; ConfigError (one line) when it does not load."""
-    if spec in BUILTIN:
-        return Reward(spec, BUILTIN[spec], weight)
-    where, sep, name = spec.rpartition(":")
-    if not sep or not where or not name:
-        raise ConfigError(f"--reward {spec!r}: not a built-in ({', '.join(BUILTIN)}) nor path/to/file.py:fn or module:fn")
-    path = Path(where)
     try:
-        if where.endswith(".py") or "/" in where:
-            if not path.is_file():
-                raise ConfigError(f"--reward {spec}: no such file {path}")
-            mod_spec = importlib.util.spec_from_file_location(f"floe_reward_{path.stem}", path)
-            module = importlib.util.module_from_spec(mod_spec)
-            mod_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-            path = Path(module.__file__) if getattr(module, "__file__", None) else None
-    except ConfigError:
-        raise
-    except Exception as e:  # the user's file failed to import: name it, in one line
-        raise ConfigError(f"--reward {spec}: importing {where} raised {type(e).__name__}: {e}") from None
-    fn = getattr(module, name, None)
+        fn, path = usercode.load(spec, "--reward", BUILTIN, "function")
+    except usercode.LoadError as e:
+        raise ConfigError(str(e)) from None
     if not callable(fn):
-        raise ConfigError(f"--reward {spec}: {where} has no function {name!r}")
-    return Reward(spec, fn, weight, path)
+        raise ConfigError(f"--reward {spec}: {spec.rpartition(':')[0]} has no function {spec.rpartition(':')[2]!r}")
+    return Reward(spec, fn, weight, path, timeout)
 
 
-def load_rewards(specs: tuple[str, ...], weights: tuple[float, ...]) -> list[Reward]:
+def load_rewards(specs: tuple[str, ...], weights: tuple[float, ...], timeout: float = 60.0) -> list[Reward]:
     if weights and len(weights) != len(specs):
         raise ConfigError(f"--reward-weights: {len(weights)} weights for {len(specs)} --reward functions")
-    return [load_reward(s, w) for s, w in zip(specs, weights or [1.0] * len(specs))]
+    return [load_reward(s, w, timeout) for s, w in zip(specs, weights or [1.0] * len(specs))]
 
 
 def reward_hashes(rewards: list[Reward]) -> dict[str, str]:
     """sha256 of each reward's source file, saved with the run (--resume says when one changed)."""
     return {r.name: hashlib.sha256(r.source.read_bytes()).hexdigest() for r in rewards if r.source}
+
+
+def conversation(prompt: str | list[dict]) -> list[dict]:
+    """A prompt as chat messages (a string prompt is one user message)."""
+    return list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
 
 
 # ----------------------------------------------------------------------------- tasks
@@ -239,8 +241,9 @@ class Task:
         total = [0.0] * len(texts)
         for a in range(0, len(texts), group):
             sl = slice(a, a + group)
+            messages = [conversation(p.prompt) + [{"role": "assistant", "content": t}] for p, t in zip(prompts[sl], texts[sl])]
             for r in self.rewards:
-                values = r(prompts[sl], texts[sl], completions[sl])
+                values = r(prompts[sl], texts[sl], completions[sl], {"messages": messages})
                 total[sl] = [t + r.weight * v for t, v in zip(total[sl], values)]
         return total
 
@@ -339,9 +342,9 @@ class Arithmetic(Generated):
 class JsonlTask(Task):
     """Prompts from a JSON-lines file (the module docstring has the format)."""
 
-    def __init__(self, codec, rewards, path, eval_file="", eval_size=64, template_kwargs=None):
+    def __init__(self, codec, rewards, path, eval_file="", eval_size=64, template_kwargs=None, env=False):
         super().__init__(codec, rewards, template_kwargs)
-        if not rewards:
+        if not rewards and not env:  # an --env may give the reward itself (episodes.load_env checks)
             raise ConfigError(f"--task jsonl:{path} needs --reward (a built-in: {', '.join(BUILTIN)}; "
                               "or path/to/file.py:fn)")
         rows = self.read(Path(path))
@@ -402,7 +405,7 @@ def alphabet(cfg: Config) -> str:
 
 def build(cfg: Config, codec: TextCodec) -> Task:
     """The task --task names, with its rewards; every check runs here, before the run writes anything."""
-    rewards = load_rewards(cfg.reward, cfg.reward_weights)
+    rewards = load_rewards(cfg.reward, cfg.reward_weights, cfg.call_timeout)
     kwargs = json.loads(cfg.chat_template_kwargs)
     try:
         if cfg.task == "reverse-text":
@@ -410,13 +413,16 @@ def build(cfg: Config, codec: TextCodec) -> Task:
         elif cfg.task == "arithmetic":
             task = Arithmetic(codec, rewards, cfg.max_operand, cfg.eval_prompts, kwargs)
         else:
-            task = JsonlTask(codec, rewards, cfg.task.removeprefix("jsonl:"), cfg.eval_file, cfg.eval_prompts, kwargs)
+            task = JsonlTask(codec, rewards, cfg.task.removeprefix("jsonl:"), cfg.eval_file, cfg.eval_prompts, kwargs,
+                             env=bool(cfg.env))
     except ValueError as e:  # a built-in prompt the model directory cannot render (no template, unknown chars)
         if isinstance(e, (ConfigError, RunError)):
             raise
         raise ConfigError(f"--task {cfg.task}: {e}") from None
-    if cfg.stage == "sft" and isinstance(task, JsonlTask) and any(p.reference is None for p in task.train):
-        raise ConfigError(f"--stage sft needs a reference completion: {cfg.task} has rows without a `completion`")
+    if cfg.stage == "sft" and isinstance(task, JsonlTask) and any(
+            p.reference is None and "episode" not in p.columns for p in task.train):
+        raise ConfigError(f"--stage sft needs a reference completion: {cfg.task} has rows with neither a `completion` "
+                          "nor an `episode` (a multi-turn reference)")
     return task
 
 

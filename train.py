@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 import config as C
 import data as D
+import episodes as E
 import evidence
 import loss as L
 import model as M
@@ -98,6 +99,23 @@ def rollout_phase(cfg, task, engine, rng, step, context: int):
     rewards = task.score(owners, [c.ids for c in completions], cfg.group_size)
     samples = [D.Sample(p, c.ids, c.logq, c.versions, c.finish_reason, c.support, reward=r)
                for p, c, r in zip(owners, completions, rewards)]
+    return scored_batch(cfg, samples, len(drawn), len(prompts))
+
+
+def episode_phase(cfg, task, play: E.Play, rng):
+    """--env: rows -> whole episodes (episodes.play: the model's turns and the environment's
+    replies) -> rewards -> advantages, as Samples, with the episodes' own metrics."""
+    rows = task.sample(cfg.prompts_per_step, rng)
+    seeds = [rng.getrandbits(32) for _ in rows]  # the environments' randomness: from the run's RNG, so a resume repeats it
+    eps = E.play(play, rows, cfg.group_size, seeds)
+    samples, stats = scored_batch(cfg, E.finish(play, task, eps, cfg.group_size), len(rows), len(rows))
+    stats.update({k: (torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64))
+                  for k, (a, b) in E.stats(eps, cfg.max_turns).items()})
+    return samples, stats
+
+
+def scored_batch(cfg, samples: list, drawn: int, kept: int):
+    """Group advantages over the samples, then the ones that scored and the batch's metrics."""
     advs = L.group_advantages([s.reward for s in samples], cfg.group_size, cfg.adv_std_norm)
     for s, a in zip(samples, advs):
         s.advantage = a
@@ -107,7 +125,7 @@ def rollout_phase(cfg, task, engine, rng, step, context: int):
     stats = {"reward": (rewards.sum(), n),  # reward/std: in `run`, over the global batch
              "length": (float(sum(len(s.completion) for s in scored)), n),
              "truncated_fraction": (float(sum(s.finish_reason == "length" for s in scored)), n),
-             "skipped/too_long": (float(len(drawn) - len(prompts)), float(len(drawn))),
+             "skipped/too_long": (float(drawn - kept), float(drawn)),
              "skipped/reward_error": (float(len(samples) - len(scored)), float(len(samples)))}
     return scored, {k: (torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b)) for k, (a, b) in stats.items()}
 
@@ -125,12 +143,19 @@ def make_batch(run: Run, step: int):
     cfg = run.cfg
     if cfg.stage == "sft":
         return sft_samples(cfg, run.task, run.rng)
+    if run.play is not None:
+        return episode_phase(cfg, run.task, run.play, run.rng)
     return rollout_phase(cfg, run.task, run.engine, run.rng, step - 1, run.model.args.max_position_embeddings)
 
 
 def sft_samples(cfg, task, rng):
+    """The task's reference completions; a row's `episode` column is a multi-turn reference, trained
+    on its assistant turns only (episodes.reference: the token rule of the episodes themselves)."""
     samples = []
     for p in task.sample(cfg.prompts_per_step, rng)[RANK::P.world()]:
+        if "episode" in p.columns:
+            samples.append(E.reference(task.codec, p, p.columns["episode"], task.template_kwargs))
+            continue
         ids = task.completion_ids(p)
         samples.append(D.Sample(p, ids, [0.0] * len(ids), [0] * len(ids), "stop"))
     return samples, {}
@@ -249,9 +274,12 @@ def nonfinite_cause(batch: list, m: dict) -> str:
 
 
 @torch.no_grad()
-def evaluate(cfg, task, engine, n: int = 4) -> dict[str, float]:
+def evaluate(cfg, task, engine, play: E.Play | None = None, n: int = 4) -> dict[str, float]:
     """Mean reward of n samples per held-out prompt, drawn as in training from a fixed seed (and
-    pass@1, pass@n for a 0/1 reward); what could not be scored is counted, not averaged in."""
+    pass@1, pass@n for a 0/1 reward); what could not be scored is counted, not averaged in. With
+    --env, n whole episodes per held-out row."""
+    if play is not None:
+        return E.evaluate(cfg, task, play, n)
     prompts = task.eval_set
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, seed=cfg.seed + 1)
     out = engine.generate([p.ids for p in prompts], n, sampling)
@@ -315,7 +343,10 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
     log = None
     try:
         log = Logger(cfg, start, s.kept)  # an OSError here (a full disk) reaches main's one line
-        loop(Run(cfg, s.task, s.model, fwd, opt, engine, rng, log, s.out, src, scale), start)
+        play = None if s.env is None else E.Play(
+            s.env, s.codec, engine, rl_sampling(cfg), min(s.model.args.max_position_embeddings, cfg.micro_batch_tokens + 1),
+            cfg.max_turns, cfg.call_timeout, s.task.template_kwargs)
+        loop(Run(cfg, s.task, s.model, fwd, opt, engine, rng, log, s.out, src, scale, play), start)
     except D.RunError as e:
         fail(e, 1)  # what was logged and saved so far stays
     finally:
@@ -344,6 +375,7 @@ class Run:
     out: Path  # --out-dir
     src: Path  # the model directory the engine loaded; checkpoints copy its tokenizer
     scale: LossScale  # --train-dtype fp16's dynamic loss scale (1.0 otherwise)
+    play: E.Play | None = None  # --env: the environment, engine and limits episodes are played with
 
 
 def loop(run: Run, start: int) -> None:
@@ -351,14 +383,14 @@ def loop(run: Run, start: int) -> None:
     a thread samples each batch ahead (pipeline.AsyncRollouts) and hands it to the step."""
     cfg = run.cfg
     if cfg.eval_every and not start and RANK == 0:
-        run.log.row(0, evaluate(cfg, run.task, run.engine))
+        run.log.row(0, evaluate(cfg, run.task, run.engine, run.play))
         print0(eval_line(0, run.log.rows[-1]))
     ahead = None
     if cfg.async_level > 0 and cfg.stage == "rl":
         threads = max(1, torch.get_num_threads() // 2) if cfg.device == "cpu" else 0  # half the cores each
         ahead = AsyncRollouts(lambda step: make_batch(run, step), run.engine, run.rng, cfg.async_level, start,
                               cfg.steps, threads)
-    skipped = 0  # non-finite steps in a row
+    skipped = failed = 0  # non-finite steps in a row; steps whose episodes all failed, in a row
     with ahead or contextlib.nullcontext():
         for step in range(start + 1, cfg.steps + 1):
             m, batch = rl_step(run, step, ahead)
@@ -366,6 +398,10 @@ def loop(run: Run, start: int) -> None:
             if skipped == 3:
                 raise D.RunError(f"3 steps in a row skipped for {nonfinite_cause(batch, m)}; "
                                  "none of them was applied or saved")
+            failed = failed + 1 if m.get("skipped/env_error") == 1.0 else 0
+            if failed == 3:
+                raise D.RunError(f"--env {run.play.spec.name}: every episode failed 3 steps in a row "
+                                 f"(the last: {run.play.last_error})")
             if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                 # the RNGs as the next batch finds them (with a thread: as this one's left them, AsyncRollouts 5)
                 st = RolloutRNG(run.rng, run.engine.gen) if ahead is None else ahead.rng_after(step)
@@ -414,7 +450,7 @@ def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[di
     m.update({"time/rollout": t_rollout, "time/train": t_train, "time/step": t2 - t0,
               "tokens/train": denom.tokens, "tokens/packed": n_tok})
     if due:
-        m.update(evaluate(cfg, run.task, run.engine))  # this step's weights
+        m.update(evaluate(cfg, run.task, run.engine, run.play))  # this step's weights
         if ahead is not None:
             ahead.release()
         print0(eval_line(step, m))

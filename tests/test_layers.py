@@ -64,3 +64,20 @@ def test_parallel_imports_no_repo_module():
     """parallel.py depends on torch and the standard library alone; everything above may use it."""
     found = repo_imports("parallel")
     assert not found, f"parallel.py imports {', '.join(sorted(found))}"
+
+
+def _below(name: str) -> set[str]:
+    """Every repo module `name` imports, directly or through others."""
+    seen, todo = set(), [name]
+    while todo:
+        for n in repo_imports(todo.pop()) - seen:
+            seen.add(n)
+            todo.append(n)
+    return seen
+
+
+def test_the_episode_loop_sits_above_the_engines_and_user_code_below_everything():
+    """episodes.py calls the engine (rollout.py), never the reverse; usercode.py (the isolation every
+    reward and environment call goes through) and envs.py (the contract a forker copies) are layer 0."""
+    assert "rollout" in _below("episodes") and "episodes" not in _below("rollout")
+    assert not repo_imports("usercode") and not repo_imports("envs")

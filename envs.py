@@ -1,0 +1,119 @@
+"""Environments for multi-turn episodes: the contract you write to, and the one floe ships.
+
+An environment plays one episode: floe makes one instance per episode (with no arguments),
+starts it from a row of `--task jsonl:FILE`, and then alternates the model's turn and the
+environment's reply until the environment says it is done, the turn cap (--max-turns) or the
+token budget is reached. The reward comes at the end. Three methods, two of them optional:
+
+    class MyEnv:
+        def reset(self, row: dict, seed: int) -> str | list[dict] | None:
+            # row: every column of the jsonl row, `prompt` included; seed: for any randomness.
+            # Return the first prompt (a string or chat messages), or None for the row's prompt.
+        def step(self, text: str, ids: list[int]) -> tuple[list[dict], bool]:
+            # The model's turn: its text (cut at the stop token) and the ids it sampled.
+            # Return the reply, a list of messages ({"role": "user" | "tool" | ..., "content": str};
+            # [] for none), and whether the episode is done.
+        def reward(self) -> float:
+            # Once the episode ended: its reward. Leave it out to score with --reward functions.
+
+    python train.py --task jsonl:data.jsonl --env my_env.py:MyEnv --max-turns 4
+
+Every episode of a group starts from the same row and the same seed (a draw of the run's seeded
+RNG, so a resumed run repeats it): `reset` must give them the same first prompt. Each call runs
+with a timeout (--call-timeout) on a thread of its own (usercode.py), on copies of floe's data.
+
+Built in: `--env guess-letter` (`GuessLetter`), the environment the README's multi-turn job
+trains on, and its control `--env guess-letter-blind`; `write_rows` makes its jsonl file,
+reference episodes for the SFT warm-up included.
+
+    python envs.py examples/guess.jsonl          # the rows of the built-in environment
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+
+LETTERS = "abcdefghijklmnop"  # the secret is one of these 16: bisection finds any in 4 guesses
+
+
+class Environment:
+    """The contract, as a base class to subclass (any class with these methods works too)."""
+
+    def reset(self, row: dict, seed: int) -> str | list[dict] | None:
+        return None
+
+    def step(self, text: str, ids: list[int]) -> tuple[list[dict], bool]:
+        raise NotImplementedError
+
+    # reward(self) -> float: define it to give the episode's reward; without it --reward scores
+
+
+class GuessLetter(Environment):
+    """Guess a secret letter from a to p. After each wrong guess the environment says whether the
+    secret comes "later" or "earlier" in the alphabet; a right guess ends the episode with reward 1,
+    and the turn cap with 0. Bisection needs at most 4 guesses, so with --max-turns 4 a player that
+    uses the replies can always win, and one that cannot read them wins about 4 times in 16."""
+
+    informative = True
+
+    def reset(self, row: dict, seed: int) -> None:
+        self.secret, self.won = row["secret"], False
+        return None  # the row's prompt
+
+    def step(self, text: str, ids: list[int]) -> tuple[list[dict], bool]:
+        guess = text.strip()
+        if guess == self.secret:
+            self.won = True
+            return [], True
+        return [{"role": "user", "content": self.hint(guess)}], False
+
+    def hint(self, guess: str) -> str:
+        if len(guess) != 1 or guess not in LETTERS:
+            return "one letter"
+        if not self.informative:
+            return "no"
+        return "later" if guess < self.secret else "earlier"
+
+    def reward(self) -> float:
+        return float(self.won)
+
+
+class GuessLetterBlind(GuessLetter):
+    """The control: the same game, but every wrong guess gets "no", which says nothing of where
+    the secret is. The gap between the two measures what the model gains from reading the replies."""
+
+    informative = False
+
+
+BUILTIN = {"guess-letter": GuessLetter, "guess-letter-blind": GuessLetterBlind}
+PROMPT = "guess a letter from a to p"
+
+
+def bisection(secret: str, rng: random.Random) -> list[dict]:
+    """A reference episode: guess the middle of what is left (either middle when it is even)."""
+    lo, hi, out = 0, len(LETTERS) - 1, []
+    while True:
+        mid = (lo + hi + rng.randint(0, 1)) // 2 if (hi - lo) % 2 else (lo + hi) // 2
+        out.append({"role": "assistant", "content": LETTERS[mid]})
+        if LETTERS[mid] == secret:
+            return out
+        later = LETTERS[mid] < secret
+        out.append({"role": "user", "content": "later" if later else "earlier"})
+        lo, hi = (mid + 1, hi) if later else (lo, mid - 1)
+
+
+def write_rows(path: str, n: int = 2048, seed: int = 0) -> None:
+    """n rows: a secret letter each, and a reference episode (the `episode` column, which
+    `--stage sft` trains on: the model turns only)."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            secret = rng.choice(LETTERS)
+            row = {"prompt": [{"role": "user", "content": PROMPT}], "secret": secret, "episode": bisection(secret, rng)}
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    write_rows(sys.argv[1] if len(sys.argv) > 1 else "examples/guess.jsonl")

@@ -1,0 +1,394 @@
+"""Multi-turn episodes: the token rule and the episode loop, on top of any engine.
+
+An episode starts from a row of `--task jsonl:FILE`; the model answers, the environment (envs.py
+has the contract) replies with messages and says whether it is done, the model answers again,
+and the reward comes at the end. `play` runs a step's episodes; `rollout` turns them into the
+step's Samples, `evaluate` scores the held-out rows.
+
+The token rule, exact by construction: an episode's ids are the first prompt's ids, then each
+model turn's ids exactly as the engine sampled them (its stop token included), then each reply's
+ids, and so on. Nothing is ever decoded and re-encoded. A reply's ids (`reply_ids`) are the chat
+template's text after an assistant message in a fixed dummy conversation (the end-of-turn text
+the model did not emit, such as ChatML's "\\n" after <|im_end|>, the reply's messages, the next
+assistant header), so they never depend on re-rendering the history; the engine is fed these
+same ids for the next turn, so engine and trainer see one sequence. A template that would render
+earlier turns differently when serving (Qwen3 drops earlier turns' <think> blocks) does not
+change what is trained: the trainer scores what the engine saw (docs/agents.md).
+
+Only the model's tokens are trained (`Sample.mask`); the prompt and the replies are context,
+attended to and never trained, with no sampler evidence. Each model token keeps its own logq,
+support row and version, so every loss, mask and KL works per token unchanged, and an episode is
+one sequence (one document) for --loss-agg sequence, GSPO and the sequence masks.
+
+Simplifications:
+1. One batched engine call per turn over every live episode (the first turn: one prompt per
+   group, n = --group-size); an episode that ended drops out; nothing is carried into the next
+   step. Each turn re-prefills an episode's whole prefix (the engine keeps no cache across
+   calls): the contract stays one stateless `generate`, and the prefill is a small share of a
+   turn on the CPU (bench/turns.py measures it).
+2. Every call into the environment goes through usercode.py: a thread of its own with
+   --call-timeout, all of a turn's episodes at once, on copies of floe's data.
+3. Faults take the whole group out (`skipped/env_error`): an environment that raised or timed
+   out, a reply that is not a list of {"role", "content"} messages or holds characters the
+   tokenizer lacks. Keeping the rest would centre the group's advantage on the episodes the
+   failure spared, which are not a random sample of the group (tinker-cookbook makes the same
+   choice). A run whose episodes all fail three steps in a row stops, naming the error.
+4. The budget: an episode's ids must fit the context and one packing buffer
+   (--micro-batch-tokens + 1). Each turn may sample up to --max-new-tokens within the room left;
+   a reply that would leave no room for another turn ends the episode there ("budget"), before
+   the reply, and so does a turn cut by the budget. A turn cut by --max-new-tokens ends it as
+   truncated ("length").
+
+    python train.py --task jsonl:examples/guess.jsonl --env guess-letter --model checkpoints/guess-tiny
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import envs
+import usercode
+from config import Config, ConfigError
+from data import Prompt, RunError, Sample, TextCodec, TokenSupport
+from rollout import Completion, Sampling
+from tasks import Task, eval_metrics
+
+ENDS = ("done", "max_turns", "length", "budget", "timeout", "error", "bad_reply", "dropped")
+FAULTS = ("timeout", "error", "bad_reply")  # the ends that take their group out
+DUMMY = [{"role": "user", "content": "floe-dummy-user"}]  # the fixed history a reply is rendered after
+MARK = "floe-dummy-turn"  # the dummy assistant turn's content: the reply is what the template puts after it
+
+
+# ----------------------------------------------------------------------------- the environment
+
+@dataclass
+class EnvSpec:
+    """The --env class, where it came from, and whether it gives its own reward."""
+
+    name: str
+    cls: type
+    source: Path | None
+    has_reward: bool
+
+
+def load_env(cfg: Config, task: Task) -> EnvSpec | None:
+    """--env, checked before the run writes anything: it imports, is a class with `step`, and the
+    episodes have a reward (the environment's `reward`, or --reward functions)."""
+    if not cfg.env:
+        return None
+    try:
+        cls, path = usercode.load(cfg.env, "--env", envs.BUILTIN, "class")
+    except usercode.LoadError as e:
+        raise ConfigError(str(e)) from None
+    if not inspect.isclass(cls):
+        raise ConfigError(f"--env {cfg.env}: {cls!r} is not a class (one instance is made per episode)")
+    for method in ("step",) + tuple(m for m in ("reset", "reward") if hasattr(cls, m)):
+        if not callable(getattr(cls, method, None)):
+            raise ConfigError(f"--env {cfg.env}: {cls.__name__}.{method} is not a method (envs.py has the contract)")
+    has_reward = callable(getattr(cls, "reward", None))
+    if not has_reward and not task.rewards:
+        raise ConfigError(f"--env {cfg.env}: {cls.__name__} has no reward() and no --reward is given: "
+                          "an episode needs one")
+    return EnvSpec(cfg.env, cls, path, has_reward)
+
+
+def _start(cls: type, row: dict, seed: int):
+    env = cls()
+    first = env.reset(row, seed) if hasattr(env, "reset") else None
+    return env, first
+
+
+def _reply(value) -> tuple[list[dict], bool]:
+    """A step's return value checked: (messages, done); ValueError saying what is wrong."""
+    if not (isinstance(value, tuple) and len(value) == 2):
+        raise ValueError(f"step returned {type(value).__name__}, not a (messages, done) pair")
+    messages, done = value
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise ValueError(f"step's reply is not a list of {{'role': str, 'content': str}} messages: {str(messages)[:80]}")
+    return messages, bool(done)
+
+
+# ----------------------------------------------------------------------------- the token rule
+
+def reply_ids(codec: TextCodec, messages: list[dict], last: int, template_kwargs: dict) -> list[int]:
+    """The ids that follow a model turn ending with token `last`: the template's text after an
+    assistant turn in a fixed dummy conversation, then `messages`, then the next assistant header,
+    less the stop token the model already sampled. ValueError if the template hides the turn's
+    content or the text holds characters the tokenizer lacks."""
+    text = codec.render_text(DUMMY + [{"role": "assistant", "content": MARK}] + messages, True, **template_kwargs)
+    at = text.find(MARK)
+    if at < 0:
+        raise ValueError("the chat template does not render an assistant turn's content as it is")
+    after = text[at + len(MARK):]
+    if last in codec.stop_ids:  # the model sampled its end of turn: the template's copy of it is not repeated
+        stop = codec.tok.decode([last], skip_special_tokens=False)
+        if stop and after.startswith(stop):
+            after = after[len(stop):]
+    return codec.encode(after)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+@dataclass
+class Episode:
+    """One episode being played: its ids so far and, per token after the first prompt, what the
+    loss needs (the Sample it becomes)."""
+
+    group: int  # its row's index in the step
+    env: object
+    prompt: Prompt  # the first prompt (ids, as the task or reset gave it, the row's columns)
+    ids: list[int] = field(default_factory=list)  # prompt and everything after: the engine's next prompt
+    mask: list[bool] = field(default_factory=list)  # per token after the prompt: sampled by the model
+    turns: list[int] = field(default_factory=list)  # the model turn of each such token, -1 on a reply
+    logq: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    support: list[TokenSupport] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)  # the conversation as text, for --reward
+    last: list[int] = field(default_factory=list)  # the last model turn's ids
+    n_turns: int = 0
+    end: str = ""  # "" while it goes on, else one of ENDS
+    why: str = ""  # the environment's error, for the line that stops a run
+    reward: float = math.nan
+
+    def add_turn(self, c: Completion, turn: int, codec: TextCodec) -> None:
+        n = len(c.ids)
+        self.ids += c.ids
+        self.mask += [True] * n
+        self.turns += [turn] * n
+        self.logq += c.logq
+        self.versions += c.versions
+        if c.support is not None:
+            self.support.append(c.support)
+        self.last, self.n_turns = list(c.ids), turn + 1
+        self.messages.append({"role": "assistant", "content": codec.decode(c.ids)})
+
+    def add_reply(self, ids: list[int], messages: list[dict]) -> None:
+        n = len(ids)
+        self.ids += ids
+        self.mask += [False] * n
+        self.turns += [-1] * n
+        self.logq += [0.0] * n
+        self.versions += [0] * n
+        if self.support:
+            self.support.append(TokenSupport.empty(n))
+        self.messages += messages
+
+    def sample(self) -> Sample:
+        support = TokenSupport.cat(self.support) if self.support else None
+        return Sample(self.prompt, self.ids[len(self.prompt.ids):], self.logq, self.versions,
+                      "length" if self.end in ("length", "budget") else "stop", support, self.reward,
+                      mask=self.mask, turns=self.turns)
+
+
+@dataclass
+class Play:
+    """What `play` needs besides the rows: the environment, the engine and the limits."""
+
+    spec: EnvSpec
+    codec: TextCodec
+    engine: object
+    sampling: Sampling
+    limit: int  # an episode's ids at most: the context, and one packing buffer + 1
+    max_turns: int
+    timeout: float
+    template_kwargs: dict
+    last_error: str = ""  # the newest environment error, for the line that stops a run
+
+
+def play(pl: Play, rows: list[Prompt], group: int, seeds: list[int]) -> list[Episode]:
+    """`group` episodes per row, played to their end: one engine call per turn over every live
+    episode, the environment's calls of a turn all at once."""
+    eps = _start_all(pl, rows, group, seeds)
+    for turn in range(pl.max_turns):
+        live = [e for e in eps if not e.end]
+        if not live:
+            break
+        room = [pl.limit - len(e.ids) for e in live]
+        if turn == 0:  # a group's episodes share the prompt: prefill it once, n = group
+            outs = pl.engine.generate([e.ids for e in live[::group]], group, pl.sampling, room[::group])
+        else:
+            outs = pl.engine.generate([e.ids for e in live], 1, pl.sampling, room)
+        for e, c, r in zip(live, outs, room):
+            e.add_turn(c, turn, pl.codec)
+            if c.finish_reason == "length":  # truncated: by --max-new-tokens, or by the room left
+                e.end = "budget" if len(c.ids) == r < pl.sampling.max_new_tokens else "length"
+        _environment_turn(pl, [e for e in live if not e.end], turn)
+        _drop_failed_groups(eps, group)
+    for e in eps:
+        e.end = e.end or "max_turns"
+    _rewards(pl, [e for e in eps if e.end not in FAULTS + ("dropped",)])
+    _drop_failed_groups(eps, group)
+    return eps
+
+
+def _start_all(pl: Play, rows: list[Prompt], group: int, seeds: list[int]) -> list[Episode]:
+    """One environment per episode, reset from its row and its group's seed; a group's first
+    prompts must agree (packing shares them, advantages are centred on them)."""
+    calls = [(lambda p=p, s=s: _start(pl.spec.cls, copy.deepcopy({"prompt": p.prompt, **p.columns}), s))
+             for p, s in zip(rows, seeds) for _ in range(group)]
+    eps = []
+    for i, res in enumerate(usercode.call_all(calls, pl.timeout)):
+        row = rows[i // group]
+        e = Episode(i // group, None, row)
+        eps.append(e)
+        if not res.ok:
+            e.end, e.why = ("timeout", "reset timed out") if res.timed_out else ("error", f"reset raised {res.error}")
+            continue
+        e.env, first = res.value
+        try:
+            if first is not None:
+                if not isinstance(first, (str, list)):
+                    raise ValueError(f"reset returned {type(first).__name__}, not a prompt (a string or messages)")
+                e.prompt = Prompt(pl.codec.render(first, **pl.template_kwargs), first, row.columns, row.reference)
+        except ValueError as err:  # unknown characters, a template that cannot render it
+            e.end, e.why = "bad_reply", f"reset's prompt: {err}"
+            continue
+        e.ids = list(e.prompt.ids)
+        raw = e.prompt.prompt
+        e.messages = copy.deepcopy(raw) if isinstance(raw, list) else [{"role": "user", "content": raw}]
+        if len(e.ids) + 1 > pl.limit:
+            e.end = "budget"
+    for g in range(len(rows)):
+        firsts = {tuple(e.ids) for e in eps[g * group:(g + 1) * group] if not e.end}
+        if len(firsts) > 1:
+            raise RunError(f"--env {pl.spec.name}: reset gave different first prompts for one row and seed; "
+                           "it must depend on (row, seed) alone (every episode of a group starts alike)")
+    _drop_failed_groups(eps, group)
+    for g in range(len(rows)):  # a group whose prompt leaves no room is skipped, as a too-long prompt is
+        if any(e.end == "budget" and not e.n_turns for e in eps[g * group:(g + 1) * group]):
+            for e in eps[g * group:(g + 1) * group]:
+                e.end = e.end or "budget"
+    return eps
+
+
+def _environment_turn(pl: Play, eps: list[Episode], turn: int) -> None:
+    """Each live episode's environment judges the model's turn; a reply that fits is appended."""
+    calls = [(lambda e=e: e.env.step(pl.codec.decode(e.last), list(e.last))) for e in eps]
+    for e, res in zip(eps, usercode.call_all(calls, pl.timeout)):
+        if not res.ok:
+            e.end, e.why = ("timeout", "step timed out") if res.timed_out else ("error", f"step raised {res.error}")
+            continue
+        try:
+            messages, done = _reply(res.value)
+            if done or turn == pl.max_turns - 1:
+                e.end = "done" if done else "max_turns"
+                continue
+            ids = reply_ids(pl.codec, messages, e.last[-1], pl.template_kwargs)
+        except ValueError as err:
+            e.end, e.why = "bad_reply", str(err)
+            continue
+        if len(e.ids) + len(ids) + 1 > pl.limit:  # no room for another turn: the episode ends before the reply
+            e.end = "budget"
+        else:
+            e.add_reply(ids, copy.deepcopy(messages))
+
+
+def _rewards(pl: Play, eps: list[Episode]) -> None:
+    """The environment's own reward (a fault if it raises or is not a finite number)."""
+    if not pl.spec.has_reward:
+        for e in eps:
+            e.reward = 0.0
+        return
+    for e, res in zip(eps, usercode.call_all([e.env.reward for e in eps], pl.timeout)):
+        try:
+            if not res.ok:
+                raise ValueError("reward timed out" if res.timed_out else f"reward raised {res.error}")
+            if isinstance(res.value, bool) or not isinstance(res.value, (int, float)) or not math.isfinite(res.value):
+                raise ValueError(f"reward returned {res.value!r}, not a finite number")
+            e.reward = float(res.value)
+        except ValueError as err:
+            e.end, e.why = ("timeout" if res.timed_out else "error"), str(err)
+
+
+def _drop_failed_groups(eps: list[Episode], group: int) -> None:
+    for g in range(0, len(eps), group):
+        if any(e.end in FAULTS for e in eps[g:g + group]):
+            for e in eps[g:g + group]:
+                e.end = e.end if e.end in FAULTS else "dropped"
+
+
+def score(task: Task, eps: list[Episode], group: int) -> None:
+    """--reward functions over whole episodes, added to the environment's reward: `completions` is
+    the final model turn's text, `completion_ids` its ids, `messages` the whole conversation."""
+    for g in range(0, len(eps), group):
+        part = [e for e in eps[g:g + group] if e.end not in FAULTS + ("dropped",)]
+        if not part:
+            continue
+        texts = [task.codec.decode(e.last) for e in part]
+        for r in task.rewards:
+            values = r([e.prompt for e in part], texts, [list(e.last) for e in part], {"messages": [e.messages for e in part]})
+            for e, v in zip(part, values):
+                e.reward += r.weight * v
+
+
+# ----------------------------------------------------------------------------- a step's batch, and eval
+
+def stats(eps: list[Episode], max_turns: int) -> dict[str, tuple[float, float]]:
+    """(sum, count) metrics of a step's episodes: turns, tokens, the share of each end, reward by turns."""
+    played = [e for e in eps if e.n_turns]
+    n = float(len(eps))
+    out = {"episode/turns": (float(sum(e.n_turns for e in played)), float(len(played))),
+           "episode/model_tokens": (float(sum(sum(e.mask) for e in played)), float(len(played))),
+           "episode/env_tokens": (float(sum(len(e.mask) - sum(e.mask) for e in played)), float(len(played))),
+           "skipped/env_error": (float(sum(e.end in FAULTS + ("dropped",) for e in eps)), n)}
+    out.update({f"episode/end/{k}": (float(sum(e.end == k for e in eps)), n) for k in ENDS})
+    for k in range(1, max_turns + 1):
+        scored = [e.reward for e in played if e.n_turns == k and math.isfinite(e.reward)]
+        out[f"episode/reward_by_turns/{k}"] = (float(sum(scored)), float(len(scored)))
+    return out
+
+
+def finish(pl: Play, task: Task, eps: list[Episode], group: int) -> list[Sample]:
+    """Rewards, then the Samples of the episodes that count (a failed group's are left out); a step
+    with failures prints one line naming the first."""
+    score(task, eps, group)
+    failed = [e for e in eps if e.end in FAULTS]
+    if failed:
+        pl.last_error = failed[0].why or failed[0].end
+        counts = ", ".join(f"{sum(e.end == k for e in failed)} {k}" for k in FAULTS if any(e.end == k for e in failed))
+        print(f"warning: --env {pl.spec.name}: {len(failed)} of {len(eps)} episodes failed ({counts}; their groups "
+              f"skipped, counted in skipped/env_error); first: {pl.last_error}", flush=True)
+    return [e.sample() for e in eps if e.end not in FAULTS + ("dropped",) and e.n_turns]
+
+
+@torch.no_grad()
+def evaluate(cfg: Config, task: Task, pl: Play, n: int = 4) -> dict[str, float]:
+    """Whole episodes from each held-out row, n per row, at fixed sampling and environment seeds."""
+    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, seed=cfg.seed + 1)
+    pl = Play(pl.spec, pl.codec, pl.engine, sampling, pl.limit, pl.max_turns, pl.timeout, pl.template_kwargs)
+    eps = play(pl, task.eval_set, n, [cfg.seed + 1 + i for i in range(len(task.eval_set))])
+    score(task, eps, n)
+    out = eval_metrics([e.reward if e.end not in FAULTS + ("dropped",) else math.nan for e in eps], n)
+    played = [e for e in eps if e.n_turns]
+    out["eval/turns"] = sum(e.n_turns for e in played) / max(len(played), 1)
+    out["eval/done"] = sum(e.end == "done" for e in eps) / max(len(eps), 1)
+    return out
+
+
+def reference(codec: TextCodec, prompt: Prompt, turns: list[dict], template_kwargs: dict) -> Sample:
+    """A reference episode for --stage sft (a row's `episode` column: the messages after the
+    prompt, assistant turns among them) under the token rule: each assistant turn is its text's
+    ids and the first stop id (trained), each other message the ids `reply_ids` gives (context)."""
+    if not isinstance(turns, list) or not turns or not all(isinstance(m, dict) for m in turns):
+        raise ValueError("an `episode` is a list of messages")
+    if turns[0].get("role") != "assistant":
+        raise ValueError("an `episode` must start with an assistant turn (the prompt is the row's `prompt`)")
+    completion, mask, stop, pending = [], [], codec.stop_ids[0], []
+    for m in turns:
+        if m.get("role") != "assistant":
+            pending.append(m)
+            continue
+        if pending:  # the replies since the last assistant turn, as a played episode would have them
+            ids = reply_ids(codec, pending, stop, template_kwargs)
+            completion, mask, pending = completion + ids, mask + [False] * len(ids), []
+        ids = codec.encode(str(m.get("content", ""))) + [stop]
+        completion, mask = completion + ids, mask + [True] * len(ids)
+    return Sample(prompt, completion, [0.0] * len(completion), [0] * len(completion), "stop", mask=mask)

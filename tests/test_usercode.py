@@ -1,0 +1,107 @@
+"""User code (rewards here, environments in test_episodes.py) can hang, raise, exit, mutate or lie:
+usercode.py runs it on a thread with a timeout, on copies, and reports each fault as one line."""
+
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import data as D
+import tasks as T
+import usercode
+from config import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _task(fn, timeout=5.0):
+    codec = D.TextCodec.tiny()
+    return T.ReverseText(codec, [T.Reward("r", fn, timeout=timeout)], eval_size=4)
+
+
+def _score(task, n=2):
+    prompts = task.sample(n, __import__("random").Random(0))
+    ids = [task.codec.encode("abc") + [2] for _ in prompts]
+    return prompts, ids, task.score(prompts, ids, n)
+
+
+def test_a_reward_that_exits_is_that_rewards_error_not_the_runs_exit(capsys):
+    def exits(prompts, completions, **kw):
+        sys.exit(0)
+
+    _, _, r = _score(_task(exits))
+    assert all(math.isnan(x) for x in r)
+    assert "reward r raised SystemExit(0)" in capsys.readouterr().out
+
+
+def test_a_reward_that_never_returns_is_abandoned_after_the_timeout(capsys):
+    def hangs(prompts, completions, **kw):
+        import time
+        time.sleep(3600)
+
+    _, _, r = _score(_task(hangs, timeout=0.3))
+    assert all(math.isnan(x) for x in r)
+    assert "took longer than --call-timeout 0.3s" in capsys.readouterr().out
+
+
+def test_a_reward_that_mutates_its_arguments_changes_nothing_floe_keeps():
+    def vandal(prompts, completions, completion_ids, target, **kw):
+        for p, c, t in zip(prompts, completion_ids, target):
+            p[0]["content"] = "changed"
+            c.clear()
+            c.extend([99] * 5)
+            t += "x"
+        return [1.0] * len(completions)
+
+    task = _task(vandal)
+    prompts, ids, r = _score(task)
+    before = [([dict(m) for m in p.prompt], dict(p.columns)) for p in prompts]
+    kept = [list(i) for i in ids]
+    _, _, _ = (prompts, ids, task.score(prompts, ids, 2))
+    assert r == [1.0, 1.0] and kept == ids
+    assert [([dict(m) for m in p.prompt], dict(p.columns)) for p in prompts] == before
+    assert all("changed" not in m["content"] for p in prompts for m in p.prompt)
+
+
+def test_a_scalar_reward_is_one_line_and_an_async_reward_works():
+    def scalar(prompts, completions, **kw):
+        return 1.0
+
+    async def later(prompts, completions, **kw):
+        return [0.5] * len(completions)
+
+    with pytest.raises(D.RunError, match="reward r returned float '1.0', not a list"):
+        _score(_task(scalar))
+    assert _score(_task(later))[2] == [0.5, 0.5]
+
+
+def test_a_reward_file_that_exits_at_import_is_refused_in_one_line(tmp_path):
+    f = tmp_path / "r.py"
+    f.write_text("import sys\nsys.exit(3)\ndef score(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
+    with pytest.raises(ConfigError, match=r"importing .* raised SystemExit\(3\)"):
+        T.load_reward(f"{f}:score")
+    r = subprocess.run([sys.executable, "train.py", "--task", "jsonl:examples/sums.jsonl", "--model", "checkpoints/arith-tiny",
+                        "--reward", f"{f}:score", "--out-dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "SystemExit(3)" in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_call_all_runs_each_call_on_its_own_thread_and_reports_each_fault():
+    out = usercode.call_all([lambda: 1, lambda: 1 / 0, lambda: sys.exit(2), lambda: __import__("time").sleep(60)], 0.3)
+    assert out[0].ok and out[0].value == 1
+    assert out[1].error == "ZeroDivisionError: division by zero"
+    assert "SystemExit(2)" in out[2].error and out[3].timed_out and not out[3].ok
+
+
+def test_a_hung_call_does_not_keep_the_process_alive():
+    code = textwrap.dedent("""
+        import time, usercode
+        r = usercode.call(lambda: time.sleep(3600), 0.2)
+        print("timed out" if r.timed_out else "returned")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "timed out"

@@ -1,0 +1,115 @@
+"""Calling code floe did not write (reward functions, environments): loaded by path, run with a
+timeout, and never able to take the run down, hang it, or change floe's own data.
+
+User code can hang, raise, exit or lie. Every call goes through `call` (one) or `call_all` (a
+batch at once):
+1. Each call runs on a daemon thread of its own and is waited for at most `timeout` seconds.
+   A call that does not return by then is abandoned: the run goes on without it, and a daemon
+   thread never keeps the process from exiting. (A worker process could also be killed, but it
+   would have to pickle every environment and lose the user's in-process state; Python cannot
+   kill a thread, so an abandoned call may still run in the background until the run ends.)
+2. Whatever the call raises, `SystemExit` and `KeyboardInterrupt` included, is that code's error:
+   it comes back as a `Result` with the exception's one-line description, never as floe's own
+   exit. `os._exit` ends the process from any thread and cannot be caught in-process.
+3. The caller hands copies (`copy.deepcopy`) of anything floe keeps, so user code that mutates
+   its arguments changes nothing floe trains on.
+
+Loading (`load`): `path/to/file.py:name` or `module:name`. A file is imported like any module:
+its top-level code runs at start-up (and again on `--resume`); a `SystemExit` there is reported
+as that file's error.
+
+This module is layer 0: the standard library alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+
+class LoadError(ValueError):
+    """A spec that does not load: the message is one line naming it."""
+
+
+@dataclass
+class Result:
+    """One call's outcome: `value` when it returned, else `error` (its one line) or `timed_out`."""
+
+    value: Any = None
+    error: str | None = None
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.timed_out
+
+
+def describe(e: BaseException) -> str:
+    """An exception as one line: its type and message (SystemExit: its code)."""
+    if isinstance(e, SystemExit):
+        return f"SystemExit({e.code!r}) (user code may not exit the run)"
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def call_all(calls: list[Callable[[], Any]], timeout: float) -> list[Result]:
+    """Run every zero-argument callable on its own daemon thread, all at once, and wait for each
+    until `timeout` seconds after the start; a call still running then is abandoned."""
+    results = [Result(timed_out=True) for _ in calls]
+
+    def run(i: int, fn: Callable[[], Any]) -> None:
+        try:
+            results[i] = Result(value=fn())
+        except BaseException as e:  # SystemExit and KeyboardInterrupt too: the user's code's error
+            results[i] = Result(error=describe(e))
+
+    threads = [threading.Thread(target=run, args=(i, fn), daemon=True, name=f"floe-user-{i}")
+               for i, fn in enumerate(calls)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    # a thread still alive keeps its default Result (timed out) even if it finishes later: the
+    # list it would write into is a copy nobody reads
+    return [r if not t.is_alive() else Result(timed_out=True) for r, t in zip(list(results), threads)]
+
+
+def call(fn: Callable[[], Any], timeout: float) -> Result:
+    return call_all([fn], timeout)[0]
+
+
+def load(spec: str, flag: str, builtin: dict[str, Any] | None = None, kind: str = "function") -> tuple[Any, Path | None]:
+    """The object `spec` names (a built-in name, `path/to/file.py:name` or `module:name`) and the
+    file it came from (None for a built-in); LoadError (one line, naming `flag`) when it does not load."""
+    builtin = builtin or {}
+    if spec in builtin:
+        return builtin[spec], None
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name:
+        names = f"a built-in ({', '.join(builtin)}) nor " if builtin else ""
+        raise LoadError(f"{flag} {spec!r}: not {names}path/to/file.py:name or module:name")
+    path: Path | None = Path(where)
+    try:
+        if where.endswith(".py") or "/" in where:
+            if not path.is_file():
+                raise LoadError(f"{flag} {spec}: no such file {path}")
+            mod_spec = importlib.util.spec_from_file_location(f"floe_user_{path.stem}", path)
+            module = importlib.util.module_from_spec(mod_spec)
+            mod_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+            path = Path(module.__file__) if getattr(module, "__file__", None) else None
+    except LoadError:
+        raise
+    except BaseException as e:  # the user's file failed to import, or exited while importing: one line
+        raise LoadError(f"{flag} {spec}: importing {where} raised {describe(e)}") from None
+    obj = getattr(module, name, None)
+    if obj is None:
+        raise LoadError(f"{flag} {spec}: {where} has no {kind} {name!r}")
+    return obj, path
