@@ -35,7 +35,7 @@ import json
 import random
 import sys
 
-LETTERS = "abcdefghijklmnop"  # the secret is one of these 16: bisection finds any in 4 guesses
+LETTERS = "abcdefghijklmno"  # the secret is one of these 15 (2^4 - 1): bisection finds any in 4 guesses
 
 
 class Environment:
@@ -51,10 +51,10 @@ class Environment:
 
 
 class GuessLetter(Environment):
-    """Guess a secret letter from a to p. After each wrong guess the environment says whether the
+    """Guess a secret letter from a to o. After each wrong guess the environment says whether the
     secret comes "later" or "earlier" in the alphabet; a right guess ends the episode with reward 1,
     and the turn cap with 0. Bisection needs at most 4 guesses, so with --max-turns 4 a player that
-    uses the replies can always win, and one that cannot read them wins about 4 times in 16."""
+    uses the replies can always win, and one that cannot read them at most 4 times in 15."""
 
     informative = True
 
@@ -88,14 +88,14 @@ class GuessLetterBlind(GuessLetter):
 
 
 BUILTIN = {"guess-letter": GuessLetter, "guess-letter-blind": GuessLetterBlind}
-PROMPT = "guess a letter from a to p"
+PROMPT = "guess a letter from a to o"
 
 
-def bisection(secret: str, rng: random.Random) -> list[dict]:
-    """A reference episode: guess the middle of what is left (either middle when it is even)."""
+def bisection(secret: str) -> list[dict]:
+    """A reference episode: guess the middle of what is left (15, 7, 3, 1 letters: always one middle)."""
     lo, hi, out = 0, len(LETTERS) - 1, []
     while True:
-        mid = (lo + hi + rng.randint(0, 1)) // 2 if (hi - lo) % 2 else (lo + hi) // 2
+        mid = (lo + hi) // 2
         out.append({"role": "assistant", "content": LETTERS[mid]})
         if LETTERS[mid] == secret:
             return out
@@ -104,14 +104,14 @@ def bisection(secret: str, rng: random.Random) -> list[dict]:
         lo, hi = (mid + 1, hi) if later else (lo, mid - 1)
 
 
-def write_rows(path: str, n: int = 2048, seed: int = 0) -> None:
+def write_rows(path: str, n: int = 1024, seed: int = 0) -> None:
     """n rows: a secret letter each, and a reference episode (the `episode` column, which
     `--stage sft` trains on: the model turns only)."""
     rng = random.Random(seed)
     with open(path, "w") as f:
         for _ in range(n):
             secret = rng.choice(LETTERS)
-            row = {"prompt": [{"role": "user", "content": PROMPT}], "secret": secret, "episode": bisection(secret, rng)}
+            row = {"prompt": [{"role": "user", "content": PROMPT}], "secret": secret, "episode": bisection(secret)}
             f.write(json.dumps(row) + "\n")
 
 

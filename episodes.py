@@ -24,8 +24,8 @@ Simplifications:
 1. One batched engine call per turn over every live episode (the first turn: one prompt per
    group, n = --group-size); an episode that ended drops out; nothing is carried into the next
    step. Each turn re-prefills an episode's whole prefix (the engine keeps no cache across
-   calls): the contract stays one stateless `generate`, and the prefill is a small share of a
-   turn on the CPU (bench/turns.py measures it).
+   calls): the contract stays one stateless `generate`, which vLLM's prefix cache serves as
+   well; what a turn costs either way is the next issue's benchmark.
 2. Every call into the environment goes through usercode.py: a thread of its own with
    --call-timeout, all of a turn's episodes at once, on copies of floe's data.
 3. Faults take the whole group out (`skipped/env_error`): an environment that raised or timed

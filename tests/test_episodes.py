@@ -250,7 +250,8 @@ def _episode_samples(seed=0):
     return model, samples
 
 
-def test_a_packed_multi_turn_step_equals_a_dense_unpacked_reference():
+@pytest.mark.parametrize("agg", ["token", "sequence"])
+def test_a_packed_multi_turn_step_equals_a_dense_unpacked_reference(agg):
     """ppo at one epoch (rho = 1: the gradient is -A * grad log p over the model tokens / N): the
     packed, prompt-sharing step's loss and gradient against each episode forwarded alone, densely,
     with the model-token mask (fp32, 1e-5). Garbage evidence on the environment's tokens changes
@@ -260,7 +261,7 @@ def test_a_packed_multi_turn_step_equals_a_dense_unpacked_reference():
     for s in samples:  # what a reply token carries is never read
         s.logq = [lq if m else math.nan for lq, m in zip(s.logq, s.mask)]
         s.versions = [v if m else -99 for v, m in zip(s.versions, s.mask)]
-    cfg = C.Config(loss="ppo", env="t", task="jsonl:x", micro_batch_tokens=128)
+    cfg = C.Config(loss="ppo", env="t", task="jsonl:x", micro_batch_tokens=128, loss_agg=agg)
     packed = M.Transformer(model.args)
     packed.load_state_dict(model.state_dict())
     mbs, denom, _ = train.prepare(cfg, samples, 32, "cpu")
@@ -276,10 +277,12 @@ def test_a_packed_multi_turn_step_equals_a_dense_unpacked_reference():
         h = dense(ids[:-1], torch.arange(len(ids) - 1), torch.zeros(len(ids) - 1, dtype=torch.long))
         logp = (h @ dense.head_weight.T).log_softmax(-1).gather(1, ids[1:, None])[:, 0]
         on = torch.tensor([False] * (len(s.prompt.ids) - 1) + s.mask)
-        term = -(s.advantage * torch.exp(logp - logp.detach()))[on].sum() / n_model
+        norm = n_model if agg == "token" else sum(s.mask) * len(samples)  # an episode is one sequence
+        term = -(s.advantage * torch.exp(logp - logp.detach()))[on].sum() / norm
         term.backward()
         total += term.item()
-    assert metrics["loss"] == pytest.approx(total, abs=1e-5)  # (sum, count) over micro-batches: the global loss
+    if agg == "token":
+        assert metrics["loss"] == pytest.approx(total, abs=1e-5)  # (sum, count) over micro-batches: the global loss
     for (name, a), b in zip(packed.named_parameters(), dense.parameters()):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5, msg=name)
     assert "by_turn/mismatch_kl/1" in metrics and "by_turn/mismatch_kl/0" in metrics
@@ -424,3 +427,31 @@ def test_an_environment_run_trains_and_logs_its_episode_metrics(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval/turns" in rows[-1] and "eval/reward" in s
     for k in ("episode/turns", "episode/model_tokens", "episode/env_tokens", "episode/end/done", "by_turn/mismatch_kl/0"):
         assert k in rows[1], k
+
+
+def test_the_documented_environment_runs_as_written(tmp_path):
+    """docs/agents.md's ten lines are examples/countdown.py, verbatim: they train."""
+    doc = (ROOT / "docs" / "agents.md").read_text()
+    code = doc.split("```python\n")[1].split("```")[0]
+    assert code in (ROOT / "examples" / "countdown.py").read_text()
+    train.main(["--task", "jsonl:examples/sums.jsonl", "--env", "examples/countdown.py:Countdown", "--model",
+                "checkpoints/arith-tiny", "--steps", "1", "--prompts-per-step", "2", "--group-size", "2",
+                "--eval-every", "0", "--max-new-tokens", "4", "--out-dir", str(tmp_path / "run")])
+    row = __import__("json").loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["episode/turns"] >= 1 and row["skipped/env_error"] == 0
+
+
+def test_a_resumed_multi_turn_run_repeats_the_uninterrupted_one(tmp_path):
+    """The environments' seeds come from the run's RNG, which the checkpoint saves: a resume plays
+    the same episodes, and every metric of every step repeats exactly."""
+    flags = [*FLAGS, "--env", "guess-letter", "--save-every", "1"]
+    train.main([*flags, "--steps", "3", "--out-dir", str(tmp_path / "a")])
+    train.main([*flags, "--steps", "1", "--out-dir", str(tmp_path / "b")])
+    train.main([*flags, "--steps", "3", "--out-dir", str(tmp_path / "b"), "--resume"])
+
+    def rows(d):
+        return [{k: v for k, v in __import__("json").loads(x).items() if not k.startswith("time/")}
+                for x in (d / "metrics.jsonl").read_text().splitlines()]
+
+    assert rows(tmp_path / "a") == rows(tmp_path / "b")
+    assert any(r.get("episode/turns", 0) > 1 for r in rows(tmp_path / "a"))
