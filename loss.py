@@ -316,15 +316,19 @@ def _clipped_term(logp: Tensor, logq: Tensor, adv: Tensor, old: Tensor, mb: Micr
     """ppo/cispo/gspo: the clip on rho = p/pi_old, times M(k), k = pi_old/q, with --icepop; 0 off `keep`.
     gspo's rho is its sequence's: exp(mean of log p/pi_old over the tokens M keeps), with grad."""
     lo, hi = math.log1p(-cfg.clip_low), math.log1p(cfg.clip_high)
-    m = keep.to(logp.dtype)  # 0 where a sequence or KL mask removes the token
+    # Which tokens M keeps is decided in log space, never from M > 0 after exp: with --icepop-alpha 0
+    # a kept k = e^-200 underflows to 0 in fp32 but stays in gspo's mean and ppo's M*rho (issue 24).
+    on, log_m = keep, torch.zeros_like(logp)  # keep: False where a sequence or KL mask removes the token
     if cfg.icepop:
-        mk, low, high = _weight(old, logq, "icepop", cfg)
-        m = m * mk
+        _, low, high = _weight(old, logq, "icepop", cfg)
+        on, log_m = on & ~(low | high), old - logq
         metrics.update(_masked_stats("icepop", low, high, mask, logp.dtype, mb.turns if cfg.env else None))
+    log_m = torch.where(on, log_m, -math.inf)
+    m = log_m.exp()
     log_rho = logp - old
     if cfg.loss == "gspo":  # one ratio per sequence (a document of the micro-batch)
-        on = mask & (m > 0)
-        x = torch.stack([on.to(logp.dtype), torch.where(on, log_rho, 0.0)], 1)
+        mean_of = mask & on
+        x = torch.stack([mean_of.to(logp.dtype), torch.where(mean_of, log_rho, 0.0)], 1)
         n, total = sum_by(mb.doc_ids, x, len(x)).unbind(1)
         log_rho = (total / n.clamp(min=1))[mb.doc_ids]
     clipped_rho = log_rho.detach().clamp(lo, hi).exp()
@@ -334,9 +338,11 @@ def _clipped_term(logp: Tensor, logq: Tensor, adv: Tensor, old: Tensor, mb: Micr
     else:
         # min(rho*A, clip(rho)*A) picks the constant only on the side the update pushes out
         clipped = ((adv > 0) & (log_rho > hi)) | ((adv < 0) & (log_rho < lo))
-        live = ~clipped & (m > 0)
-        rho = torch.where(live, log_rho, 0.0).exp()  # no exp of a masked ratio, even in backward
-        term = -m * adv * torch.where(clipped, clipped_rho, rho)
+        live = ~clipped & on
+        # M*rho as one exp: no exp of a masked ratio, even in backward, and a kept M that underflows
+        # alone cannot zero its product with a large rho (fp32 and fp64 agree, issue 24)
+        m_rho = torch.where(live, log_m + log_rho, -math.inf).exp()
+        term = -adv * torch.where(clipped, m * clipped_rho, m_rho)
     metrics["ppo/clip_fraction"] = _stat(clipped.to(logp.dtype), mask)
     return term
 

@@ -1,5 +1,5 @@
-"""torchrun: the ranks, FSDP2 sharding, the few collectives train.py makes per step, and the
-`Link` to the --inference-gpus ranks.
+"""torchrun: the ranks, FSDP2 sharding, the few collectives train.py makes per step, the
+`Link` to the --inference-gpus ranks, and a process's end (`teardown`, then `leave`).
 
 Under `torchrun --nproc_per_node N train.py ...` every process runs the same file; RANK and
 LAUNCHED come from torchrun's environment and never change; `world()`, the trainer ranks, is
@@ -13,8 +13,11 @@ imports torch and the standard library alone, so every floe module may use it.
 from __future__ import annotations
 
 import os
+import sys
+import traceback
 import warnings
 from datetime import timedelta
+from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -170,3 +173,52 @@ class Link:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         self.fast.broadcast([t], opts).wait()
+
+    def close(self) -> None:
+        """The link's end, on each of its ranks once the run ended: a barrier, so no rank lets go of
+        its end while a peer may still use it, then its groups are shut down and let go. Nothing else
+        holds them, so their destructors run here and join their worker threads while the
+        interpreter is alive (issue 24: a gloo worker left running at exit can abort the process)."""
+        self.host.barrier().wait()
+        for group in [self.host] if self.fast is self.host else [self.fast, self.host]:
+            group.shutdown()  # NCCL: ends its communicator and watchdog; gloo: the destructor does it
+        self.host = self.fast = None
+
+
+def teardown(link: Link | None, inference: int = 0) -> None:
+    """The end of a torchrun process that ran to completion, on every rank (trainers and inference
+    ranks): the link closed first (it spans both sides), then the default group that
+    setup_distributed made on the trainers destroyed (not one an in-process vLLM made for itself).
+    Only after a normal end: a rank that failed may leave peers inside a collective, and a barrier
+    there would wait on them (torchtitan#1342)."""
+    if link is not None:
+        link.close()
+    if LAUNCHED > 1 and not serving(inference) and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def leave(main: Callable[[], object]) -> NoReturn:
+    """Run a torchrun process's `main`, then end the process with its exit status without Python's
+    finalization: os._exit, after flushing stdout and stderr. What `main` held is freed as it
+    returns (the run's files closed, wandb finished by Logger.close); what is skipped is the
+    clean-up of module globals and caches and the atexit hooks.
+
+    Why (issue 24): destroy_process_group drops the default group from torch.distributed, but torch's
+    DTensor caches (sharding propagation, the redistribute planner) still hold it under FSDP2, so its
+    gloo worker threads outlive the interpreter. A worker that drops the last reference to a tensor
+    once finalization began asks for the GIL, is made to exit, and the unwinding aborts the process:
+    "terminate called without an active exception", SIGABRT, a non-zero exit after a finished run
+    (bench/teardown.py loops it). os._exit ends every thread at once."""
+    try:
+        main()
+        code = 0
+    except SystemExit as e:  # fail()'s status, argparse's 2, --help's 0
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:  # a crash keeps its traceback
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -55,7 +55,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import config as C
 import data as D
@@ -309,6 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
         link = setup_distributed(cfg.device, cfg.inference_gpus)
         if P.serving(cfg.inference_gpus):  # an --inference-gpus rank: it samples for the trainers until they stop it
             serve(cfg, link)
+            P.teardown(link, cfg.inference_gpus)
             return {}
         s = check_start(cfg)
     except (C.ConfigError, FileNotFoundError, ValueError) as e:  # bad flags, run directory, model, task or reward
@@ -355,8 +355,7 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
         if isinstance(engine, RemoteEngine):
             engine.stop()
     summary = finish(cfg, log)
-    if P.world() > 1 or cfg.inference_gpus:  # the group setup_distributed made (vLLM may own another one)
-        dist.destroy_process_group()
+    P.teardown(link, cfg.inference_gpus)
     return summary
 
 
@@ -472,4 +471,7 @@ def finish(cfg: C.Config, log: Logger) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    if P.LAUNCHED > 1:
+        P.leave(main)  # no interpreter finalization under torchrun (parallel.leave, issue 24)
+    else:
+        main()

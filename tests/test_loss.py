@@ -221,23 +221,25 @@ def ref_centered(cfg: Config, t: Tok, keep: bool, st: Stats) -> torch.Tensor:
     return -t.A * term
 
 
-def ref_icepop_m(cfg: Config, t: Tok, old_a: float, keep: bool, st: Stats) -> float:
-    """M(k) = k inside [alpha, beta], else 0 (with --icepop; 1 without), times the sequence/KL masks."""
-    m = 1.0
+def ref_icepop_m(cfg: Config, t: Tok, old_a: float, keep: bool, st: Stats) -> tuple[float, bool]:
+    """(M, whether M keeps the token): M(k) = k inside [alpha, beta], else 0 (with --icepop; 1 without),
+    times the sequence/KL masks; kept is the interval test, not M > 0 (a kept k may underflow)."""
+    m, kept = 1.0, keep
     if cfg.icepop:
         k = math.exp(old_a - t.lq_a)
-        m = k if cfg.icepop_alpha <= k <= cfg.icepop_beta else 0.0
-        st.add("icepop/masked_fraction", float(m == 0.0))
+        inside = cfg.icepop_alpha <= k <= cfg.icepop_beta
+        m, kept = (k if inside else 0.0), kept and inside
+        st.add("icepop/masked_fraction", float(not inside))
         st.add("icepop/masked_fraction/low", float(k < cfg.icepop_alpha))
         st.add("icepop/masked_fraction/high", float(k > cfg.icepop_beta))
-    return m * keep
+    return m * keep, kept
 
 
 def ref_clipped(cfg: Config, t: Tok, old_a: float, keep: bool, st: Stats) -> torch.Tensor:
     """ppo: -M*min(rho*A, clip(rho)*A); cispo: -A*M*sg(clip(rho))*log p(a)."""
     logp_a = t.lp(t.a)
     rho = torch.exp(logp_a - old_a)
-    m = ref_icepop_m(cfg, t, old_a, keep, st)
+    m, _ = ref_icepop_m(cfg, t, old_a, keep, st)
     lo, hi, A = 1 - cfg.clip_low, 1 + cfg.clip_high, t.A
     if cfg.loss == "ppo":
         st.add("ppo/clip_fraction", float((A > 0 and rho.item() > hi) or (A < 0 and rho.item() < lo)))
@@ -249,8 +251,8 @@ def ref_clipped(cfg: Config, t: Tok, old_a: float, keep: bool, st: Stats) -> tor
 def ref_gspo(cfg: Config, toks: list, keep: list[bool], st: Stats) -> list[torch.Tensor]:
     """gspo, one sequence: s = exp(mean of log p(a)/pi_old(a) over the tokens M keeps), a tensor
     with grad; each token's term -M*min(s*A, clip(s)*A), the sequence's A being every token's."""
-    ms = [ref_icepop_m(cfg, t, old_a, k, st) for (t, old_a, _), k in zip(toks, keep)]
-    on = [(t, old_a) for (t, old_a, _), m in zip(toks, ms) if m > 0]
+    ms, kept = zip(*(ref_icepop_m(cfg, t, old_a, k, st) for (t, old_a, _), k in zip(toks, keep)))
+    on = [(t, old_a) for (t, old_a, _), on in zip(toks, kept) if on]
     log_s = sum((t.lp(t.a) - old_a for t, old_a in on), torch.zeros((), dtype=F64)) / max(len(on), 1)
     s, A = torch.exp(log_s), toks[0][0].A
     lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
@@ -683,6 +685,34 @@ def test_long_sequence_with_one_ratio_of_e50():
         assert torch.isfinite(loss) and torch.isfinite(g).all()
         want = {"reinforce": 1.0, "tis": c.tis_cap, "icepop": 0.0, "ipo": 0.0}[loss_type]
         assert g[1234].item() == pytest.approx(-want * c.adv_tau / denom.tokens, rel=1e-6)
+
+
+@pytest.mark.parametrize("depth", [200.0, 800.0])  # k = e^-200 underflows fp32 (e^-104), e^-800 fp64 too (e^-745)
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["fp32", "fp64"])
+def test_gspo_keeps_a_token_whose_weight_underflows_in_the_mean(dtype, depth):
+    """Issue 24: --icepop-alpha 0 keeps k = pi_old/q however small, so the token stays in s's mean
+    (decided in log space, not from M > 0 after exp). One sample, log q = [-1, -1], A = 1, epochs 1,
+    log p = [-1, -1 - depth]: s = 1 and dL/dlog p = -A*(M_1 + M_2)/(|y| * N) = -0.25 on both tokens."""
+    mb, logp = docs_batch([[-1.0, -1.0 - depth]], [[-1.0, -1.0]], [1.0], dtype=dtype)
+    cfg = Config(loss="gspo", icepop=True, icepop_alpha=0.0)
+    loss, m = L.rl_loss(logp, logp.new_zeros(0), torch.zeros_like(logp), mb, cfg, L.denominators([mb]), STEP)
+    g = torch.autograd.grad(loss, logp)[0]
+    assert g.tolist() == pytest.approx([-0.25, -0.25], rel=1e-6)
+    assert L.reduce_metrics(m)["icepop/masked_fraction"] == 0
+
+
+@pytest.mark.parametrize("depth", [200.0, 800.0])
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["fp32", "fp64"])
+def test_ppo_weight_that_underflows_meets_a_large_ratio(dtype, depth):
+    """Issue 24's pattern in ppo: M = k = e^-depth kept (alpha 0), rho = p/pi_old = e^depth, A = -1
+    (the unclipped side): the term -M*rho*A = 1 and its gradient 1, however either factor rounds alone."""
+    mb, logp = docs_batch([[-1.0]], [[-1.0]], [-1.0], dtype=dtype)
+    old = logp.detach() - depth
+    cfg = Config(loss="ppo", icepop=True, icepop_alpha=0.0)
+    loss, _ = L.rl_loss(logp, logp.new_zeros(0), torch.zeros_like(logp), mb, cfg, L.denominators([mb]), STEP,
+                        old_logp=old)
+    g = torch.autograd.grad(loss, logp)[0]
+    assert loss.item() == pytest.approx(1.0, rel=1e-6) and g.tolist() == pytest.approx([1.0], rel=1e-6)
 
 
 def test_metrics_only_trains_plain_reinforce():

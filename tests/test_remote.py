@@ -3,6 +3,8 @@ resumes exactly and runs vLLM on its inference rank, and bad splits are refused.
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -100,6 +102,68 @@ def test_split_run_trains_and_resumes_exactly(tmp_path):
         r = torchrun(*base, "--steps", steps, "--out-dir", str(cut), *more, nproc=3)
         assert r.returncode == 0, r.stderr[-3000:]
     assert _rows(cut) == rows
+
+
+TEARDOWN = """
+import atexit, os, sys
+sys.path[:0] = [{root!r}]
+import torch
+import model as M, parallel as P
+
+
+def gloo_workers():
+    tasks = os.listdir("/proc/self/task")
+    return sum(open(f"/proc/self/task/{{t}}/comm").read().strip() == "pt_gloo_runloop" for t in tasks)
+
+
+def main():
+    atexit.register(print, "FINALIZED")  # P.leave ends the process before Python's finalization runs it
+    link = P.setup_distributed("cpu", 1)
+    if P.serving(1):
+        msg = link.recv(0)
+        link.broadcast(torch.zeros(8))
+        link.send([msg[0] + 1], 0)
+    else:  # FSDP2 and a gather, as a push does: torch's DTensor caches then hold the default group
+        model = P.shard(M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY)))
+        for v in model.state_dict().values():
+            P.full(v)
+        if link is not None:
+            link.send([torch.tensor([1, 2])], 1)
+            link.broadcast(torch.ones(8))
+            assert link.recv(1)[0].tolist() == [2, 3]
+    P.teardown(link, 1)
+    assert link is None or (link.host, link.fast) == (None, None)
+    if P.serving(1):  # its only groups were the link's: their worker threads were joined
+        assert gloo_workers() == 0, gloo_workers()
+    print(f"rank {{P.RANK}} torn down")  # not flushed here: P.leave flushes before os._exit
+
+
+P.leave(main)
+"""
+
+
+def test_teardown_closes_the_link_on_every_rank_and_leaves_without_finalization(tmp_path):
+    """Issue 24 (a SIGABRT as a split run ended): parallel.teardown closes the link on its ranks
+    (a barrier, then its groups let go, their worker threads joined) and destroys the trainers'
+    group; parallel.leave ends each process before Python's finalization, where a gloo worker
+    still held by torch's caches could abort it. Every rank gets there, and no atexit hook runs."""
+    script = tmp_path / "teardown.py"
+    script.write_text(TEARDOWN.format(root=str(ROOT)))
+    r = torchrun(str(script), nproc=3)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(line for line in r.stdout.splitlines() if "torn down" in line) == [
+        f"rank {i} torn down" for i in range(3)]
+    assert "FINALIZED" not in r.stdout
+
+
+def test_leave_keeps_the_exit_status_and_flushes(tmp_path):
+    script = tmp_path / "leave.py"
+    script.write_text(f"import atexit, sys\nsys.path[:0] = [{str(ROOT)!r}]\nimport parallel as P\n"
+                      "atexit.register(print, 'FINALIZED')\n"
+                      "def main():\n    print('buffered')\n    print('floe: error: x', file=sys.stderr)\n"
+                      "    raise SystemExit(3)\nP.leave(main)\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout, r.stderr) == (3, "buffered\n", "floe: error: x\n")
 
 
 @pytest.mark.vllm
