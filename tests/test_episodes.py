@@ -363,7 +363,7 @@ def _env_file(tmp_path, body: str) -> Path:
     return f
 
 
-FLAGS = ["--task", "jsonl:examples/guess.jsonl", "--model", "checkpoints/reverse-tiny", "--steps", "2",
+FLAGS = ["--task", "jsonl:examples/guess.jsonl", "--model", "checkpoints/guess-tiny", "--steps", "2",
          "--prompts-per-step", "2", "--group-size", "2", "--eval-every", "0", "--max-new-tokens", "3", "--max-turns", "2"]
 
 
