@@ -56,3 +56,49 @@ def test_caps_whose_inf_means_no_cap_stay_accepted():
     cfg = C.parse(["--tis-cap", "inf", "--grad-clip", "inf", "--max-importance-ratio", "inf"])
     assert cfg.tis_cap == cfg.grad_clip == float("inf")
     C.parse(["--epochs", "2", "--loss", "icepop"])  # p/q-weighted: allowed, with a note at start-up
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--reward-weights", "nan", "0.5"], "--reward-weights must be finite numbers, got nan 0.5"),
+    (["--reward-weights", "inf", "0.5"], "--reward-weights must be finite numbers"),
+    (["--reward-weights", "0", "0"], "--reward-weights are all 0"),
+    (["--group-size", "1"], "--group-size 1 trains nothing"),
+    (["--lr", "1e39"], "--lr must be a finite number in float32"),
+    (["--lr", "2"], "--lr must be <= 1"),
+    (["--adv-tau", "1e39"], "--adv-tau must be a finite number in float32"),
+    (["--seed", str(2**70)], "--seed must be in [0, 2^32)"),
+    (["--seed", "-1"], "--seed must be in [0, 2^32)"),
+    (["--group-size", str(10**12)], "--prompts-per-step x --group-size asks for 32,000,000,000,000 samples"),
+    (["--prompts-per-step", str(10**12)], "--prompts-per-step x --group-size asks for"),
+    (["--stage", "sft", "--prompts-per-step", str(10**12)], "--prompts-per-step asks for"),
+    (["--score-centering-k", str(10**12)], "--score-centering-k must be <= 1,024"),
+    (["--max-words", str(10**12)], "--max-words must be <= 1,000"),
+    (["--eval-prompts", str(10**12)], "--eval-prompts must be <= 65,536"),
+    (["--micro-batch-tokens", str(10**12)], "--micro-batch-tokens must be <= 1,048,576"),
+    (["--dist-timeout", "0"], "--dist-timeout must be > 0"),
+])
+def test_meaningless_or_unbounded_values_are_refused(args, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        C.parse(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and words in err[0], err
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--steps", "x"], "Error parsing --steps: invalid literal for int() with base 10: 'x'"),
+    (["--loss", "foo"], "invalid choice 'foo' for argument '--loss'. Expected one of ('reinforce',"),
+    (["--bogus"], "Unrecognized options: --bogus"),
+    (["--seed"], "Missing value for argument '--seed'"),
+])
+def test_tyro_parse_errors_are_one_line(args, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        C.parse(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("floe: error: ") and words in err[0], err
+    assert "--help" in err[0]
+
+
+def test_help_still_prints(capsys):
+    with pytest.raises(SystemExit) as e:
+        C.parse(["--help"])
+    assert e.value.code == 0 and "--reward-weights" in capsys.readouterr().out
