@@ -358,7 +358,7 @@ def loop(run: Run, start: int) -> None:
         threads = max(1, torch.get_num_threads() // 2) if cfg.device == "cpu" else 0  # half the cores each
         ahead = AsyncRollouts(lambda step: make_batch(run, step), run.engine, run.rng, cfg.async_level, start,
                               cfg.steps, threads)
-    skipped = 0  # non-finite steps in a row
+    skipped = empty = 0  # non-finite steps in a row, empty ones in a row
     with ahead or contextlib.nullcontext():
         for step in range(start + 1, cfg.steps + 1):
             m, batch = rl_step(run, step, ahead)
@@ -366,6 +366,11 @@ def loop(run: Run, start: int) -> None:
             if skipped == 3:
                 raise D.RunError(f"3 steps in a row skipped for {nonfinite_cause(batch, m)}; "
                                  "none of them was applied or saved")
+            empty = empty + 1 if m.get("skipped/empty_step") else 0
+            if empty == 3:  # a run of such steps would end "done" with its start weights
+                raise D.RunError(f"3 steps in a row had no sample to train on: every reward call raised or returned "
+                                 f"None/NaN (skipped/reward_error {m.get('skipped/reward_error', 0):.2f}, skipped/"
+                                 f"too_long {m.get('skipped/too_long', 0):.2f}); nothing trained since step {step - 3}")
             if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                 # the RNGs as the next batch finds them (with a thread: as this one's left them, AsyncRollouts 5)
                 st = RolloutRNG(run.rng, run.engine.gen) if ahead is None else ahead.rng_after(step)

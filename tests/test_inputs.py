@@ -177,3 +177,18 @@ def test_a_step_with_no_scorable_sample_is_skipped_and_counted(tmp_path, monkeyp
     assert rows[0]["eval/reward_error"] == 1.0 and "eval/reward" not in rows[0]  # counted, nothing averaged
     assert rows[1]["skipped/empty_step"] == 1.0 and rows[1]["skipped/reward_error"] == 1.0
     assert rows[2]["skipped/empty_step"] == 0.0 and math.isfinite(rows[2]["loss"]) and "eval/reward" in rows[2]
+
+
+def test_three_empty_steps_in_a_row_stop_the_run(tmp_path, monkeypatch, capsys):
+    """A reward that always raises skips every group: the run would end "done" with its start weights."""
+    def down(n, target):
+        raise RuntimeError("reward server down")
+
+    _reward(monkeypatch, down)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        train.main(["--steps", "5", "--out-dir", str(out), *SMALL, "--reward", "similarity"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "3 steps in a row had no sample to train on" in err[0], err
+    assert [r["skipped/empty_step"] for r in _metrics(out)] == [1.0, 1.0, 1.0]
