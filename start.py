@@ -63,6 +63,11 @@ def check_start(cfg: C.Config) -> Start:
     if (n := codec.tok.get_vocab_size()) > model.args.vocab_size:
         raise C.ConfigError(f"{src}: tokenizer.json has {n} tokens, more than config.json's vocab_size "
                             f"{model.args.vocab_size} (ids past it would index outside the embedding)")
+    if bad := [i for i in codec.stop_ids if not 0 <= i < model.args.vocab_size]:  # no sample could ever be one
+        raise C.ConfigError(f"{codec.stop_source} {bad[0]} is outside the vocabulary [0, {model.args.vocab_size}) "
+                            "of config.json: generation would never stop")
+    if src is not None:
+        M.check_copied(src)
     if cfg.epochs > 1 and not L.trained(cfg).clipped:  # (plain reinforce: refused by Config)
         print0(f"note: --epochs {cfg.epochs} with --loss {cfg.loss}: the later passes reweight by p/q against the "
                "sampler; nothing clips them against pi_old (ppo, cispo and gspo do)")
