@@ -311,3 +311,23 @@ def test_a_tokenizer_file_that_is_not_json_is_refused_before_it_is_copied(tmp_pa
     (d / "special_tokens_map.json").symlink_to(tmp_path / "notes.txt")  # checkpoints copy by content
     line = _refused(["--model", str(d), "--steps", "1", "--out-dir", str(tmp_path / "run"), *SMALL], capsys)
     assert f"{d / 'special_tokens_map.json'}: not valid JSON" in line and "every checkpoint would copy it" in line
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_a_column_missing_from_some_rows_or_the_eval_file_is_refused(tmp_path):
+    """The union of the rows' columns hid a row without one: its reward call failed at every draw."""
+    codec, rewards = D.TextCodec.load(ROOT / "checkpoints" / "arith-tiny"), T.load_rewards(("numeric_match",), ())
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} if i % 3 else {"prompt": f"{i}+1="} for i in range(1, 10)]
+    train_file = _jsonl(tmp_path / "t.jsonl", rows)
+    with pytest.raises(T.ConfigError) as e:
+        T.JsonlTask(codec, rewards, train_file, eval_size=2)
+    assert str(e.value) == (f"{train_file}:3: --reward numeric_match needs the column(s) ['answer'], which this row "
+                            "lacks (it has none)")
+    good = _jsonl(tmp_path / "good.jsonl", [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)])
+    held = _jsonl(tmp_path / "eval.jsonl", [{"prompt": "1+1=", "target": "2"}] * 2)
+    with pytest.raises(T.ConfigError, match=f"{held}:1: --reward numeric_match needs the column"):
+        T.JsonlTask(codec, rewards, good, eval_file=held, eval_size=2)
