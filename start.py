@@ -11,6 +11,7 @@ Simplifications:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ class Start:
 
 def check_start(cfg: C.Config) -> Start:
     """Flags, run directory, checkpoint, model directory, tokenizer, task and rewards, engine choice."""
+    check_same_flags(cfg)
     if cfg.prompts_per_step % P.world() and not cfg.inference_gpus:
         raise C.ConfigError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the {P.world()} "
                             "torchrun processes (each rank samples its own share)")
@@ -72,6 +74,19 @@ def check_start(cfg: C.Config) -> Start:
         print0(f"note: --epochs {cfg.epochs} with --loss {cfg.loss}: the later passes reweight by p/q against the "
                "sampler; nothing clips them against pi_old (ppo, cispo and gspo do)")
     return Start(out, src, resume_from, kept, codec, task, model)
+
+
+def check_same_flags(cfg: C.Config) -> None:
+    """Under torchrun every trainer rank resolved the same config (one all_gather_object): a rank with
+    its own --seed or --max-new-tokens would train on, on batches and shapes the others do not share.
+    Every rank gets the same answer, so all of them stop."""
+    if (other := P.first_other(json.loads(cfg.to_json()))) is None:
+        return
+    rank, ours, theirs = other
+    k = next(k for k in ours if ours[k] != theirs.get(k))
+    raise C.ConfigError(f"torchrun rank {rank} has other flags than rank 0: --{k.replace('_', '-')} is "
+                        f"{json.dumps(theirs.get(k))} there, {json.dumps(ours[k])} on rank 0 (every rank must run "
+                        "the same command)")
 
 
 def load_model(cfg: C.Config, src: Path | None, codec: D.TextCodec) -> M.Transformer:
