@@ -48,6 +48,7 @@ class Start:
 def check_start(cfg: C.Config) -> Start:
     """Flags, run directory, checkpoint, model directory, tokenizer, task and rewards, engine choice."""
     check_same_flags(cfg)
+    check_read(cfg)
     if cfg.prompts_per_step % P.world() and not cfg.inference_gpus:
         raise C.ConfigError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the {P.world()} "
                             "torchrun processes (each rank samples its own share)")
@@ -87,6 +88,29 @@ def check_same_flags(cfg: C.Config) -> None:
     raise C.ConfigError(f"torchrun rank {rank} has other flags than rank 0: --{k.replace('_', '-')} is "
                         f"{json.dumps(theirs.get(k))} there, {json.dumps(ours[k])} on rank 0 (every rank must run "
                         "the same command)")
+
+
+# flags of one task, or of the rl stage alone: with another, nothing reads them
+TASK_FLAGS = {"min_words": "reverse-text", "max_words": "reverse-text", "max_operand": "arithmetic"}
+RL_FLAGS = ("async_level", "engine_noise", "score_centering_k")
+
+
+def check_read(cfg: C.Config) -> None:
+    """A flag set away from its default that nothing reads in this combination: a note where the run
+    is still what the user asked for (another loss's or task's flag, an rl flag under sft), an error
+    where it would lack what the flag tunes (a mask's bounds with the mask off: loss.unread)."""
+    unread = L.unread(cfg)
+    unread += [(f, f"is not read with --task {cfg.task} (it is --task {t}'s)", False) for f, t in TASK_FLAGS.items()
+               if cfg.task != t]
+    unread += [(f, "is not read with --stage sft (it is for rl rollouts)", False) for f in RL_FLAGS if cfg.stage == "sft"]
+    for field, why, refused in unread:
+        value = getattr(cfg, field)
+        if value == C.Config.__dataclass_fields__[field].default:
+            continue
+        flag = f"--{field.replace('_', '-')}" + ("" if value is True else f" {value:g}" if isinstance(value, float) else f" {value}")
+        if refused:
+            raise C.ConfigError(f"{flag} {why}")
+        print0(f"note: {flag} {why}; the run goes on without it")
 
 
 def load_model(cfg: C.Config, src: Path | None, codec: D.TextCodec) -> M.Transformer:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import config as C
+import start
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,3 +103,40 @@ def test_help_still_prints(capsys):
     with pytest.raises(SystemExit) as e:
         C.parse(["--help"])
     assert e.value.code == 0 and "--reward-weights" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,note", [
+    (["--icepop-beta", "2", "--loss", "reinforce"], "--icepop-beta 2 is not read by --loss reinforce (it is --loss icepop's)"),
+    (["--tis-cap", "3"], "--tis-cap 3 is not read by --loss icepop (it is --loss tis's)"),
+    (["--clip-low", "0.1"], "--clip-low 0.1 is not read by --loss icepop (it is --loss ppo, cispo, gspo's)"),
+    (["--icepop"], "--icepop is not read by --loss icepop (it is --loss ppo, cispo, gspo's)"),
+    (["--stage", "sft", "--async-level", "1"], "--async-level 1 is not read with --stage sft (it is for rl rollouts)"),
+    (["--stage", "sft", "--engine-noise", "0.5"], "--engine-noise 0.5 is not read with --stage sft (it is for rl rollouts)"),
+    (["--task", "arithmetic", "--min-words", "2"], "--min-words 2 is not read with --task arithmetic (it is --task reverse-text's)"),
+    (["--stage", "sft", "--seq-mask-low", "0.9"], "--seq-mask-low 0.9 is not read with --stage sft"),
+])
+def test_a_flag_nothing_reads_gets_a_note(args, note, capsys):
+    start.check_read(C.parse(args))
+    assert capsys.readouterr().out.strip().splitlines() == [f"note: {note}; the run goes on without it"]
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--seq-mask-low", "0.9"], "--seq-mask-low 0.9 has no effect with --seq-mask off: add --seq-mask geometric or max"),
+    (["--seq-mask-high", "1.5"], "--seq-mask-high 1.5 has no effect with --seq-mask off"),
+    (["--kl-mask-threshold", "0.1"], "--kl-mask-threshold 0.1 has no effect with --kl-mask off: add --kl-mask k1, k3"),
+    (["--kl-estimator", "k1"], "--kl-estimator k1 has no effect with --kl-coeff 0.0: add --kl-coeff > 0"),
+    (["--kl-staleness", "inv_sqrt"], "--kl-staleness inv_sqrt has no effect with --kl-coeff 0.0"),
+])
+def test_a_flag_whose_switch_is_off_is_refused(args, words):
+    with pytest.raises(C.ConfigError) as e:
+        start.check_read(C.parse(args))
+    assert str(e.value).startswith(words), e.value
+
+
+def test_every_flag_read_is_silent(capsys):
+    for args in (["--loss", "ppo", "--icepop", "--icepop-beta", "3", "--clip-low", "0.1"],
+                 ["--correction-metrics-only", "--seq-mask-low", "0.9", "--tis-cap", "3", "--kl-mask-threshold", "0.1"],
+                 ["--seq-mask", "max", "--seq-mask-low", "0.9", "--kl-coeff", "0.1", "--kl-estimator", "k1"],
+                 ["--task", "arithmetic", "--max-operand", "50"], []):
+        start.check_read(C.parse(args))
+    assert capsys.readouterr().out == ""
