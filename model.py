@@ -165,10 +165,9 @@ def check_values(cfg: dict, source: str) -> None:
     for k in SIZES:
         if k in cfg and not _int(cfg[k], 1) and not (cfg[k] is None and k in NULLABLE):
             refuse(k, "an integer >= 1")
-    for k in ("rms_norm_eps", "rope_theta"):
-        v = cfg.get(k)
-        if v is not None and not (type(v) in (int, float) and math.isfinite(v) and v > 0):
-            refuse(k, "a number > 0")
+    eps = cfg.get("rms_norm_eps")  # (rope_theta: from_hf checks the one it resolves)
+    if eps is not None and not (type(eps) in (int, float) and math.isfinite(eps) and eps > 0):
+        refuse("rms_norm_eps", "a number > 0")
     for k in SWITCHES:
         if cfg.get(k) is not None and not isinstance(cfg[k], bool):
             refuse(k, "true or false")
@@ -437,18 +436,6 @@ def check_layers(files: list[Path], args: ModelArgs, d: Path) -> None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
                    "added_tokens.json")
-
-
-def check_copied(src: Path) -> None:
-    """What a checkpoint copies from `src` as it is (TOKENIZER_FILES) is what its name says: each .json
-    parses as JSON. A symlink to some other file would otherwise go, by content, into every checkpoint."""
-    for name in TOKENIZER_FILES:
-        f = src / name
-        if name.endswith(".json") and f.is_file():
-            try:
-                json.loads(f.read_bytes())
-            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
-                raise ValueError(f"{f}: not valid JSON ({e}); every checkpoint would copy it as it is") from None
 
 
 def saved_config(args: ModelArgs, src_dir: Path) -> dict:

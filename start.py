@@ -70,7 +70,7 @@ def check_start(cfg: C.Config) -> Start:
         raise C.ConfigError(f"{codec.stop_source} {bad[0]} is outside the vocabulary [0, {model.args.vocab_size}) "
                             "of config.json: generation would never stop")
     if src is not None:
-        M.check_copied(src)
+        check_copied(src)
     if cfg.epochs > 1 and not L.trained(cfg).clipped:  # (plain reinforce: refused by Config)
         print0(f"note: --epochs {cfg.epochs} with --loss {cfg.loss}: the later passes reweight by p/q against the "
                "sampler; nothing clips them against pi_old (ppo, cispo and gspo do)")
@@ -111,6 +111,18 @@ def check_read(cfg: C.Config) -> None:
         if refused:
             raise C.ConfigError(f"{flag} {why}")
         print0(f"note: {flag} {why}; the run goes on without it")
+
+
+def check_copied(src: Path) -> None:
+    """What a checkpoint copies from `src` as it is (model.TOKENIZER_FILES) is what its name says: each
+    .json parses as JSON. A symlink to some other file would otherwise go, by content, into every checkpoint."""
+    for name in M.TOKENIZER_FILES:
+        f = src / name
+        if name.endswith(".json") and f.is_file():
+            try:
+                json.loads(f.read_bytes())
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
+                raise ValueError(f"{f}: not valid JSON ({e}); every checkpoint would copy it as it is") from None
 
 
 def load_model(cfg: C.Config, src: Path | None, codec: D.TextCodec) -> M.Transformer:

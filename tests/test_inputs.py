@@ -245,7 +245,7 @@ def test_a_stop_id_of_the_wrong_type_names_generation_config(tmp_path, stop):
     ("vocab_size", 32.0, "an integer >= 1"),
     ("max_position_embeddings", -5, "an integer >= 1"),
     ("rms_norm_eps", "1e-6", "a number > 0"),
-    ("rope_theta", 0, "a number > 0"),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": "1e6"}, "rope_theta"),
     ("tie_word_embeddings", "yes", "true or false"),
 ])
 def test_config_values_of_the_wrong_type_or_range_are_one_line(tmp_path, key, value, what):
@@ -254,6 +254,8 @@ def test_config_values_of_the_wrong_type_or_range_are_one_line(tmp_path, key, va
     with pytest.raises(ValueError) as e:
         M.load(d)
     what += " or a non-empty list of them" if key == "eos_token_id" else ""
+    if key == "rope_parameters":  # the theta it resolves: the dict's wins over a top-level rope_theta
+        key, what, value = "rope_theta", "a number > 0", value["rope_theta"]
     assert str(e.value) == f"{d / 'config.json'}: {key} must be {what}, got {json.dumps(value)}"
 
 
