@@ -37,7 +37,8 @@ Simplifications:
    split needs no bookkeeping; a file is split by row.
 3. Everything is checked when the task is built, before the run writes anything: the file's
    rows, that each prompt renders and fits the tokenizer, that each reward function imports
-   and that the columns it asks for by name exist.
+   (its file's top-level code runs then, and again on --resume: it is an import) and that
+   every row has the columns it asks for by name (a parameter with a default may be missing).
 
     python train.py --task arithmetic --model checkpoints/arith-tiny
     python train.py --task jsonl:examples/sums.jsonl --model checkpoints/arith-tiny --reward examples/rewards.py:close
