@@ -92,7 +92,7 @@ class Config:
     top_k: int = 0  # top-k sampling; 0: off
     async_level: int = 0  # a: step s trains on rollouts sampled, on a thread, by the weights after step s-1-a; 0: synchronous
     inference_gpus: int = 0  # under torchrun: the last k processes only sample (remote.py); 0: every rank samples its share
-    dist_timeout: float = 300.0  # under torchrun: seconds a rank waits for the others at a collective before it stops with one line
+    dist_timeout: float = 300.0  # torchrun on a CPU (gloo): seconds a rank waits for the others at a collective, then one line
 
     # --- the loss (loss.py; docs/design.md "The loss")
     loss: Literal["reinforce", "icepop", "ipo", "tis", "ppo", "cispo", "gspo"] = "icepop"

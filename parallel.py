@@ -40,8 +40,10 @@ def print0(*a, **k):
 
 def setup_distributed(device: str, inference: int = 0, timeout: float = 300.0) -> Link | None:
     """Join the process group when launched by torchrun (WORLD_SIZE > 1): gloo on the CPU, NCCL on GPUs.
-    `timeout` (--dist-timeout, seconds) bounds every wait at a collective: gloo's own is 30 minutes,
-    which a stopped or hung rank would hold the others for in silence (`collective` names the wait).
+    `timeout` (--dist-timeout, seconds) bounds every gloo wait at a collective: gloo's own is 30
+    minutes, which a stopped or hung rank would hold the others for in silence (`collective` names
+    the wait). NCCL keeps torch's 10 minutes: its watchdog aborts the process, and on GPUs rank 0
+    alone evaluating or writing a large checkpoint can hold the others for minutes.
 
     With `inference` = k > 0 the last k ranks only sample (remote.py). The trainers' default
     group then holds the first LAUNCHED - k ranks alone (`world()`); the inference ranks join
@@ -52,16 +54,17 @@ def setup_distributed(device: str, inference: int = 0, timeout: float = 300.0) -
         return None
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    backend, wait = "nccl" if device == "cuda" else "gloo", timedelta(seconds=timeout)
+    backend = "nccl" if device == "cuda" else "gloo"
+    wait = {"timeout": timedelta(seconds=timeout)} if backend == "gloo" else {}
     if not inference:
-        dist.init_process_group(backend, timeout=wait)
+        dist.init_process_group(backend, **wait)
         return None
     trainers = LAUNCHED - inference
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts the store
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=RANK == 0 and not agent)
     if RANK < trainers:
         dist.init_process_group(backend, store=dist.PrefixStore("floe/train", store), rank=RANK, world_size=trainers,
-                                timeout=wait)
+                                **wait)
     if RANK == 0 or RANK >= trainers:
         return Link(store, max(0, RANK - trainers + 1), inference + 1, device)
     return None

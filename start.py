@@ -103,6 +103,8 @@ def check_read(cfg: C.Config) -> None:
     unread += [(f, f"is not read with --task {cfg.task} (it is --task {t}'s)", False) for f, t in TASK_FLAGS.items()
                if cfg.task != t]
     unread += [(f, "is not read with --stage sft (it is for rl rollouts)", False) for f in RL_FLAGS if cfg.stage == "sft"]
+    if cfg.device == "cuda":
+        unread.append(("dist_timeout", "is not read on CUDA (NCCL keeps torch's 10-minute watchdog)", False))
     for field, why, refused in unread:
         value = getattr(cfg, field)
         if value == C.Config.__dataclass_fields__[field].default:

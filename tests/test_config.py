@@ -133,6 +133,12 @@ def test_a_flag_whose_switch_is_off_is_refused(args, words):
     assert str(e.value).startswith(words), e.value
 
 
+def test_the_dist_timeout_on_cuda_gets_a_note(capsys):
+    start.check_read(C.dataclasses.replace(C.parse(["--dist-timeout", "60"]), device="cuda"))
+    assert capsys.readouterr().out.strip() == ("note: --dist-timeout 60 is not read on CUDA (NCCL keeps torch's "
+                                               "10-minute watchdog); the run goes on without it")
+
+
 def test_every_flag_read_is_silent(capsys):
     for args in (["--loss", "ppo", "--icepop", "--icepop-beta", "3", "--clip-low", "0.1"],
                  ["--correction-metrics-only", "--seq-mask-low", "0.9", "--tis-cap", "3", "--kl-mask-threshold", "0.1"],

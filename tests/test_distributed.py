@@ -242,6 +242,12 @@ def test_the_dist_timeout_reaches_init_process_group(monkeypatch):
     with pytest.raises(Joined):
         train.main(["--dist-timeout", "7", "--steps", "1"])
     assert seen == {"backend": "gloo", "timeout": datetime.timedelta(seconds=7)}
+    seen.clear()  # NCCL keeps torch's 10 minutes (its watchdog): rank 0's eval or checkpoint can take minutes
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(train.torch.cuda, "set_device", lambda i: None)
+    with pytest.raises(Joined):
+        train.P.setup_distributed("cuda", 0, 7.0)
+    assert seen == {"backend": "nccl"}
 
 
 def test_a_lost_peer_is_one_line_naming_the_rank_and_the_wait():
