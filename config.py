@@ -15,11 +15,14 @@ Simplifications:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
+import io
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import Annotated, Literal
@@ -29,6 +32,14 @@ import tyro
 
 class ConfigError(Exception):
     """A flag value that is out of range; the message names the flag."""
+
+
+# Bounds that keep a typo from reaching an allocator or a loop that never ends: each is far past
+# any real run, and the message names the flag (docs/inputs.md).
+FP32_MAX = 3.4028234663852886e38  # a flag that becomes a float32 tensor must be finite there too
+SEED_MAX = 2**32  # torch and numpy seed from 64-bit integers; floe adds the rank and 1 (eval) to the seed
+SAMPLES_MAX = 2**20  # samples a step: --prompts-per-step x --group-size (rl), sequences (sft)
+BOUNDS = {"score_centering_k": 1024, "max_words": 1000, "eval_prompts": 2**16, "micro_batch_tokens": 2**20}
 
 
 @dataclass
@@ -86,6 +97,7 @@ class Config:
     top_k: int = 0  # top-k sampling; 0: off
     async_level: int = 0  # a: step s trains on rollouts sampled, on a thread, by the weights after step s-1-a; 0: synchronous
     inference_gpus: int = 0  # under torchrun: the last k processes only sample (remote.py); 0: every rank samples its share
+    dist_timeout: float = 300.0  # torchrun on a CPU (gloo): seconds a rank waits for the others at a collective, then one line
 
     # --- the loss (loss.py; docs/design.md "The loss")
     loss: Literal["reinforce", "icepop", "ipo", "tis", "ppo", "cispo", "gspo"] = "icepop"
@@ -114,9 +126,13 @@ class Config:
 
     def __post_init__(self) -> None:
         for name in ("lr", "weight_decay", "temperature", "adv_tau", "kl_coeff", "icepop_alpha", "icepop_beta",
-                     "ipo_eps", "clip_low", "clip_high", "tis_floor", "seq_mask_low", "top_p", "vllm_memory", "engine_noise"):
+                     "ipo_eps", "clip_low", "clip_high", "tis_floor", "seq_mask_low", "top_p", "vllm_memory", "engine_noise",
+                     "dist_timeout"):
             v = getattr(self, name)  # caps whose inf means "no cap" (--tis-cap, --grad-clip, ...) may stay inf
             _check(math.isfinite(v), f"--{name.replace('_', '-')}", f"must be a finite number, got {v}")
+            _check(abs(v) <= FP32_MAX, f"--{name.replace('_', '-')}", f"must be a finite number in float32 "
+                   f"(at most {FP32_MAX:.1e}), got {v:g}")
+        self._check_bounds()
         _check(self.weight_decay >= 0, "--weight-decay", f"must be >= 0, got {self.weight_decay}")
         _check(self.steps >= 1, "--steps", f"must be >= 1, got {self.steps}")
         _check(self.temperature > 0, "--temperature", f"must be > 0, got {self.temperature}")
@@ -173,6 +189,25 @@ class Config:
         _check(not self.env or self.task.startswith("jsonl:"), "--env", "needs --task jsonl:FILE (the rows its episodes start from)")
         for flag, on in (("--async-level", self.async_level), ("--inference-gpus", self.inference_gpus)):
             _check(not (self.env and on), "--env", f"with {flag} is not built yet: run episodes synchronously, in one process")
+        _check(self.dist_timeout > 0, "--dist-timeout", f"must be > 0 seconds, got {self.dist_timeout:g}")
+        _check(all(math.isfinite(w) for w in self.reward_weights), "--reward-weights",
+               f"must be finite numbers, got {' '.join(f'{w:g}' for w in self.reward_weights)}")
+        _check(not self.reward_weights or any(self.reward_weights), "--reward-weights",
+               "are all 0: every sample's total reward would be 0, and nothing would train")
+        _check(self.stage == "sft" or self.group_size >= 2, "--group-size",
+               "1 trains nothing: every loss centers the advantages within a prompt's group (A = r - the group's "
+               "mean reward), and a group of one is its own mean; use 2 or more")
+
+    def _check_bounds(self) -> None:
+        """The integer flags that size a step or a loop, bounded before anything is built."""
+        _check(0 <= self.seed < SEED_MAX, "--seed", f"must be in [0, 2^32), got {self.seed}")
+        _check(self.lr <= 1, "--lr", f"must be <= 1 (AdamW moves each weight by about lr a step), got {self.lr:g}")
+        for name, top in BOUNDS.items():
+            v = getattr(self, name)
+            _check(v <= top, f"--{name.replace('_', '-')}", f"must be <= {top:,}, got {v:,}")
+        n = self.prompts_per_step * (self.group_size if self.stage == "rl" else 1)
+        flags = "--prompts-per-step x --group-size" if self.stage == "rl" else "--prompts-per-step"
+        _check(n <= SAMPLES_MAX, flags, f"asks for {n:,} samples a step, more than {SAMPLES_MAX:,}")
 
     def resolve(self, cuda_available: bool) -> Config:
         """Fill in the derived values: device, compile, learning rate, engine."""
@@ -223,9 +258,35 @@ def _check(ok: bool, flag: str, what: str) -> None:
 
 
 def parse(args: list[str] | None = None) -> Config:
-    """Flags -> Config. A bad value prints one line and exits with status 2."""
+    """Flags -> Config. A bad value prints one line and exits with status 2: floe's own checks and
+    tyro's parse errors alike (tyro draws a box of several lines; `tyro_line` folds it). `--help`
+    prints as tyro prints it."""
+    err = io.StringIO()
     try:
-        return tyro.cli(Config, args=args)
+        with contextlib.redirect_stderr(err):
+            cfg = tyro.cli(Config, args=args)
     except ConfigError as e:
-        print(f"floe: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        message = str(e)
+    except SystemExit as e:
+        if not e.code:  # --help (on stdout)
+            sys.stderr.write(err.getvalue())
+            raise
+        message = tyro_line(err.getvalue())
+    else:
+        sys.stderr.write(err.getvalue())  # tyro's warnings, if any
+        return cfg
+    print(f"floe: error: {message}", file=sys.stderr)
+    raise SystemExit(2) from None
+
+
+def tyro_line(box: str) -> str:
+    """tyro's error box as one line: the text above its first rule, without the border or the title
+    (the help text and "For full helptext" follow the rule)."""
+    rows = [line.strip().strip("│╭╮╰╯").strip() for line in box.splitlines()]
+    body = []
+    for row in rows[1:]:  # rows[0] is the top border with the title ("Value error")
+        if row and set(row) <= {"─"}:
+            break
+        body.append(row)
+    text = " ".join(r for r in body if r) or " ".join(r for r in rows if r.strip("─ "))
+    return re.sub(r"\s+", " ", text) + " (train.py --help lists every flag)"

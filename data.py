@@ -71,12 +71,37 @@ def write_tokenizer(out_dir: str | Path, alphabet: str = LETTERS) -> None:
 
 
 def _read_json(path: Path) -> dict:
+    """An optional JSON-object file ({} when absent; a FIFO or a directory is no file)."""
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        out = json.loads(path.read_bytes())
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return out
+
+
+def _stop_ids(d: Path, tok: Tokenizer, specials: dict) -> tuple[list[int], str]:
+    """generation_config.json's eos_token_id (an id or a non-empty list of ids), else the id of
+    tokenizer_config.json's eos_token; with the file and key they came from. Whether each lies in
+    the vocabulary is start.check_start's to say (config.json holds its size)."""
+    gen = d / "generation_config.json"
+    stop = _read_json(gen).get("eos_token_id")
+    if stop is not None:
+        ids = stop if isinstance(stop, list) else [stop]
+        if not ids or not all(type(i) is int for i in ids):  # JSON true and 2.0 are no ids; bool is an int
+            raise ValueError(f"{gen}: eos_token_id must be a token id (an integer) or a non-empty list of them, "
+                             f"got {json.dumps(stop)}")
+        return ids, f"{gen} eos_token_id"
+    eos = specials.get("eos_token")
+    if eos is None:
+        raise ValueError(f"{d}: no stop token: generation_config.json has no eos_token_id and "
+                         "tokenizer_config.json no eos_token")
+    if not isinstance(eos, str) or tok.token_to_id(eos) is None:
+        raise ValueError(f"{d / 'tokenizer_config.json'}: eos_token {json.dumps(eos)} is not a token of tokenizer.json")
+    return [tok.token_to_id(eos)], f"{d / 'tokenizer_config.json'} eos_token"
 
 
 def _token(x) -> str | None:
@@ -93,6 +118,8 @@ class TextCodec:
     stop_ids: list[int]  # the first is the end of a reference completion (--stage sft)
     template: str | None = None  # the jinja chat template; None: the directory has none
     specials: dict = field(default_factory=dict)  # bos_token, eos_token, ...: what the template may read
+    stop_source: str = "the tiny tokenizer"  # where stop_ids came from, for the line that refuses one
+    template_source: str = "the ChatML template"  # where the template came from, for the line a bad one gets
 
     @staticmethod
     def load(model_dir: str | Path) -> TextCodec:
@@ -101,26 +128,23 @@ class TextCodec:
         d = Path(model_dir)
         path = d / "tokenizer.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: missing; a model directory needs tokenizer.json")
+            raise FileNotFoundError(f"{path}: {'not a regular file' if path.exists() else 'missing'}; "
+                                    "a model directory needs tokenizer.json")
         try:
             tok = Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises its own exception type for a damaged file
             raise ValueError(f"{path}: unreadable tokenizer ({e})") from None
         tc = _read_json(d / "tokenizer_config.json")
         specials = {k: _token(v) for k, v in tc.items() if k.endswith("_token") and _token(v) is not None}
-        stop = _read_json(d / "generation_config.json").get("eos_token_id")
-        if stop is None and specials.get("eos_token") is not None:
-            stop = tok.token_to_id(specials["eos_token"])
-        stop_ids = [stop] if isinstance(stop, int) else list(stop or [])
-        if not stop_ids:
-            raise ValueError(f"{d}: no stop token: generation_config.json has no eos_token_id and "
-                             "tokenizer_config.json no eos_token")
-        template = tc.get("chat_template")
+        stop_ids, stop_source = _stop_ids(d, tok, specials)
+        template, source = tc.get("chat_template"), d / "tokenizer_config.json"
         if isinstance(template, list):  # named templates: transformers takes "default"
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
         if template is None and (d / "chat_template.jinja").is_file():
-            template = (d / "chat_template.jinja").read_text()
-        return TextCodec(tok, stop_ids, template, specials)
+            template, source = (d / "chat_template.jinja").read_text(), d / "chat_template.jinja"
+        if template is not None and not isinstance(template, str):
+            raise ValueError(f"{source}: chat_template must be a string (or a list of named ones), got {type(template).__name__}")
+        return TextCodec(tok, stop_ids, template, specials, stop_source, str(source))
 
     @staticmethod
     def tiny(alphabet: str = LETTERS) -> TextCodec:
@@ -145,16 +169,34 @@ class TextCodec:
         `messages` list through the chat template with the generation prompt (BOS as the
         template writes it)."""
         if isinstance(prompt, str):
-            return self.encode(prompt, special=True)
-        return self.encode(self.render_text(prompt, **template_kwargs))
+            return self._some(self.encode(prompt, special=True), "the prompt")
+        return self._some(self.encode(self.render_text(prompt, **template_kwargs)),
+                          f"chat template {self.template_source}")
 
     def render_text(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
-        """A `messages` list through the chat template, as text."""
+        """A `messages` list through the chat template, as text; ValueError (one line naming the
+        template) for any error the template raises."""
         if self.template is None:
             raise ValueError("a chat `messages` prompt needs a chat template, and the model directory has none "
                              "(tokenizer_config.json chat_template or chat_template.jinja); give the prompt as a string")
-        return _jinja(self.template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                            **{**self.specials, **template_kwargs})
+        import jinja2
+
+        try:  # the template is the model directory's code: any error it raises is its own, in one line
+            return _jinja(self.template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                **{**self.specials, **template_kwargs})
+        except jinja2.TemplateSyntaxError as e:  # a syntax error, an unknown filter (found when compiled)
+            raise ValueError(f"chat template {self.template_source}: {type(e).__name__}: {e.message} "
+                             f"(template line {e.lineno})") from None
+        except Exception as e:  # raise_exception, the sandbox's SecurityError, a ZeroDivisionError, ...
+            message = " ".join(str(e).split()) or "(no message)"
+            raise ValueError(f"chat template {self.template_source}: {type(e).__name__}: {message}") from None
+
+    @staticmethod
+    def _some(ids: list[int], what: str) -> list[int]:
+        """A prompt of no tokens has no last position to sample from: refused where it is made."""
+        if not ids:
+            raise ValueError(f"{what} renders to no tokens")
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         """Decode up to (not including) the first stop token."""

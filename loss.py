@@ -61,22 +61,66 @@ class Loss:
     centered: bool  # a weight w(r) = f(p/q) with score centering: reads every loss token's support row
     sparse_draws: bool  # under K draws its gradient lies on label and support rows only (G_t = 0, kernels.py)
     clipped: bool  # clipped against pi_old: with --epochs > 1 train.py computes pi_old before the first pass
+    reads: tuple[str, ...] = ()  # its own flags (Config fields); with another --loss nothing reads them (`unread`)
 
 
+CLIP = ("clip_low", "clip_high", "icepop")  # with --icepop a clipped loss also reads icepop's bounds
 LOSSES = {
     "reinforce": Loss(centered=True, sparse_draws=True, clipped=False),  # w = 1
-    "icepop": Loss(centered=True, sparse_draws=False, clipped=False),  # w = r inside [alpha, beta], else 0
-    "ipo": Loss(centered=True, sparse_draws=False, clipped=False),  # w = min(r, cap), 0 where |p - q| > eps
-    "tis": Loss(centered=True, sparse_draws=False, clipped=False),  # w = r clamped to [floor, cap]
-    "ppo": Loss(centered=False, sparse_draws=False, clipped=True),  # min(rho*A, clip(rho)*A)
-    "cispo": Loss(centered=False, sparse_draws=False, clipped=True),  # sg(clip(rho)) * log p
-    "gspo": Loss(centered=False, sparse_draws=False, clipped=True),  # ppo's clip on the sequence's mean ratio
+    "icepop": Loss(centered=True, sparse_draws=False, clipped=False,  # w = r inside [alpha, beta], else 0
+                   reads=("icepop_alpha", "icepop_beta")),
+    "ipo": Loss(centered=True, sparse_draws=False, clipped=False,  # w = min(r, cap), 0 where |p - q| > eps
+                reads=("ipo_eps", "max_importance_ratio")),
+    "tis": Loss(centered=True, sparse_draws=False, clipped=False, reads=("tis_cap", "tis_floor")),  # w = r in [floor, cap]
+    "ppo": Loss(centered=False, sparse_draws=False, clipped=True, reads=CLIP),  # min(rho*A, clip(rho)*A)
+    "cispo": Loss(centered=False, sparse_draws=False, clipped=True, reads=CLIP),  # sg(clip(rho)) * log p
+    "gspo": Loss(centered=False, sparse_draws=False, clipped=True, reads=CLIP),  # ppo's clip on the sequence's mean ratio
 }
 
 
 def trained(cfg: Config) -> Loss:
     """The loss a config trains (--correction-metrics-only: plain reinforce)."""
     return LOSSES["reinforce" if cfg.correction_metrics_only else cfg.loss]
+
+
+def reads(cfg: Config) -> set[str]:
+    """The LOSSES flags this config's loss reads: its own (with --icepop a clipped loss's include
+    icepop's bounds); under --correction-metrics-only every correction's bounds, which it reports."""
+    if cfg.stage == "sft":
+        return set()
+    if cfg.correction_metrics_only:
+        return {f for loss in LOSSES.values() if loss.centered for f in loss.reads}
+    own = set(LOSSES[cfg.loss].reads)
+    return own | set(LOSSES["icepop"].reads) if LOSSES[cfg.loss].clipped and cfg.icepop else own
+
+
+# A mask's or the KL's flags, and the switch without which nothing reads them (--correction-metrics-only
+# reports both masks, so it reads theirs)
+SWITCHED = {"seq_mask_low": ("seq_mask", "--seq-mask geometric or max"),
+            "seq_mask_high": ("seq_mask", "--seq-mask geometric or max"),
+            "kl_mask_threshold": ("kl_mask", "--kl-mask k1, k3 or binary"),
+            "kl_estimator": ("kl_coeff", "--kl-coeff > 0"), "kl_staleness": ("kl_coeff", "--kl-coeff > 0")}
+
+
+def unread(cfg: Config) -> list[tuple[str, str, bool]]:
+    """The loss's flags this config leaves unread, as (field, why, refused). Another loss's flags get a
+    note (a sweep keeps one set of flags over several --loss); the flags of a mask or of the KL that is
+    off are refused: the run would lack what the user tuned, and the line names the switch."""
+    if cfg.stage == "sft":
+        return [(f, "is not read with --stage sft", False) for f in (*_loss_flags(), *SWITCHED)]
+    audit, read = cfg.correction_metrics_only, reads(cfg)
+    trains = f"by --loss {cfg.loss}" + " under --correction-metrics-only" * audit
+    out = [(f, f"is not read {trains} (it is --loss {', '.join(n for n, x in LOSSES.items() if f in x.reads)}'s)", False)
+           for f in _loss_flags() if f not in read]
+    for f, (switch, fix) in SWITCHED.items():
+        value = getattr(cfg, switch)
+        if value in ("off", 0) and not (audit and switch != "kl_coeff"):
+            out.append((f, f"has no effect with --{switch.replace('_', '-')} {value}: add {fix}", True))
+    return out
+
+
+def _loss_flags() -> list[str]:
+    return list(dict.fromkeys(f for loss in LOSSES.values() for f in loss.reads))
 
 
 def reads_support(cfg: Config) -> bool:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -91,6 +92,7 @@ class ModelArgs:
     @staticmethod
     def from_hf(cfg: dict, source: str = "config.json") -> ModelArgs:
         """A parsed config.json -> ModelArgs; every refusal is one line naming `source`."""
+        check_values(cfg, source)
         family = cfg.get("model_type", "qwen3")
         if family not in FAMILIES:
             raise ValueError(f"{source}: model_type {family!r} is not supported (supported: {', '.join(FAMILIES)})")
@@ -100,8 +102,13 @@ class ModelArgs:
             raise ValueError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (silu)")
         # transformers 5 writes rope_parameters (rope_theta inside); older files rope_scaling and a top-level
         # rope_theta. As transformers reads them: rope_scaling wins, then the dict's theta, then 10000
-        rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"{source}: rope_scaling/rope_parameters must be a JSON object, got {json.dumps(rope)}")
+        rope = dict(rope)
         theta = rope.get("rope_theta") or cfg.get("rope_theta") or 10_000.0
+        if not (type(theta) in (int, float) and math.isfinite(theta) and theta > 0):
+            raise ValueError(f"{source}: rope_theta must be a number > 0, got {json.dumps(theta)}")
         kind, scaling = rope.get("rope_type", rope.get("type", "default")), None
         if kind not in ("default", "llama3"):
             raise ValueError(f"{source}: rope_type {kind!r} is not supported (default, llama3)")
@@ -109,15 +116,19 @@ class ModelArgs:
             if kind == "llama3":  # the pretraining context: top level first, then the dict, then the model's own
                 rope["original_max_position_embeddings"] = (cfg.get("original_max_position_embeddings") or rope.get(
                     "original_max_position_embeddings") or cfg["max_position_embeddings"])
+                if bad := [k for k in LLAMA3_KEYS if k in rope and type(rope[k]) not in (int, float)]:
+                    raise ValueError(f"{source}: rope_scaling {bad[0]} must be a number, got {json.dumps(rope[bad[0]])}")
                 scaling = {"rope_type": "llama3", **{k: float(rope[k]) for k in LLAMA3_KEYS}}
             # transformers gives a Qwen3 without head_dim 128, whatever its width: ask rather than guess
             width = cfg["hidden_size"] // cfg["num_attention_heads"]
             head_dim = cfg["head_dim"] if family == "qwen3" else cfg.get("head_dim") or width
+            if head_dim is None:
+                raise ValueError(f"{source}: head_dim must be an integer >= 1 (a Qwen3 config.json names it), got null")
             bias = None if family == "qwen2" else bool(cfg.get("attention_bias", False))
             return ModelArgs(cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
                              cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim,
-                             cfg.get("max_position_embeddings", 4096), cfg.get("rms_norm_eps", 1e-6), float(theta),
-                             cfg.get("tie_word_embeddings", False), cfg.get("bos_token_id"), cfg.get("eos_token_id"),
+                             cfg.get("max_position_embeddings") or 4096, cfg.get("rms_norm_eps") or 1e-6, float(theta),
+                             bool(cfg.get("tie_word_embeddings")), cfg.get("bos_token_id"), cfg.get("eos_token_id"),
                              family, bias, bias, family == "llama" and bool(cfg.get("mlp_bias")), None, scaling)
         except KeyError as e:
             raise ValueError(f"{source}: missing key {e.args[0]!r}") from None
@@ -135,6 +146,45 @@ class ModelArgs:
             if self.model_type == "qwen2":
                 del d["attention_bias"]
         return d
+
+
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "head_dim", "max_position_embeddings")  # integers >= 1
+NULLABLE = ("head_dim", "max_position_embeddings")  # null: the family's default
+SWITCHES = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")  # true, false or null
+
+
+def check_values(cfg: dict, source: str) -> None:
+    """Each key config.json gives, of the type and range its use needs, before anything divides by
+    or allocates from it: a string "128" or a 0 would surface as a TypeError or ZeroDivisionError
+    far from its cause, and a stop id outside the vocabulary never stops generation. (A missing
+    key is from_hf's to name.)"""
+    def refuse(key, what):
+        raise ValueError(f"{source}: {key} must be {what}, got {json.dumps(cfg[key])}")
+
+    for k in SIZES:
+        if k in cfg and not _int(cfg[k], 1) and not (cfg[k] is None and k in NULLABLE):
+            refuse(k, "an integer >= 1")
+    eps = cfg.get("rms_norm_eps")  # (rope_theta: from_hf checks the one it resolves)
+    if eps is not None and not (type(eps) in (int, float) and math.isfinite(eps) and eps > 0):
+        refuse("rms_norm_eps", "a number > 0")
+    for k in SWITCHES:
+        if cfg.get(k) is not None and not isinstance(cfg[k], bool):
+            refuse(k, "true or false")
+    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise ValueError(f"{source}: num_attention_heads {heads} must be a multiple of num_key_value_heads {kv}")
+    vocab = cfg.get("vocab_size")
+    for k in ("bos_token_id", "eos_token_id"):
+        v = cfg.get(k)
+        ids = v if isinstance(v, list) and v and k == "eos_token_id" else [v]
+        if v is not None and vocab is not None and not all(_int(i, 0) and i < vocab for i in ids):
+            refuse(k, f"a token id in [0, vocab_size {vocab})" + (" or a non-empty list of them" if "eos" in k else ""))
+
+
+def _int(v, low: int) -> bool:
+    """An integer >= low; JSON's true and 2.0 are not (Python's bool is an int, so test the type)."""
+    return type(v) is int and v >= low
 
 
 # the shipped reverse-tiny model (about 0.8M parameters; vocab_size comes from its tokenizer)
@@ -331,15 +381,18 @@ def load(model_dir: str | Path, device="cpu", dtype=torch.float32) -> Transforme
     d = Path(model_dir)
     for f in ("config.json", "tokenizer.json"):
         if not (d / f).is_file():
-            raise FileNotFoundError(f"{d / f}: missing; --model must be a HF directory with config.json, "
-                                    "model.safetensors and tokenizer.json")
+            raise FileNotFoundError(f"{d / f}: " + ("not a regular file" if (d / f).exists() else "missing") +
+                                    "; --model must be a HF directory with config.json, model.safetensors and tokenizer.json")
     args = ModelArgs.from_hf(read_config(d / "config.json"), str(d / "config.json"))
-    with torch.device("meta"):
-        model = Transformer(args)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{d}: no *.safetensors weights")
+    if odd := [f for f in files if not f.is_file()]:  # a FIFO would block the read forever
+        raise ValueError(f"{odd[0]}: not a regular file")
+    check_layers(files, args, d)  # before building: a typo of 10^7 layers would build for minutes
+    with torch.device("meta"):
+        model = Transformer(args)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
     state = {}
     for f in files:
         try:
@@ -361,6 +414,22 @@ def load(model_dir: str | Path, device="cpu", dtype=torch.float32) -> Transforme
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = rope_frequencies(args)  # buffers are not in the file: made on meta, made again here
     return model.to(device)
+
+
+def check_layers(files: list[Path], args: ModelArgs, d: Path) -> None:
+    """config.json's num_hidden_layers against the layers the weights' headers name (model.layers.N.*),
+    read without loading a tensor. Every other size is checked against the built model's shapes,
+    which cost nothing on the meta device; the number of layers is what building costs."""
+    layers = set()
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                layers.update(int(m.group(1)) for k in st.keys() if (m := re.match(r"model\.layers\.(\d+)\.", k)))
+        except Exception as e:  # safetensors raises several types for a damaged file
+            raise ValueError(f"{f}: unreadable safetensors file ({e})") from None
+    if len(layers) != args.num_hidden_layers:
+        raise ValueError(f"{d}: weights do not match config.json: num_hidden_layers {args.num_hidden_layers}, "
+                         f"the weights hold {len(layers)} layers")
 
 
 # what a HF directory holds besides weights and config.json, copied as they are

@@ -12,7 +12,9 @@ imports torch and the standard library alone, so every floe module may use it.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import sys
 import traceback
 import warnings
@@ -39,8 +41,12 @@ def print0(*a, **k):
         print(*a, **k, flush=True)
 
 
-def setup_distributed(device: str, inference: int = 0) -> Link | None:
+def setup_distributed(device: str, inference: int = 0, timeout: float = 300.0) -> Link | None:
     """Join the process group when launched by torchrun (WORLD_SIZE > 1): gloo on the CPU, NCCL on GPUs.
+    `timeout` (--dist-timeout, seconds) bounds every gloo wait at a collective: gloo's own is 30
+    minutes, which a stopped or hung rank would hold the others for in silence (`collective` names
+    the wait). NCCL keeps torch's 10 minutes: its watchdog aborts the process, and on GPUs rank 0
+    alone evaluating or writing a large checkpoint can hold the others for minutes.
 
     With `inference` = k > 0 the last k ranks only sample (remote.py). The trainers' default
     group then holds the first LAUNCHED - k ranks alone (`world()`); the inference ranks join
@@ -52,14 +58,16 @@ def setup_distributed(device: str, inference: int = 0) -> Link | None:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     backend = "nccl" if device == "cuda" else "gloo"
+    wait = {"timeout": timedelta(seconds=timeout)} if backend == "gloo" else {}
     if not inference:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **wait)
         return None
     trainers = LAUNCHED - inference
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts the store
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=RANK == 0 and not agent)
     if RANK < trainers:
-        dist.init_process_group(backend, store=dist.PrefixStore("floe/train", store), rank=RANK, world_size=trainers)
+        dist.init_process_group(backend, store=dist.PrefixStore("floe/train", store), rank=RANK, world_size=trainers,
+                                **wait)
     if RANK == 0 or RANK >= trainers:
         return Link(store, max(0, RANK - trainers + 1), inference + 1, device)
     return None
@@ -102,6 +110,40 @@ def shard(model: nn.Module) -> nn.Module:
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
     return model
+
+
+class CollectiveTimeout(RuntimeError):
+    """A rank waited --dist-timeout at a collective, or lost a peer: the message names the rank and the wait."""
+
+
+# gloo's words for a wait that ran out, and for the peer it lost (raised as a plain RuntimeError)
+LOST = re.compile(r"Timed out waiting|Application timeout|Connection closed by peer|Connection reset by peer")
+
+
+@contextlib.contextmanager
+def collective(what: str, timeout: float):
+    """Name the collectives inside (`what`: "step 3") for the one line a timed-out wait gets. Under NCCL
+    a timeout is the watchdog's, which aborts the process itself."""
+    try:
+        yield
+    except CollectiveTimeout:
+        raise
+    except RuntimeError as e:
+        if not LOST.search(str(e)):
+            raise
+        cause = re.sub(r"^\[[^\]]*\] ", "", str(e).splitlines()[0])  # gloo's message, without its source path
+        raise CollectiveTimeout(f"rank {RANK} stopped waiting for the other torchrun ranks in {what} (--dist-timeout "
+                                f"{timeout:g} s): a rank is stopped, hung or dead ({cause})") from None
+
+
+def first_other(item) -> tuple[int, object, object] | None:
+    """(rank, rank 0's item, that rank's) for the first rank whose `item` differs from rank 0's; None
+    when every rank's is the same (one all_gather_object; every rank gets the same answer)."""
+    if world() == 1:
+        return None
+    items = [None] * world()
+    dist.all_gather_object(items, item)
+    return next(((r, items[0], x) for r, x in enumerate(items) if x != items[0]), None)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ Simplifications:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ class Start:
 
 def check_start(cfg: C.Config) -> Start:
     """Flags, run directory, checkpoint, model directory, tokenizer, task and rewards, engine choice."""
+    check_same_flags(cfg)
+    check_read(cfg)
     if cfg.prompts_per_step % P.world() and not cfg.inference_gpus:
         raise C.ConfigError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the {P.world()} "
                             "torchrun processes (each rank samples its own share)")
@@ -73,10 +76,65 @@ def check_start(cfg: C.Config) -> Start:
     if (n := codec.tok.get_vocab_size()) > model.args.vocab_size:
         raise C.ConfigError(f"{src}: tokenizer.json has {n} tokens, more than config.json's vocab_size "
                             f"{model.args.vocab_size} (ids past it would index outside the embedding)")
+    if bad := [i for i in codec.stop_ids if not 0 <= i < model.args.vocab_size]:  # no sample could ever be one
+        raise C.ConfigError(f"{codec.stop_source} {bad[0]} is outside the vocabulary [0, {model.args.vocab_size}) "
+                            "of config.json: generation would never stop")
+    if src is not None:
+        check_copied(src)
     if cfg.epochs > 1 and not L.trained(cfg).clipped:  # (plain reinforce: refused by Config)
         print0(f"note: --epochs {cfg.epochs} with --loss {cfg.loss}: the later passes reweight by p/q against the "
                "sampler; nothing clips them against pi_old (ppo, cispo and gspo do)")
     return Start(out, src, resume_from, kept, codec, task, model, env)
+
+
+def check_same_flags(cfg: C.Config) -> None:
+    """Under torchrun every trainer rank resolved the same config (one all_gather_object): a rank with
+    its own --seed or --max-new-tokens would train on, on batches and shapes the others do not share.
+    Every rank gets the same answer, so all of them stop."""
+    if (other := P.first_other(json.loads(cfg.to_json()))) is None:
+        return
+    rank, ours, theirs = other
+    k = next(k for k in ours if ours[k] != theirs.get(k))
+    raise C.ConfigError(f"torchrun rank {rank} has other flags than rank 0: --{k.replace('_', '-')} is "
+                        f"{json.dumps(theirs.get(k))} there, {json.dumps(ours[k])} on rank 0 (every rank must run "
+                        "the same command)")
+
+
+# flags of one task, or of the rl stage alone: with another, nothing reads them
+TASK_FLAGS = {"min_words": "reverse-text", "max_words": "reverse-text", "max_operand": "arithmetic"}
+RL_FLAGS = ("async_level", "engine_noise", "score_centering_k")
+
+
+def check_read(cfg: C.Config) -> None:
+    """A flag set away from its default that nothing reads in this combination: a note where the run
+    is still what the user asked for (another loss's or task's flag, an rl flag under sft), an error
+    where it would lack what the flag tunes (a mask's bounds with the mask off: loss.unread)."""
+    unread = L.unread(cfg)
+    unread += [(f, f"is not read with --task {cfg.task} (it is --task {t}'s)", False) for f, t in TASK_FLAGS.items()
+               if cfg.task != t]
+    unread += [(f, "is not read with --stage sft (it is for rl rollouts)", False) for f in RL_FLAGS if cfg.stage == "sft"]
+    if cfg.device == "cuda":
+        unread.append(("dist_timeout", "is not read on CUDA (NCCL keeps torch's 10-minute watchdog)", False))
+    for field, why, refused in unread:
+        value = getattr(cfg, field)
+        if value == C.Config.__dataclass_fields__[field].default:
+            continue
+        flag = f"--{field.replace('_', '-')}" + ("" if value is True else f" {value:g}" if isinstance(value, float) else f" {value}")
+        if refused:
+            raise C.ConfigError(f"{flag} {why}")
+        print0(f"note: {flag} {why}; the run goes on without it")
+
+
+def check_copied(src: Path) -> None:
+    """What a checkpoint copies from `src` as it is (model.TOKENIZER_FILES) is what its name says: each
+    .json parses as JSON. A symlink to some other file would otherwise go, by content, into every checkpoint."""
+    for name in M.TOKENIZER_FILES:
+        f = src / name
+        if name.endswith(".json") and f.is_file():
+            try:
+                json.loads(f.read_bytes())
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
+                raise ValueError(f"{f}: not valid JSON ({e}); every checkpoint would copy it as it is") from None
 
 
 def load_model(cfg: C.Config, src: Path | None, codec: D.TextCodec) -> M.Transformer:

@@ -37,7 +37,8 @@ Simplifications:
    split needs no bookkeeping; a file is split by row.
 3. Everything is checked when the task is built, before the run writes anything: the file's
    rows, that each prompt renders and fits the tokenizer, that each reward function imports
-   and that the columns it asks for by name exist.
+   (its file's top-level code runs then, and again on --resume: it is an import) and that
+   every row has the columns it asks for by name (a parameter with a default may be missing).
 
     python train.py --task arithmetic --model checkpoints/arith-tiny
     python train.py --task jsonl:examples/sums.jsonl --model checkpoints/arith-tiny --reward examples/rewards.py:close
@@ -259,12 +260,17 @@ class Task:
         self.eval_set = fits
 
     def check(self, rows: list[Prompt], where: str) -> None:
-        """Every reward finds the columns it asks for by name."""
-        have = {k for p in rows for k in p.columns}
-        for r in self.rewards:
-            if missing := [c for c in r.needs() if c not in have]:
-                raise ConfigError(f"--reward {r.name} needs the column(s) {missing}, which {where} lacks "
-                                  f"(it has {sorted(have) or 'none'})")
+        """Every reward finds the columns it asks for by name in every row: one row without them would
+        fail its group's reward call at every step that draws it (`where`: each row's place, as it names rows)."""
+        needs = [(r, r.needs()) for r in self.rewards]
+        for i, p in enumerate(rows):
+            self.check_row(p.columns, f"{where} row {i + 1}", needs)
+
+    def check_row(self, columns: dict, where: str, needs: list | None = None) -> None:
+        for r, cols in needs or [(r, r.needs()) for r in self.rewards]:
+            if missing := [c for c in cols if c not in columns]:
+                raise ConfigError(f"{where}: --reward {r.name} needs the column(s) {missing}, which this row lacks "
+                                  f"(it has {sorted(columns) or 'none'})")
 
 
 class Generated(Task):
@@ -347,6 +353,7 @@ class JsonlTask(Task):
         if not rewards and not env:  # an --env may give the reward itself (episodes.load_env checks)
             raise ConfigError(f"--task jsonl:{path} needs --reward (a built-in: {', '.join(BUILTIN)}; "
                               "or path/to/file.py:fn)")
+        self.needs = [(r, r.needs()) for r in rewards]  # read() checks every row's columns against them
         rows = self.read(Path(path))
         if eval_file:
             held = self.read(Path(eval_file))
@@ -360,7 +367,6 @@ class JsonlTask(Task):
             order = random.Random(EVAL_SEED).sample(range(len(rows)), len(rows))
             self.eval_set = [rows[i] for i in order[:eval_size]]
             self.train = [rows[i] for i in sorted(order[eval_size:])]
-        self.check(self.train + self.eval_set, str(path))
 
     def read(self, path: Path) -> list[Prompt]:
         if not path.is_file():
@@ -386,6 +392,7 @@ class JsonlTask(Task):
             raise ConfigError(f"{where}: `prompt` must be a string or a list of {{\"role\", \"content\"}} messages")
         if clash := [k for k in row if k in CALL_ARGS]:
             raise ConfigError(f"{where}: column name {clash[0]!r} is taken by the reward call; rename it")
+        self.check_row(row, where, self.needs)
         reference = row.get("completion")
         try:
             return self.prompt(raw, row, None if reference is None else str(reference))

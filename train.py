@@ -305,18 +305,30 @@ def main(argv: list[str] | None = None) -> dict:
     P.pin_inference_gpu(cfg.inference_gpus)
     try:
         cfg = cfg.resolve(torch.cuda.is_available())
-        link = setup_distributed(cfg.device, cfg.inference_gpus)
+        link = setup_distributed(cfg.device, cfg.inference_gpus, cfg.dist_timeout)
         if P.serving(cfg.inference_gpus):  # an --inference-gpus rank: it samples for the trainers until they stop it
             serve(cfg, link)
             P.teardown(link, cfg.inference_gpus)
             return {}
-        s = check_start(cfg)
+        with P.collective("the start-up checks", cfg.dist_timeout):
+            s = check_start(cfg)
     except (C.ConfigError, FileNotFoundError, ValueError) as e:  # bad flags, run directory, model, task or reward
         fail(e, 2)
+    except P.CollectiveTimeout as e:
+        lost(e)
     try:
         return launch(cfg, s, link)
     except OSError as e:  # a read-only or full disk: one line, and what was written before stays
         fail(f"cannot write the run in {s.out}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else ""), 1)
+    except P.CollectiveTimeout as e:
+        lost(e)
+
+
+def lost(e: P.CollectiveTimeout):
+    """A wait at a collective ran out (--dist-timeout): every rank that waited says so, rank 0 among
+    them or not (it may be the one that stopped)."""
+    print(f"floe: error: {e}", file=sys.stderr, flush=True)
+    raise SystemExit(1) from None
 
 
 def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
@@ -329,13 +341,15 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
     with undone_on_failure(s.out):  # everything was checked: the run may write now
         src = s.src or write_scratch(cfg, s.out, s.model, s.task)  # the engine loads from a directory
         try:
-            fwd, engine, opt = build(cfg, src, s.model, s.codec, link)
+            with P.collective("the start (the engine, the sharded model)", cfg.dist_timeout):
+                fwd, engine, opt = build(cfg, src, s.model, s.codec, link)
         except (FileNotFoundError, ValueError, C.ConfigError) as e:  # flags the engine can't serve
             fail(e, 2)
         if RANK == 0:  # the engine started: now the config, which a resume checks its flags against
             write_config(s.out, {**json.loads(cfg.to_json()), "reward_sha256": hashes})
     rng, scale = random.Random(cfg.seed), LossScale.for_dtype(cfg.train_dtype)
-    start = load_training_state(s.resume_from, s.model, opt, rng, engine, scale) if s.resume_from else 0
+    with P.collective("the resume", cfg.dist_timeout):
+        start = load_training_state(s.resume_from, s.model, opt, rng, engine, scale) if s.resume_from else 0
     print0(f"model {src}: {sum(p.numel() for p in s.model.parameters()) / 1e6:.2f}M params on {cfg.device}"
            + (f" x {P.world()} ranks (FSDP2)" if P.world() > 1 else "")
            + (f", sampling on {cfg.inference_gpus} more" if cfg.inference_gpus else "")
@@ -389,22 +403,29 @@ def loop(run: Run, start: int) -> None:
         threads = max(1, torch.get_num_threads() // 2) if cfg.device == "cpu" else 0  # half the cores each
         ahead = AsyncRollouts(lambda step: make_batch(run, step), run.engine, run.rng, cfg.async_level, start,
                               cfg.steps, threads)
-    skipped = failed = 0  # non-finite steps in a row; steps whose episodes all failed, in a row
+    skipped = empty = failed = 0  # non-finite steps in a row, empty ones, ones whose episodes all failed
     with ahead or contextlib.nullcontext():
         for step in range(start + 1, cfg.steps + 1):
-            m, batch = rl_step(run, step, ahead)
+            with P.collective(f"step {step}", cfg.dist_timeout):
+                m, batch = rl_step(run, step, ahead)
             skipped = skipped + 1 if m.get("skipped/nonfinite_step") else 0
             if skipped == 3:
                 raise D.RunError(f"3 steps in a row skipped for {nonfinite_cause(batch, m)}; "
                                  "none of them was applied or saved")
             failed = failed + 1 if m.get("skipped/env_error") == 1.0 else 0
-            if failed == 3:
+            if failed == 3:  # before the empty-step rule, which such steps also meet: this names the cause
                 raise D.RunError(f"--env {run.play.spec.name}: every episode failed 3 steps in a row "
                                  f"(the last: {run.play.last_error})")
+            empty = empty + 1 if m.get("skipped/empty_step") else 0
+            if empty == 3:  # a run of such steps would end "done" with its start weights
+                raise D.RunError(f"3 steps in a row had no sample to train on: every reward call raised or returned "
+                                 f"None/NaN (skipped/reward_error {m.get('skipped/reward_error', 0):.2f}, skipped/"
+                                 f"too_long {m.get('skipped/too_long', 0):.2f}); nothing trained since step {step - 3}")
             if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                 # the RNGs as the next batch finds them (with a thread: as this one's left them, AsyncRollouts 5)
                 st = RolloutRNG(run.rng, run.engine.gen) if ahead is None else ahead.rng_after(step)
-                save_checkpoint(run.out, step, run.model, run.opt, st.rng, st.gen, run.src, run.scale)
+                with P.collective(f"the checkpoint of step {step}", cfg.dist_timeout):
+                    save_checkpoint(run.out, step, run.model, run.opt, st.rng, st.gen, run.src, run.scale)
 
 
 def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[dict, list]:

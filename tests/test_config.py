@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import config as C
+import start
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,3 +57,92 @@ def test_caps_whose_inf_means_no_cap_stay_accepted():
     cfg = C.parse(["--tis-cap", "inf", "--grad-clip", "inf", "--max-importance-ratio", "inf"])
     assert cfg.tis_cap == cfg.grad_clip == float("inf")
     C.parse(["--epochs", "2", "--loss", "icepop"])  # p/q-weighted: allowed, with a note at start-up
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--reward-weights", "nan", "0.5"], "--reward-weights must be finite numbers, got nan 0.5"),
+    (["--reward-weights", "inf", "0.5"], "--reward-weights must be finite numbers"),
+    (["--reward-weights", "0", "0"], "--reward-weights are all 0"),
+    (["--group-size", "1"], "--group-size 1 trains nothing"),
+    (["--lr", "1e39"], "--lr must be a finite number in float32"),
+    (["--lr", "2"], "--lr must be <= 1"),
+    (["--adv-tau", "1e39"], "--adv-tau must be a finite number in float32"),
+    (["--seed", str(2**70)], "--seed must be in [0, 2^32)"),
+    (["--seed", "-1"], "--seed must be in [0, 2^32)"),
+    (["--group-size", str(10**12)], "--prompts-per-step x --group-size asks for 32,000,000,000,000 samples"),
+    (["--prompts-per-step", str(10**12)], "--prompts-per-step x --group-size asks for"),
+    (["--stage", "sft", "--prompts-per-step", str(10**12)], "--prompts-per-step asks for"),
+    (["--score-centering-k", str(10**12)], "--score-centering-k must be <= 1,024"),
+    (["--max-words", str(10**12)], "--max-words must be <= 1,000"),
+    (["--eval-prompts", str(10**12)], "--eval-prompts must be <= 65,536"),
+    (["--micro-batch-tokens", str(10**12)], "--micro-batch-tokens must be <= 1,048,576"),
+    (["--dist-timeout", "0"], "--dist-timeout must be > 0"),
+])
+def test_meaningless_or_unbounded_values_are_refused(args, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        C.parse(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and words in err[0], err
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--steps", "x"], "Error parsing --steps: invalid literal for int() with base 10: 'x'"),
+    (["--loss", "foo"], "invalid choice 'foo' for argument '--loss'. Expected one of ('reinforce',"),
+    (["--bogus"], "Unrecognized options: --bogus"),
+    (["--seed"], "Missing value for argument '--seed'"),
+])
+def test_tyro_parse_errors_are_one_line(args, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        C.parse(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("floe: error: ") and words in err[0], err
+    assert "--help" in err[0]
+
+
+def test_help_still_prints(capsys):
+    with pytest.raises(SystemExit) as e:
+        C.parse(["--help"])
+    assert e.value.code == 0 and "--reward-weights" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,note", [
+    (["--icepop-beta", "2", "--loss", "reinforce"], "--icepop-beta 2 is not read by --loss reinforce (it is --loss icepop's)"),
+    (["--tis-cap", "3"], "--tis-cap 3 is not read by --loss icepop (it is --loss tis's)"),
+    (["--clip-low", "0.1"], "--clip-low 0.1 is not read by --loss icepop (it is --loss ppo, cispo, gspo's)"),
+    (["--icepop"], "--icepop is not read by --loss icepop (it is --loss ppo, cispo, gspo's)"),
+    (["--stage", "sft", "--async-level", "1"], "--async-level 1 is not read with --stage sft (it is for rl rollouts)"),
+    (["--stage", "sft", "--engine-noise", "0.5"], "--engine-noise 0.5 is not read with --stage sft (it is for rl rollouts)"),
+    (["--task", "arithmetic", "--min-words", "2"], "--min-words 2 is not read with --task arithmetic (it is --task reverse-text's)"),
+    (["--stage", "sft", "--seq-mask-low", "0.9"], "--seq-mask-low 0.9 is not read with --stage sft"),
+])
+def test_a_flag_nothing_reads_gets_a_note(args, note, capsys):
+    start.check_read(C.parse(args))
+    assert capsys.readouterr().out.strip().splitlines() == [f"note: {note}; the run goes on without it"]
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--seq-mask-low", "0.9"], "--seq-mask-low 0.9 has no effect with --seq-mask off: add --seq-mask geometric or max"),
+    (["--seq-mask-high", "1.5"], "--seq-mask-high 1.5 has no effect with --seq-mask off"),
+    (["--kl-mask-threshold", "0.1"], "--kl-mask-threshold 0.1 has no effect with --kl-mask off: add --kl-mask k1, k3"),
+    (["--kl-estimator", "k1"], "--kl-estimator k1 has no effect with --kl-coeff 0.0: add --kl-coeff > 0"),
+    (["--kl-staleness", "inv_sqrt"], "--kl-staleness inv_sqrt has no effect with --kl-coeff 0.0"),
+])
+def test_a_flag_whose_switch_is_off_is_refused(args, words):
+    with pytest.raises(C.ConfigError) as e:
+        start.check_read(C.parse(args))
+    assert str(e.value).startswith(words), e.value
+
+
+def test_the_dist_timeout_on_cuda_gets_a_note(capsys):
+    start.check_read(C.dataclasses.replace(C.parse(["--dist-timeout", "60"]), device="cuda"))
+    assert capsys.readouterr().out.strip() == ("note: --dist-timeout 60 is not read on CUDA (NCCL keeps torch's "
+                                               "10-minute watchdog); the run goes on without it")
+
+
+def test_every_flag_read_is_silent(capsys):
+    for args in (["--loss", "ppo", "--icepop", "--icepop-beta", "3", "--clip-low", "0.1"],
+                 ["--correction-metrics-only", "--seq-mask-low", "0.9", "--tis-cap", "3", "--kl-mask-threshold", "0.1"],
+                 ["--seq-mask", "max", "--seq-mask-low", "0.9", "--kl-coeff", "0.1", "--kl-estimator", "k1"],
+                 ["--task", "arithmetic", "--max-operand", "50"], []):
+        start.check_read(C.parse(args))
+    assert capsys.readouterr().out == ""

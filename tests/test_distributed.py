@@ -1,5 +1,6 @@
 """torchrun: two gloo ranks give the one-process step, and a 2-rank run's checkpoint loads in one process."""
 
+import datetime
 import json
 import pickle
 import random
@@ -186,3 +187,77 @@ def test_a_reward_that_overflows_on_one_rank_skips_the_step_on_both(tmp_path):
         for k, v in M.load(out / f"step_{step:06d}").state_dict().items():  # M.load refuses non-finite weights
             assert torch.equal(v, first[k]), (step, k)
     assert sorted(p.name for p in out.glob("step_*")) == ["step_000001", "step_000002", "step_000003"]
+
+
+RANK1 = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+import train
+if os.environ["RANK"] == "1":
+    {rank1}
+train.main()
+"""
+
+
+def _with_rank1(tmp_path, rank1: str, *args: str) -> subprocess.CompletedProcess:
+    """torchrun of train.py whose rank 1 first runs `rank1` (one line of Python)."""
+    script = tmp_path / "rank1.py"
+    script.write_text(RANK1.format(root=str(ROOT), rank1=rank1))
+    return torchrun(str(script), "--out-dir", str(tmp_path / "run"), *SMALL, "--eval-every", "0", *args)
+
+
+def test_ranks_given_other_flags_stop_at_start_naming_the_flag(tmp_path):
+    r = _with_rank1(tmp_path, 'sys.argv += ["--max-new-tokens", "6"]', "--steps", "2")
+    assert r.returncode != 0
+    lines = [x for x in r.stderr.splitlines() if x.startswith("floe: error:")]
+    assert lines == ["floe: error: torchrun rank 1 has other flags than rank 0: --max-new-tokens is 6 there, 8 on "
+                     "rank 0 (every rank must run the same command)"], r.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_hung_rank_stops_the_others_after_dist_timeout(tmp_path):
+    """Rank 1 hangs in its first step (as a SIGSTOP would leave it; a sleeping rank dies at torchrun's
+    SIGTERM at once, a stopped one only at its SIGKILL 30 s later): rank 0 waits --dist-timeout, not
+    gloo's 30 minutes, and says where."""
+    r = _with_rank1(tmp_path, "train.rl_step = lambda *a, **k: time.sleep(600)", "--steps", "2", "--dist-timeout", "3")
+    assert r.returncode != 0
+    lines = [x for x in r.stderr.splitlines() if x.startswith("floe: error:")]
+    assert len(lines) == 1 and lines[0].startswith("floe: error: rank 0 stopped waiting for the other torchrun ranks "
+                                                   "in step 1 (--dist-timeout 3 s): a rank is stopped, hung or dead ("
+                                                   ), r.stderr[-3000:]
+
+
+def test_the_dist_timeout_reaches_init_process_group(monkeypatch):
+    seen = {}
+
+    class Joined(Exception):
+        pass
+
+    def init(backend, **kwargs):
+        seen.update(kwargs, backend=backend)
+        raise Joined
+
+    monkeypatch.setattr(train.P, "LAUNCHED", 2)
+    monkeypatch.setattr(train.P.dist, "init_process_group", init)
+    with pytest.raises(Joined):
+        train.main(["--dist-timeout", "7", "--steps", "1"])
+    assert seen == {"backend": "gloo", "timeout": datetime.timedelta(seconds=7)}
+    seen.clear()  # NCCL keeps torch's 10 minutes (its watchdog): rank 0's eval or checkpoint can take minutes
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(train.torch.cuda, "set_device", lambda i: None)
+    with pytest.raises(Joined):
+        train.P.setup_distributed("cuda", 0, 7.0)
+    assert seen == {"backend": "nccl"}
+
+
+def test_a_lost_peer_is_one_line_naming_the_rank_and_the_wait():
+    gloo = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+            "300000ms for recv operation to complete")
+    with pytest.raises(train.P.CollectiveTimeout) as e:
+        with train.P.collective("step 3", 300.0):
+            raise RuntimeError(gloo)
+    assert str(e.value) == ("rank 0 stopped waiting for the other torchrun ranks in step 3 (--dist-timeout 300 s): a "
+                            "rank is stopped, hung or dead (Timed out waiting 300000ms for recv operation to complete)")
+    with pytest.raises(RuntimeError, match="^something else$"):  # any other error stays as it was
+        with train.P.collective("step 3", 300.0):
+            raise RuntimeError("something else")

@@ -177,3 +177,159 @@ def test_a_step_with_no_scorable_sample_is_skipped_and_counted(tmp_path, monkeyp
     assert rows[0]["eval/reward_error"] == 1.0 and "eval/reward" not in rows[0]  # counted, nothing averaged
     assert rows[1]["skipped/empty_step"] == 1.0 and rows[1]["skipped/reward_error"] == 1.0
     assert rows[2]["skipped/empty_step"] == 0.0 and math.isfinite(rows[2]["loss"]) and "eval/reward" in rows[2]
+
+
+def test_three_empty_steps_in_a_row_stop_the_run(tmp_path, monkeypatch, capsys):
+    """A reward that always raises skips every group: the run would end "done" with its start weights."""
+    def down(n, target):
+        raise RuntimeError("reward server down")
+
+    _reward(monkeypatch, down)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        train.main(["--steps", "5", "--out-dir", str(out), *SMALL, "--reward", "similarity"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "3 steps in a row had no sample to train on" in err[0], err
+    assert [r["skipped/empty_step"] for r in _metrics(out)] == [1.0, 1.0, 1.0]
+
+
+def _refused(argv, capsys) -> str:
+    """train.main in this process: exit 2 and the one stderr line, returned."""
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("floe: error: "), err
+    return err[0]
+
+
+def _edit_json(path, **changes):
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    path.write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("stop,words", [
+    (99999, "eos_token_id 99999 is outside the vocabulary [0, 32) of config.json"),
+    (-1, "eos_token_id -1 is outside the vocabulary [0, 32)"),
+    ([2, 40], "eos_token_id 40 is outside the vocabulary"),
+])
+def test_a_stop_id_outside_the_vocabulary_is_refused(tmp_path, capsys, stop, words):
+    d = _copy(tmp_path)
+    _edit_json(d / "generation_config.json", eos_token_id=stop)
+    line = _refused(["--model", str(d), "--steps", "1", "--out-dir", str(tmp_path / "run"), *SMALL], capsys)
+    assert str(d / "generation_config.json") in line and words in line and "never stop" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("stop", [[[2]], 2.0, "2", [], True, {"id": 2}])
+def test_a_stop_id_of_the_wrong_type_names_generation_config(tmp_path, stop):
+    d = _copy(tmp_path)
+    _edit_json(d / "generation_config.json", eos_token_id=stop)
+    with pytest.raises(ValueError) as e:
+        D.TextCodec.load(d)
+    assert str(e.value) == (f"{d / 'generation_config.json'}: eos_token_id must be a token id (an integer) or a "
+                            f"non-empty list of them, got {json.dumps(stop)}")
+
+
+@pytest.mark.parametrize("key,value,what", [
+    ("eos_token_id", [[2]], "a token id in [0, vocab_size 32)"),
+    ("eos_token_id", 2.0, "a token id in [0, vocab_size 32)"),
+    ("eos_token_id", "2", "a token id in [0, vocab_size 32)"),
+    ("eos_token_id", [], "a token id in [0, vocab_size 32)"),
+    ("eos_token_id", 32, "a token id in [0, vocab_size 32)"),
+    ("bos_token_id", -1, "a token id in [0, vocab_size 32)"),
+    ("num_attention_heads", 0, "an integer >= 1"),
+    ("hidden_size", "128", "an integer >= 1"),
+    ("num_hidden_layers", True, "an integer >= 1"),
+    ("vocab_size", 32.0, "an integer >= 1"),
+    ("max_position_embeddings", -5, "an integer >= 1"),
+    ("rms_norm_eps", "1e-6", "a number > 0"),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": "1e6"}, "rope_theta"),
+    ("tie_word_embeddings", "yes", "true or false"),
+])
+def test_config_values_of_the_wrong_type_or_range_are_one_line(tmp_path, key, value, what):
+    d = _copy(tmp_path)
+    _edit_json(d / "config.json", **{key: value})
+    with pytest.raises(ValueError) as e:
+        M.load(d)
+    what += " or a non-empty list of them" if key == "eos_token_id" else ""
+    if key == "rope_parameters":  # the theta it resolves: the dict's wins over a top-level rope_theta
+        key, what, value = "rope_theta", "a number > 0", value["rope_theta"]
+    assert str(e.value) == f"{d / 'config.json'}: {key} must be {what}, got {json.dumps(value)}"
+
+
+def test_heads_that_do_not_group_are_one_line(tmp_path):
+    d = _copy(tmp_path)
+    _edit_json(d / "config.json", num_key_value_heads=3)
+    with pytest.raises(ValueError, match="num_attention_heads 4 must be a multiple of num_key_value_heads 3"):
+        M.load(d)
+
+
+def test_a_layer_count_the_weights_lack_is_refused_before_building(tmp_path, monkeypatch):
+    """10^7 layers would build (on the meta device) for minutes before the weights were read."""
+    d = _copy(tmp_path)
+    _edit_json(d / "config.json", num_hidden_layers=10**7)
+    real = M.Transformer
+
+    def guarded(args):
+        assert args.num_hidden_layers <= 4, "built the model before checking the weights"
+        return real(args)
+
+    monkeypatch.setattr(M, "Transformer", guarded)
+    with pytest.raises(ValueError) as e:
+        M.load(d)
+    assert str(e.value) == (f"{d}: weights do not match config.json: num_hidden_layers 10000000, "
+                            "the weights hold 4 layers")
+
+
+def test_a_fifo_named_like_weights_is_refused_not_read(tmp_path):
+    d = _copy(tmp_path)
+    os.mkfifo(d / "extra.safetensors")  # opening it would block until a writer came
+    with pytest.raises(ValueError) as e:
+        M.load(d)
+    assert str(e.value) == f"{d / 'extra.safetensors'}: not a regular file"
+
+
+@pytest.mark.parametrize("template,error", [
+    ("{{ raise_exception('no system role here') }}", "TemplateError: no system role here"),
+    ("{% for m in messages %}{{ m.content }", "TemplateSyntaxError: unexpected '}' (template line 1)"),
+    ("{{ messages | nosuch }}", "TemplateAssertionError: No filter named 'nosuch'. (template line 1)"),
+    ("{{ 1 / 0 }}", "ZeroDivisionError: division by zero"),
+    ("{{ ''.__class__.__subclasses__() }}", "SecurityError: access to attribute '__class__' of 'str' object is unsafe."),
+    ("{{ messages.__class__ }}", "renders to no tokens"),  # the sandbox's undefined prints as nothing
+])
+def test_a_chat_template_that_fails_is_one_line_naming_it(tmp_path, capsys, template, error):
+    d = _copy(tmp_path)
+    _edit_json(d / "tokenizer_config.json", chat_template=template)
+    line = _refused(["--model", str(d), "--steps", "1", "--out-dir", str(tmp_path / "run"), *SMALL], capsys)
+    sep = " " if error.startswith("renders") else ": "
+    assert line == f"floe: error: --task reverse-text: chat template {d / 'tokenizer_config.json'}{sep}{error}"
+
+
+def test_a_tokenizer_file_that_is_not_json_is_refused_before_it_is_copied(tmp_path, capsys):
+    d = _copy(tmp_path)
+    (tmp_path / "notes.txt").write_text("not json\n")
+    (d / "special_tokens_map.json").symlink_to(tmp_path / "notes.txt")  # checkpoints copy by content
+    line = _refused(["--model", str(d), "--steps", "1", "--out-dir", str(tmp_path / "run"), *SMALL], capsys)
+    assert f"{d / 'special_tokens_map.json'}: not valid JSON" in line and "every checkpoint would copy it" in line
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_a_column_missing_from_some_rows_or_the_eval_file_is_refused(tmp_path):
+    """The union of the rows' columns hid a row without one: its reward call failed at every draw."""
+    codec, rewards = D.TextCodec.load(ROOT / "checkpoints" / "arith-tiny"), T.load_rewards(("numeric_match",), ())
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} if i % 3 else {"prompt": f"{i}+1="} for i in range(1, 10)]
+    train_file = _jsonl(tmp_path / "t.jsonl", rows)
+    with pytest.raises(T.ConfigError) as e:
+        T.JsonlTask(codec, rewards, train_file, eval_size=2)
+    assert str(e.value) == (f"{train_file}:3: --reward numeric_match needs the column(s) ['answer'], which this row "
+                            "lacks (it has none)")
+    good = _jsonl(tmp_path / "good.jsonl", [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)])
+    held = _jsonl(tmp_path / "eval.jsonl", [{"prompt": "1+1=", "target": "2"}] * 2)
+    with pytest.raises(T.ConfigError, match=f"{held}:1: --reward numeric_match needs the column"):
+        T.JsonlTask(codec, rewards, good, eval_file=held, eval_size=2)

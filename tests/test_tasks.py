@@ -116,7 +116,7 @@ def test_jsonl_task_splits_renders_and_passes_columns(tmp_path):
     path = _rows(tmp_path / "t.jsonl", _sums(30) + [{"prompt": "1+1=", "answer": "2"}])
     seen = {}
 
-    def spy(prompts, completions, answer, level, **kwargs):
+    def spy(prompts, completions, answer, level=None, **kwargs):  # a default: rows may lack it
         seen.update(prompts=prompts, completions=completions, answer=answer, level=level, ids=kwargs["completion_ids"])
         return [float(c == a) for c, a in zip(completions, answer)]
 
