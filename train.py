@@ -14,7 +14,7 @@ Simplifications:
    (loss.denominators), so any split into micro-batches gives the same gradient.
 3. Metrics stay on the device as (sum, count) pairs and are read once per step.
 4. torch.compile wraps the trainer forward only (static [T] shapes); on the CPU it is
-   off by default: for the tiny 80-step job it is a wash (README's experiment log), and
+   off by default: for the tiny 80-step job it is a wash (docs/experiments.md), and
    off needs no C++ toolchain.
 5. Under torchrun the trainer is FSDP2 (`shard`) and every rank runs its own engine (seed +
    rank; a full copy refreshed one gathered tensor at a time) on its share of the prompts,

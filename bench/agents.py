@@ -20,6 +20,7 @@ import contextlib
 import io
 import json
 import shlex
+import shutil
 import statistics
 import sys
 import time
@@ -35,16 +36,25 @@ FLAGS = ("--task jsonl:examples/guess.jsonl --model checkpoints/guess-tiny --max
 
 
 def run(env: str, seed: int, steps: int, out: Path, extra: str) -> dict:
+    """One run, or its saved result when a run with the same flags finished before (an interrupted
+    bench picks up where it stopped)."""
     d = out / f"{env}-s{seed}"
-    argv = shlex.split(f"{FLAGS} --env {env} --seed {seed} --steps {steps} --eval-every {steps} --out-dir {d} {extra}")
+    flags = f"{FLAGS} --env {env} --seed {seed} --steps {steps} --eval-every {steps} --out-dir {d} {extra}"
+    done = d / "result.json"
+    if done.is_file() and json.loads(done.read_text())["flags"] == flags:
+        return json.loads(done.read_text())
+    if d.exists():
+        shutil.rmtree(d)
     log = io.StringIO()
     t0 = time.time()
     with contextlib.redirect_stdout(log):
-        train.main(argv)
+        train.main(shlex.split(flags))
     rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/reward" in r]
-    return {"start": evals[0]["eval/reward"], "end": evals[-1]["eval/reward"], "turns": evals[-1]["eval/turns"],
-            "wall": time.time() - t0}
+    result = {"flags": flags, "start": evals[0]["eval/reward"], "end": evals[-1]["eval/reward"],
+              "turns": evals[-1]["eval/turns"], "wall": time.time() - t0}
+    done.write_text(json.dumps(result))
+    return result
 
 
 def ms(xs: list[float]) -> str:
