@@ -13,6 +13,7 @@ import types
 from pathlib import Path
 
 import pytest
+from safetensors import SafetensorError
 from safetensors.torch import save as st_save
 
 import checkpoint
@@ -245,9 +246,11 @@ def test_a_full_disk_mid_metrics_row_keeps_what_was_written(tmp_path, monkeypatc
     assert [r["step"] for r in _rows(out)] == [1, 2, 3]
 
 
-def test_a_full_disk_mid_checkpoint_never_shows_a_torn_step_dir(tmp_path, monkeypatch, capsys):
-    """step_000002's weights: half the file lands under step_000002.tmp, then ENOSPC. No step_000002
-    appears (the torn copy is removed), `final` still names step_000001, and --resume continues from it."""
+@pytest.mark.parametrize("raised", ["OSError", "SafetensorError"])
+def test_a_full_disk_mid_checkpoint_never_shows_a_torn_step_dir(tmp_path, monkeypatch, capsys, raised):
+    """step_000002's weights: half the file lands under step_000002.tmp, then ENOSPC (as an OSError,
+    or as safetensors' own writer reports it). No step_000002 appears (the torn copy is removed),
+    `final` still names step_000001, and --resume continues from it."""
     out, seen, calls = tmp_path / "run", {}, []
     real = M.save_file
 
@@ -257,6 +260,8 @@ def test_a_full_disk_mid_checkpoint_never_shows_a_torn_step_dir(tmp_path, monkey
             return real(tensors, filename, metadata=metadata)
         seen.update(_tree(out))
         Path(filename).write_bytes(st_save(tensors)[:1000])
+        if raised == "SafetensorError":  # what safetensors 0.8's save_file raised on a full disk
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
 
     monkeypatch.setattr(M, "save_file", full_at_save_2)
