@@ -67,6 +67,7 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 def regular(path: Path) -> bool:
+    """A regular file itself at `path` (a symlink to one is not)."""
     try:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except FileNotFoundError:
@@ -120,6 +121,12 @@ def start_over(out: Path) -> str:
     if trained_steps(out):
         return f"delete {out} to start over, or give another --out-dir"
     return "run it again without --resume to start over"
+
+
+def way_on(out: Path) -> str:
+    """Where a run stopped goes on (a Ctrl-C's line): its newest checkpoint, or how to start over."""
+    done = checkpoints(out) if out.is_dir() else []
+    return f"--resume continues from step {int(done[0].name[5:])}" if done else f"no checkpoint yet: {start_over(out)}"
 
 
 # ----------------------------------------------------------------------------- a new run; the lock

@@ -71,7 +71,7 @@ from pipeline import AsyncRollouts, RolloutRNG
 from precision import DTYPES
 from remote import RemoteEngine, dismiss, serve
 from rollout import Sampling
-from rundir import checkpoints, claimed, start_over, write_file
+from rundir import claimed, way_on, write_file
 from start import Start, build, check_start, write_scratch
 
 
@@ -282,14 +282,8 @@ class Interrupted(Exception):
 
 
 def interrupted(out: Path, step: int | None):
-    """The one line for a Ctrl-C (exit 130, the shell's for SIGINT), in place of a traceback."""
-    where = f"at step {step}" if step else "at start-up"
-    done = checkpoints(out) if out.is_dir() else []
-    if done:
-        then = f"--resume continues from step {int(done[0].name[5:])}"
-    else:
-        then = f"no checkpoint yet: {start_over(out)}"
-    print0(f"floe: interrupted {where}; {then}", file=sys.stderr)
+    """A Ctrl-C's one line in place of a traceback, and exit 130 (the shell's for SIGINT)."""
+    print0(f"floe: interrupted {f'at step {step}' if step else 'at start-up'}; {way_on(out)}", file=sys.stderr)
     raise SystemExit(130) from None
 
 
