@@ -168,7 +168,10 @@ class RunLock:
     def __init__(self, out: Path):
         self.path, self.fd = out / ".lock", None
         for _ in range(10):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            except OSError as e:  # a symlink or a directory planted there (never followed), a read-only disk
+                raise C.ConfigError(f"--out-dir {out}: cannot lock {self.path} ({e.strerror})") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -370,6 +370,14 @@ def test_a_locked_directory_is_one_line_and_a_killed_holder_leaves_no_lock(finis
     assert [r["step"] for r in _rows(out)] == [1, 2, 3] and not (out / ".lock").exists()
 
 
+def test_a_planted_lock_symlink_is_never_followed(finished, tmp_path, capsys):
+    out, victim = _copy(finished, tmp_path), tmp_path / "victim"
+    victim.write_text("victim")
+    (out / ".lock").symlink_to(victim)
+    one_line(_main(capsys, "--steps", "3", "--resume", "--out-dir", str(out)), 2, "cannot lock", ".lock")
+    assert victim.read_text() == "victim" and (out / ".lock").is_symlink()
+
+
 def test_a_run_holds_its_lock_while_it_runs(tmp_path, monkeypatch, capsys):
     """At step 1 a second taker of the directory is refused (flock conflicts between open files, in
     one process too); two runs started at once therefore cannot both write it."""
