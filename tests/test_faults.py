@@ -606,10 +606,17 @@ def test_ctrl_c_is_one_line_naming_where_resume_goes_on(tmp_path, monkeypatch, c
     assert r.returncode == 0 and _strip(_rows(out)) == clean3
 
 
+def _sigint_default():
+    """A child started by a runner that ignores SIGINT (a shell's `&` job) would inherit SIG_IGN, and
+    Python installs its KeyboardInterrupt handler only over the default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_a_real_sigint_is_one_line_and_exit_130(tmp_path):
     out = tmp_path / "run"
     p = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *SMALL, "--steps", "200", "--save-every", "1",
-                          "--out-dir", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                          "--out-dir", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=_sigint_default)
     try:
         deadline = time.monotonic() + 120
         while not (out / "step_000001").is_dir() and time.monotonic() < deadline and p.poll() is None:
