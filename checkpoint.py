@@ -1,12 +1,12 @@
-"""The run directory: one run per directory, its checkpoints, resume, and metrics.jsonl.
+"""A run's checkpoints, resume, and metrics.jsonl (the directory itself: rundir.py).
 
 A checkpoint is a HF directory (config.json, model.safetensors, tokenizer files) that
 transformers and vLLM load as it is, plus the training state in `trainer_state/` (optimizer,
 RNGs, step), written under a temporary name and renamed by rank 0; `--resume` reads the
-newest one that reads whole on every rank (a damaged one is skipped for the one before,
-with a warning). Nothing is loaded with pickle: tensors are safetensors, the rest JSON.
-`Logger` writes metrics.jsonl (a resume rewrites the kept rows through a temporary file),
-the log line, and wandb when asked.
+newest one that reads whole (`whole`: every part checked) and whose steps' rows metrics.jsonl
+holds; one that fails either is skipped for the one before, with a warning. Nothing is loaded
+with pickle: tensors are safetensors, the rest JSON. `Logger` writes metrics.jsonl (a resume
+rewrites the kept rows through a temporary file), the log line, and wandb when asked.
 
     python -m pytest -q tests/test_train.py tests/test_faults.py -k "resume or kill or damaged"
 """
@@ -17,8 +17,7 @@ import contextlib
 import json
 import math
 import os
-import re
-import shutil
+import random
 import time
 import uuid
 from pathlib import Path
@@ -30,11 +29,23 @@ from safetensors.torch import save as st_save
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import config as C
+import data as D
 import model as M
 import parallel as P
 from parallel import RANK, full, gather
+import rundir as R
+from rundir import STATE
 
-STATE = "trainer_state"  # a sub-folder, so vLLM's *.safetensors glob sees only the model
+ADAM = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}  # AdamW's state per parameter
+FREE = ("steps", "eval_every", "save_every", "wandb_project", "dist_timeout", "call_timeout")  # a resume may change them; config.json follows
+UNUSED = ("resume", "model", "out_dir")  # a resume ignores them (out_dir: any spelling); config.json keeps the run's
+
+
+class NothingToDo(Exception):
+    """A --resume of a run already at --steps: one line, exit 0, the directory as it was."""
+
+
+# ----------------------------------------------------------------------------- checkpoints
 
 def gathered(named) -> dict[str, torch.Tensor]:
     """(name, tensor) pairs: every rank gathers each FSDP shard in turn, rank 0 alone keeps a CPU copy."""
@@ -58,38 +69,67 @@ def save_checkpoint(out: Path, step: int, model, opt, rng, gen: torch.Generator,
     try:
         M.save(model, path, src, state=weights, extra={f"{STATE}/state.json": json.dumps(state).encode(),
                                                        f"{STATE}/optim_rng.safetensors": st_save(tensors)})
-    except OSError:  # a full or read-only disk mid-write: the torn copy never became step_NNNNNN; free its space
-        shutil.rmtree(path.with_name(path.name + ".tmp"), ignore_errors=True)  # M.save's temporary name
+    except BaseException:  # a full or read-only disk mid-write, a Ctrl-C: the torn copy never became step_NNNNNN
+        with contextlib.suppress(OSError):
+            M.remove_path(path.with_name(path.name + ".tmp"))  # M.save's temporary name: free its space
         raise
     link = out / "final.tmp"  # `final` points at the newest checkpoint; replaced atomically
-    link.unlink(missing_ok=True)
+    link.unlink(missing_ok=True)  # a stale one: the link itself goes; symlink_to then creates, never follows
     link.symlink_to(path.name)
     os.replace(link, out / "final")
     return path
 
 
-def checkpoints(out: Path) -> list[Path]:
-    """The run's complete checkpoints, newest first (a torn write leaves only a .tmp folder)."""
-    done = [p for p in out.glob("step_*") if re.fullmatch(r"step_\d{6}", p.name) and (p / STATE / "state.json").is_file()]
-    return sorted(done, reverse=True)
+def whole(path: Path) -> tuple[M.Transformer, D.TextCodec]:
+    """The checkpoint's model (on the CPU) and tokenizer, every part of the checkpoint checked: raises
+    naming the first damaged one. state.json: its step is the directory's, its RNG state one that
+    `random` takes; the HF directory: config.json, tokenizer.json and the weights as --model's are
+    checked (M.load: keys, shapes, finite values); optim_rng.safetensors: its header (a truncated
+    file fails there) holds AdamW state for this model's parameters only, in their shapes, and
+    every rank's engine generator."""
+    state = json.loads((path / STATE / "state.json").read_text())
+    step, world = state.get("step"), state.get("world_size", 1)
+    if type(step) is not int or path.name != f"step_{step:06d}":
+        raise ValueError(f"{STATE}/state.json says step {step!r}, its directory is {path.name}")
+    if type(world) is not int or world < 1:
+        raise ValueError(f"{STATE}/state.json: world_size {world!r}")
+    version, internal, gauss = state["python_rng"]
+    if not (gauss is None or isinstance(gauss, float)):
+        raise ValueError(f"{STATE}/state.json: python_rng's gauss {gauss!r}")
+    random.Random().setstate((version, tuple(internal), gauss))  # a wrong size or type raises
+    if "loss_scale" in state:
+        value, good = state["loss_scale"]
+        if not (isinstance(value, float) and math.isfinite(value) and type(good) is int):
+            raise ValueError(f"{STATE}/state.json: loss_scale {state['loss_scale']!r}")
+    model, codec = M.load(path), D.TextCodec.load(path)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    engines = {"rng/engine"} | {f"rng/engine/{r}" for r in range(1, world)}
+    with safe_open(str(path / STATE / "optim_rng.safetensors"), framework="pt") as st:
+        for key in st.keys():
+            name, _, kind = key.removeprefix("optim/").rpartition("/")
+            if key in engines:
+                continue
+            if not key.startswith("optim/") or name not in shapes or kind not in ADAM:
+                raise ValueError(f"{STATE}/optim_rng.safetensors: {key} is no optimizer state of this model")
+            want, got = () if kind == "step" else shapes[name], tuple(st.get_slice(key).get_shape())
+            if got != want:
+                raise ValueError(f"{STATE}/optim_rng.safetensors: {key} has shape {got}, its parameter {want}")
+        if missing := sorted(engines - set(st.keys())):
+            raise ValueError(f"{STATE}/optim_rng.safetensors: no {missing[0]} (world_size {world})")
+    return model, codec
 
 
 def damage(path: Path) -> str | None:
-    """Why a checkpoint cannot be resumed from, or None: its state JSON and both safetensors files are
-    read for their headers, which name every tensor's byte range (a truncated file fails there)."""
+    """Why a checkpoint cannot be resumed from (`whole`), or None."""
     try:
-        state = json.loads((path / STATE / "state.json").read_text())
-        if not isinstance(state.get("step"), int):
-            return f"{STATE}/state.json has no step"
-        for f in (path / "model.safetensors", path / STATE / "optim_rng.safetensors"):
-            with safe_open(str(f), framework="pt"):
-                pass
-    except Exception as e:  # json, OSError, safetensors' own errors: all mean "not this one"
+        whole(path)
+    except Exception as e:  # json, OSError, safetensors' and tokenizers' own errors: all mean "not this one"
         return f"{type(e).__name__}: {e}"
     return None
 
 
 def load_training_state(path: Path, model, opt, rng, engine, scale=None) -> int:
+    """The optimizer state, RNGs and fp16 loss scale of a checkpoint that `whole` passed."""
     state = json.loads((path / STATE / "state.json").read_text())
     tensors = st_load((path / STATE / "optim_rng.safetensors").read_bytes())
     params = dict(model.named_parameters())
@@ -109,91 +149,96 @@ def load_training_state(path: Path, model, opt, rng, engine, scale=None) -> int:
     return state["step"]
 
 
-def check_fresh(out: Path) -> None:
-    """A new run needs a directory without a run in it: two runs never share one."""
-    if out.exists() and not out.is_dir():
-        raise C.ConfigError(f"--out-dir {out}: is a file, not a directory")
-    if (out / "metrics.jsonl").exists() or any(out.glob("step_*")):
-        raise C.ConfigError(f"--out-dir {out} holds a run already: add --resume to continue it, or give another "
-                            "--out-dir (or delete that directory to start over)")
+# ----------------------------------------------------------------------------- resume
 
-
-def write_config(out: Path, settings: dict) -> None:
-    """config.json, written under a temporary name and renamed: a full disk mid-write (a resume
-    rewrites it) leaves the old one whole."""
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "config.json.tmp"
-    tmp.write_text(json.dumps(settings, indent=2))
-    os.replace(tmp, out / "config.json")
-
-
-@contextlib.contextmanager
-def undone_on_failure(out: Path):
-    """A start that fails before its run exists (the engine refuses a flag, a full disk) takes back
-    what it wrote, by rank 0: the topmost folder it made (--out-dir itself when it was new), or the
-    scratch/ model it added to an existing one, and a torn config.json.tmp. An existing config.json
-    is only ever replaced whole (write_config), so --out-dir is left as it was."""
-    out = out.absolute()
-    made = [p for p in (*reversed(out.parents), out) if not p.exists()][:1]
-    made = made or ([] if (out / "scratch").exists() else [out / "scratch"])
-    try:
-        yield
-    except BaseException:  # SystemExit from `fail` and KeyboardInterrupt too
-        if RANK == 0:
-            for p in made:
-                shutil.rmtree(p, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                (out / "config.json.tmp").unlink(missing_ok=True)
-        raise
-
-
-def check_resumable(cfg: C.Config, out: Path) -> Path:
-    """The checkpoint to resume from: the newest complete one that is not damaged (an older one, with
-    a warning, when it is); the flags that shape the run must not change."""
-    found = checkpoints(out)
+def check_resumable(cfg: C.Config, out: Path) -> tuple[Path, list[dict], M.Transformer, D.TextCodec]:
+    """The checkpoint to resume from, with the metrics rows it keeps, its model and tokenizer: the
+    newest that reads whole (`whole`) and whose steps all have their row in metrics.jsonl (the rows
+    are fsynced before the checkpoint that covers them; a disk or a copy that lost some falls back
+    to the one before, with a warning). The flags that shape the run must not change; a run already
+    at --steps has nothing to do (NothingToDo)."""
+    if not out.is_dir():
+        raise C.ConfigError(f"--resume: --out-dir {out} does not exist (a new run needs no --resume)")
+    found, saved, done = R.checkpoints(out), R.floe_config(out), R.trained_steps(out)
+    if not found and saved is None and not done:
+        raise C.ConfigError(f"--resume: {out} holds no floe run (no checkpoint, no floe config.json)")
     if not found:
-        raise C.ConfigError(f"--resume: no complete checkpoint in {out} (step_NNNNNN/{STATE}/state.json)")
-    path = None
-    for p in found:
-        if (why := damage(p)) is None:
-            path = p
-            break
-        P.print0(f"warning: {p} is damaged ({why}); trying the one before it")
+        raise C.ConfigError(f"--resume: no complete checkpoint in {out} (its run stopped "
+                            f"{f'at step {max(done)}' if done else 'before its first step'}): {R.start_over(out)}")
+    if saved is None:
+        raise C.ConfigError(f"--resume: {out / 'config.json'} is missing or unreadable: the run's flags are unknown")
+    defaults = json.loads(C.Config().to_json())
+    for k, v in json.loads(cfg.to_json()).items():  # a flag newer than the run's record stands at its default
+        if k not in FREE + UNUSED and saved.get(k, defaults[k]) != v:
+            raise C.ConfigError(f"--resume: --{k.replace('_', '-')} is {v!r} but the run in {out} used {saved.get(k)!r}")
+    rows = read_rows(out)
+    path, model, codec, why = _newest_whole(found, {r["step"] for r in rows}, out)
     if path is None:
-        raise C.ConfigError(f"--resume: every checkpoint in {out} is damaged (the newest: {damage(found[0])})")
+        raise C.ConfigError(f"--resume: every checkpoint in {out} is damaged or lacks its metrics rows (the newest: "
+                            f"{why}); delete that directory to start over, or give another --out-dir")
     if path != found[0]:
         P.print0(f"warning: resuming from {path.name}, the newest checkpoint that reads whole")
-    try:
-        saved = json.loads((out / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise C.ConfigError(f"--resume: {out / 'config.json'} is unreadable ({e})") from None
     world = json.loads((path / STATE / "state.json").read_text()).get("world_size", 1)
     if world != P.world():
         raise C.ConfigError(f"--resume: the run in {out} ran on {world} trainer processes, this one on {P.world()} "
                             f"(torchrun --nproc_per_node); start a new run with --model {path} instead")
+    step = int(path.name[5:])  # step_NNNNNN
+    if step >= cfg.steps:
+        raise NothingToDo(f"nothing to do: the run in {out} is at step {step} and --steps is {cfg.steps}; give "
+                          f"--steps above {step} to continue it")
     if cfg.model != saved.get("model"):
         P.print0(f"note: --model {cfg.model} is not used: a resumed run continues from {path}")
-    free = {"steps", "resume", "eval_every", "save_every", "wandb_project", "model", "out_dir"}  # out_dir: any spelling
-    for k, v in json.loads(cfg.to_json()).items():
-        if k not in free and saved.get(k) != v:
-            raise C.ConfigError(f"--resume: --{k.replace('_', '-')} is {v!r} but the run in {out} used {saved.get(k)!r}")
-    return path
+    return path, [r for r in rows if r["step"] <= step], model, codec
 
 
-def kept_metrics(out: Path, step: int) -> list[dict]:
-    """metrics.jsonl's rows up to `step` (the later ones are redone). A torn last row (a kill or a
-    full disk mid-write) is dropped with a warning; a bad row anywhere else is an error."""
+def _newest_whole(found: list[Path], have: set[int], out: Path):
+    """(path, model, codec, None) for the first of `found` that reads whole with its rows in `have`,
+    warning for each one passed over; (None, None, None, why the newest failed) when none does."""
+    first = None
+    for p in found:
+        try:
+            model, codec = whole(p)
+        except Exception as e:  # as in `damage`
+            why = f"{p} is damaged ({type(e).__name__}: {e})"
+        else:
+            lost = sorted(set(range(1, int(p.name[5:]) + 1)) - have)
+            if not lost:
+                return p, model, codec, None
+            which = f"the row of step {lost[0]}" if len(lost) == 1 else f"the rows of steps {lost[0]}..{lost[-1]}"
+            why = f"{out / 'metrics.jsonl'} lacks {which}, which {p.name} covers"
+        P.print0(f"warning: {why}; trying the one before it")
+        first = first or why
+    return None, None, None, first
+
+
+def read_rows(out: Path) -> list[dict]:
+    """metrics.jsonl's rows. A torn last row (a kill or a full disk mid-write: not JSON) is dropped
+    with a warning; any other line that is not a row (a JSON object with an integer step) is an error."""
     path = out / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.is_file() else []
+    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
     rows = []
     for i, line in enumerate(lines):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             if i < len(lines) - 1:
                 raise C.ConfigError(f"--resume: {path}:{i + 1} is not valid JSON (only a torn last row is repaired)")
             P.print0(f"warning: {path}: dropping its torn last row ({len(line)} bytes)")
-    return [r for r in rows if r.get("step", 0) <= step]
+            continue
+        if R.row_step(row) is None:
+            raise C.ConfigError(f"--resume: {path}:{i + 1} is not a metrics row (a JSON object with an integer "
+                                f"step): {line[:60]}")
+        rows.append(row)
+    return rows
+
+
+def resumed_config(out: Path, cfg: C.Config) -> dict | None:
+    """config.json on resume: the run's own record (its model, its out_dir), with the flags a resume
+    may change (FREE) as this one gives them; None when none changed (the file stays as it is)."""
+    saved = json.loads((out / "config.json").read_text())
+    now = json.loads(cfg.to_json())
+    new = {**saved, **{k: now[k] for k in FREE}}
+    return None if new == saved else new
 
 
 def note_changed_rewards(out: Path, hashes: dict[str, str]) -> None:
@@ -210,26 +255,28 @@ class Logger:
     """One line per step, metrics.jsonl, and wandb when asked for."""
 
     def __init__(self, cfg: C.Config, start: int = 0, kept: list[dict] | None = None):
-        """kept: on resume, the metrics rows up to the checkpoint (checkpoint.kept_metrics); they are
-        written to a temporary file renamed over metrics.jsonl, so a kill never empties the history."""
+        """kept: on resume, the metrics rows up to the checkpoint (check_resumable); they are written
+        to a temporary file renamed over metrics.jsonl, so a kill never empties the history, and
+        the rows that follow go on through the same descriptor (the file that was renamed into place)."""
         self.cfg, self.t0, self.start = cfg, time.time(), start
         out = Path(cfg.out_dir)
         self.rows = list(kept or [])
         self.file = open(os.devnull, "w")
         if RANK == 0:
-            tmp = out / "metrics.jsonl.tmp"
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
-            os.replace(tmp, out / "metrics.jsonl")
-            self.file = open(out / "metrics.jsonl", "a")
+            self.file = R.create_new(out / "metrics.jsonl.tmp")
+            self.file.write("".join(json.dumps(r) + "\n" for r in self.rows))
+            R.publish(self.file, out / "metrics.jsonl")
         self.wandb = None
         if cfg.wandb_project and RANK == 0:
             import wandb
 
-            run_id = out / "wandb_id"  # a resumed run logs into the same wandb run
-            if not run_id.is_file():
-                run_id.write_text(uuid.uuid4().hex[:8])  # wandb's id alphabet: a-z, 0-9
+            run_id = out / "wandb_id"  # a resumed run logs into the same wandb run; a new one (started over) not
+            ident = run_id.read_text().strip() if kept is not None and R.regular(run_id) else ""
+            if not ident:
+                ident = uuid.uuid4().hex[:8]  # wandb's id alphabet: a-z, 0-9
+                R.write_file(run_id, ident)
             self.wandb = wandb.init(project=cfg.wandb_project, config=json.loads(cfg.to_json()), dir=cfg.out_dir,
-                                    id=run_id.read_text().strip(), resume="allow")
+                                    id=ident, resume="allow")
 
     def row(self, step: int, metrics: dict) -> None:
         self.rows.append({"step": step, **metrics})
@@ -237,6 +284,13 @@ class Logger:
         self.file.flush()
         if self.wandb:
             self.wandb.log(metrics, step=step)
+
+    def sync(self) -> None:
+        """The rows on disk, before the checkpoint that covers them (rank 0): a power cut then never
+        leaves a checkpoint whose rows are gone, which a resume would not redo."""
+        if RANK == 0:
+            self.file.flush()
+            os.fsync(self.file.fileno())
 
     def line(self, step: int, m: dict, tokens: int, dt: float) -> None:
         eta = (time.time() - self.t0) / (step - self.start) * (self.cfg.steps - step)

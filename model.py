@@ -33,6 +33,7 @@ Simplifications:
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -43,7 +44,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -454,18 +455,41 @@ def saved_config(args: ModelArgs, src_dir: Path) -> dict:
     return {**cfg, **dict.fromkeys(keys, "float32")}
 
 
+def remove_path(path: Path) -> None:
+    """Whatever stands at `path`, gone: a directory tree, or a file or symlink (the link itself,
+    never what it points at); nothing when absent. A stale temporary name is cleared this way."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def write_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    """model.safetensors: safetensors reports a full disk as its own SafetensorError, turned here into
+    the OSError (errno, path) that every other failed write raises, so callers catch one type."""
+    try:
+        save_file(state, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        n = int(code.group(1)) if code else errno.EIO
+        raise OSError(n, os.strerror(n) if code else str(e), str(path)) from None
+
+
 def save(model: Transformer, out_dir: str | Path, src_dir: str | Path, extra: dict[str, bytes] | None = None,
          state: dict[str, torch.Tensor] | None = None) -> None:
     """Write a HF directory (plus `extra` files) under a temporary name, then rename it into place.
     `src_dir` is where the model came from: its config.json, tokenizer and generation files.
-    `state` replaces model.state_dict(): the full weights gathered from FSDP shards (train.py)."""
+    `state` replaces model.state_dict(): the full weights gathered from FSDP shards (train.py).
+    The temporary directory is made new (mkdir fails on anything left there, which is removed
+    first, a planted symlink included, never followed), so every file in it is this call's."""
     out, src = Path(out_dir), Path(src_dir)
     config = saved_config(model.args, src)  # read before anything is written: src may be out
     tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    remove_path(tmp)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in (state or model.state_dict()).items()}
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    write_weights(state, tmp / "model.safetensors")
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     for f in TOKENIZER_FILES:
         if (src / f).is_file():
@@ -477,11 +501,11 @@ def save(model: Transformer, out_dir: str | Path, src_dir: str | Path, extra: di
         if f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-    if out.exists():  # replace: move the old one aside first, so a crash leaves one readable copy
+    if out.exists() or out.is_symlink():  # replace: move the old one aside first, so a crash leaves one readable copy
         old = out.with_name(out.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
+        remove_path(old)
         out.rename(old)
         tmp.rename(out)
-        shutil.rmtree(old)
+        remove_path(old)
     else:
         tmp.rename(out)

@@ -134,10 +134,19 @@ class RemoteEngine:
                 self.link.send([torch.tensor([STOP, 0])], j)
 
 
+def dismiss(link: Link) -> None:
+    """Trainer rank 0, with nothing to do (a resume at --steps already): the inference ranks exit
+    before they load anything (an empty directory name)."""
+    for j in range(1, link.size):
+        link.send([torch.tensor([], dtype=torch.uint8)], j)
+
+
 def serve(cfg, link: Link) -> None:
     """An inference rank: load the directory trainer rank 0 names, then generate and take weight
-    pushes in the order it sends them, until STOP."""
+    pushes in the order it sends them, until STOP. No directory named: the trainers have nothing to do."""
     src = bytes(link.recv(0)[0].tolist()).decode()
+    if not src:
+        return
     model = M.load(src, device=cfg.device, dtype=wire_dtype(cfg.engine_dtype))  # the pushes land here
     seed = cfg.seed + 1000 * link.rank  # unused by sampling (each call brings its seed); vLLM's init takes one
     engine = make_engine(cfg, model, src, D.TextCodec.load(src).stop_ids, seed)

@@ -26,11 +26,12 @@ import episodes as E
 import loss as L
 import model as M
 import tasks as T
-from checkpoint import check_fresh, check_resumable, kept_metrics
+from checkpoint import check_resumable
 import parallel as P
 from parallel import RANK, print0, shard
 from remote import RemoteEngine
 from rollout import Sampling, make_engine, vllm_logprobs
+from rundir import check_fresh, snapshot
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Start:
     src: Path | None  # the model directory (a checkpoint on resume); None: --model scratch
     resume_from: Path | None  # the checkpoint --resume continues
     kept: list[dict] | None  # on resume, the metrics rows up to that checkpoint
+    seen: tuple  # the run directory as the checks saw it (checkpoint.snapshot), checked again under its lock
     codec: D.TextCodec
     task: T.Task
     model: M.Transformer
@@ -55,10 +57,15 @@ def check_start(cfg: C.Config) -> Start:
         raise C.ConfigError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the {P.world()} "
                             "torchrun processes (each rank samples its own share)")
     out = Path(cfg.out_dir)
-    resume_from = check_resumable(cfg, out) if cfg.resume else check_fresh(out)
-    kept = kept_metrics(out, int(resume_from.name[5:])) if resume_from else None  # step_NNNNNN
-    src = resume_from or (None if cfg.model == "scratch" else Path(cfg.model))
-    codec = D.TextCodec.load(src) if src else D.TextCodec.tiny(T.alphabet(cfg))
+    seen = snapshot(out)
+    if cfg.resume:  # the checkpoint, checked whole: its model and tokenizer come with it
+        resume_from, kept, model, codec = check_resumable(cfg, out)
+        src = resume_from
+    else:
+        if note := check_fresh(out, cfg.model):
+            print0(note)
+        resume_from, kept, src = None, None, None if cfg.model == "scratch" else Path(cfg.model)
+        codec = D.TextCodec.load(src) if src else D.TextCodec.tiny(T.alphabet(cfg))
     task = T.build(cfg, codec)
     env = E.load_env(cfg, task)
     if cfg.stage == "sft":  # a multi-turn reference must follow the token rule before anything is written
@@ -69,7 +76,7 @@ def check_start(cfg: C.Config) -> Start:
                 except (ValueError, AttributeError, TypeError) as e:
                     raise C.ConfigError(f"{cfg.task}: a row's `episode` is not a multi-turn reference ({e})") from None
     torch.manual_seed(cfg.seed)
-    model = load_model(cfg, src, codec)
+    model = model.to(cfg.device) if cfg.resume else load_model(cfg, src, codec)
     task.fit_eval_set(cfg.max_new_tokens, model.args.max_position_embeddings, cfg.eval_every > 0)
     if cfg.engine == "vllm":  # can vLLM report the support this loss needs? Ask before starting it
         vllm_logprobs(Sampling(top_k=cfg.top_k, support=L.reads_support(cfg)), model.args.vocab_size)
@@ -84,7 +91,7 @@ def check_start(cfg: C.Config) -> Start:
     if cfg.epochs > 1 and not L.trained(cfg).clipped:  # (plain reinforce: refused by Config)
         print0(f"note: --epochs {cfg.epochs} with --loss {cfg.loss}: the later passes reweight by p/q against the "
                "sampler; nothing clips them against pi_old (ppo, cispo and gspo do)")
-    return Start(out, src, resume_from, kept, codec, task, model, env)
+    return Start(out, src, resume_from, kept, seen, codec, task, model, env)
 
 
 def check_same_flags(cfg: C.Config) -> None:
@@ -151,7 +158,8 @@ def write_scratch(cfg: C.Config, out: Path, model: M.Transformer, task: T.Task) 
     """`--model scratch`: the fresh model as a HF directory in the run, for the engine and checkpoints."""
     src = out / "scratch"
     if RANK == 0:
-        src.mkdir(parents=True, exist_ok=True)
+        M.remove_path(src)  # a run started over makes its model anew (a symlink there is not followed)
+        src.mkdir()
         D.write_tokenizer(src, task.alphabet)
         M.save(model, src, src)
     if P.world() > 1:

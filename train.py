@@ -63,14 +63,15 @@ import evidence
 import loss as L
 import model as M
 import tasks as T
-from checkpoint import Logger, load_training_state, note_changed_rewards, save_checkpoint, undone_on_failure, write_config
+from checkpoint import Logger, NothingToDo, load_training_state, note_changed_rewards, resumed_config, save_checkpoint
 from kernels import head
 import parallel as P
 from parallel import RANK, full, gather, print0, setup_distributed, sum_over_ranks
 from pipeline import AsyncRollouts, RolloutRNG
 from precision import DTYPES
-from remote import RemoteEngine, serve
+from remote import RemoteEngine, dismiss, serve
 from rollout import Sampling
+from rundir import claimed, way_on, write_file
 from start import Start, build, check_start, write_scratch
 
 
@@ -300,9 +301,23 @@ def fail(e: Exception, code: int):
     raise SystemExit(code) from None
 
 
+class Interrupted(Exception):
+    """Ctrl-C (SIGINT) in the loop, at `step`: main says where a --resume goes on from, and exits 130."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+
+def interrupted(out: Path, step: int | None):
+    """A Ctrl-C's one line in place of a traceback, and exit 130 (the shell's for SIGINT)."""
+    print0(f"floe: interrupted {f'at step {step}' if step else 'at start-up'}; {way_on(out)}", file=sys.stderr)
+    raise SystemExit(130) from None
+
+
 def main(argv: list[str] | None = None) -> dict:
     cfg = C.parse(argv)
     P.pin_inference_gpu(cfg.inference_gpus)
+    link = None
     try:
         cfg = cfg.resolve(torch.cuda.is_available())
         link = setup_distributed(cfg.device, cfg.inference_gpus, cfg.dist_timeout)
@@ -312,16 +327,30 @@ def main(argv: list[str] | None = None) -> dict:
             return {}
         with P.collective("the start-up checks", cfg.dist_timeout):
             s = check_start(cfg)
+    except NothingToDo as e:  # a resume of a run at --steps already: the directory stays as it was
+        print0(f"floe: {e}")
+        if link is not None:
+            dismiss(link)
+        P.teardown(link, cfg.inference_gpus)
+        return {}
     except (C.ConfigError, FileNotFoundError, ValueError) as e:  # bad flags, run directory, model, task or reward
         fail(e, 2)
     except P.CollectiveTimeout as e:
         lost(e)
+    except KeyboardInterrupt:
+        interrupted(Path(cfg.out_dir), None)
     try:
         return launch(cfg, s, link)
+    except C.ConfigError as e:  # the run directory, once locked: another run holds it, or changed it meanwhile
+        fail(e, 2)
     except OSError as e:  # a read-only or full disk: one line, and what was written before stays
         fail(f"cannot write the run in {s.out}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else ""), 1)
     except P.CollectiveTimeout as e:
         lost(e)
+    except Interrupted as e:
+        interrupted(s.out, e.step)
+    except KeyboardInterrupt:  # before the loop: what the start wrote is taken back (rundir.claimed)
+        interrupted(s.out, None)
 
 
 def lost(e: P.CollectiveTimeout):
@@ -332,13 +361,14 @@ def lost(e: P.CollectiveTimeout):
 
 
 def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
-    """Build the engine and optimizer, write the run's config, resume if asked, loop, summarize.
-    A start that fails before the loop (the engine refuses, a full disk) leaves --out-dir as it was."""
+    """Lock the run directory, build the engine and optimizer, write the run's config, resume if
+    asked, loop, summarize. A start that fails before the loop (the engine refuses, a full disk)
+    leaves --out-dir as it was; the lock is held until the run ends, however it ends."""
     hashes = T.reward_hashes(s.task.rewards)
     if s.resume_from:
         note_changed_rewards(s.out, hashes)
     print0(cfg.to_json())
-    with undone_on_failure(s.out):  # everything was checked: the run may write now
+    with claimed(s.out, s.seen) as lock:  # everything was checked: rank 0 holds the directory, the run may write
         src = s.src or write_scratch(cfg, s.out, s.model, s.task)  # the engine loads from a directory
         try:
             with P.collective("the start (the engine, the sharded model)", cfg.dist_timeout):
@@ -346,28 +376,38 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
         except (FileNotFoundError, ValueError, C.ConfigError) as e:  # flags the engine can't serve
             fail(e, 2)
         if RANK == 0:  # the engine started: now the config, which a resume checks its flags against
-            write_config(s.out, {**json.loads(cfg.to_json()), "reward_sha256": hashes})
-    rng, scale = random.Random(cfg.seed), LossScale.for_dtype(cfg.train_dtype)
-    with P.collective("the resume", cfg.dist_timeout):
-        start = load_training_state(s.resume_from, s.model, opt, rng, engine, scale) if s.resume_from else 0
-    print0(f"model {src}: {sum(p.numel() for p in s.model.parameters()) / 1e6:.2f}M params on {cfg.device}"
-           + (f" x {P.world()} ranks (FSDP2)" if P.world() > 1 else "")
-           + (f", sampling on {cfg.inference_gpus} more" if cfg.inference_gpus else "")
-           + (f" | resuming at step {start}" if start else "") + (" | compiling, ~1 min" if cfg.compile == "on" else ""))
-    log = None
+            record = (resumed_config(s.out, cfg) if s.resume_from  # the run's own record; None: unchanged
+                      else {**json.loads(cfg.to_json()), "reward_sha256": hashes})
+            if record is not None:
+                write_file(s.out / "config.json", json.dumps(record, indent=2))
+    log = run = None
     try:
+        rng, scale = random.Random(cfg.seed), LossScale.for_dtype(cfg.train_dtype)
+        with P.collective("the resume", cfg.dist_timeout):
+            start = load_training_state(s.resume_from, s.model, opt, rng, engine, scale) if s.resume_from else 0
+        print0(f"model {src}: {sum(p.numel() for p in s.model.parameters()) / 1e6:.2f}M params on {cfg.device}"
+               + (f" x {P.world()} ranks (FSDP2)" if P.world() > 1 else "")
+               + (f", sampling on {cfg.inference_gpus} more" if cfg.inference_gpus else "")
+               + (f" | resuming at step {start}" if start else "") + (" | compiling, ~1 min" if cfg.compile == "on" else ""))
         log = Logger(cfg, start, s.kept)  # an OSError here (a full disk) reaches main's one line
         play = None if s.env is None else E.Play(
             s.env, s.codec, engine, rl_sampling(cfg), min(s.model.args.max_position_embeddings, cfg.micro_batch_tokens + 1),
             cfg.max_turns, cfg.call_timeout, s.task.template_kwargs)
-        loop(Run(cfg, s.task, s.model, fwd, opt, engine, rng, log, s.out, src, scale, play), start)
+        run = Run(cfg, s.task, s.model, fwd, opt, engine, rng, log, s.out, src, scale, play)
+        loop(run, start)
     except D.RunError as e:
         fail(e, 1)  # what was logged and saved so far stays
+    except KeyboardInterrupt:
+        if run is None:  # at start-up: main's line
+            raise
+        raise Interrupted(run.step) from None
     finally:
         if log is not None:
             log.close()
         if isinstance(engine, RemoteEngine):
             engine.stop()
+        if lock is not None:
+            lock.release()
     summary = finish(cfg, log)
     P.teardown(link, cfg.inference_gpus)
     return summary
@@ -389,12 +429,13 @@ class Run:
     src: Path  # the model directory the engine loaded; checkpoints copy its tokenizer
     scale: LossScale  # --train-dtype fp16's dynamic loss scale (1.0 otherwise)
     play: E.Play | None = None  # --env: the environment, engine and limits episodes are played with
+    step: int = 0  # the step in progress (a Ctrl-C's line names it)
 
 
 def loop(run: Run, start: int) -> None:
     """Steps start+1..--steps, then a checkpoint at --save-every and at the end. With --async-level
     a thread samples each batch ahead (pipeline.AsyncRollouts) and hands it to the step."""
-    cfg = run.cfg
+    cfg, run.step = run.cfg, start + 1
     if cfg.eval_every and not start and RANK == 0:
         run.log.row(0, evaluate(cfg, run.task, run.engine, run.play))
         print0(eval_line(0, run.log.rows[-1]))
@@ -406,6 +447,7 @@ def loop(run: Run, start: int) -> None:
     skipped = empty = failed = 0  # non-finite steps in a row, empty ones, ones whose episodes all failed
     with ahead or contextlib.nullcontext():
         for step in range(start + 1, cfg.steps + 1):
+            run.step = step
             with P.collective(f"step {step}", cfg.dist_timeout):
                 m, batch = rl_step(run, step, ahead)
             skipped = skipped + 1 if m.get("skipped/nonfinite_step") else 0
@@ -424,6 +466,7 @@ def loop(run: Run, start: int) -> None:
             if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                 # the RNGs as the next batch finds them (with a thread: as this one's left them, AsyncRollouts 5)
                 st = RolloutRNG(run.rng, run.engine.gen) if ahead is None else ahead.rng_after(step)
+                run.log.sync()  # the rows on disk before the checkpoint that covers them
                 with P.collective(f"the checkpoint of step {step}", cfg.dist_timeout):
                     save_checkpoint(run.out, step, run.model, run.opt, st.rng, st.gen, run.src, run.scale)
 

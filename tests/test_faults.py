@@ -5,17 +5,26 @@ around, never a traceback. (Reward outages and non-finite steps: tests/test_inpu
 import errno
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 import checkpoint
+import config as C
+import rundir
 import model as M
 import start
 import train
@@ -26,9 +35,11 @@ SMALL = ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "6"
 
 
 def _tree(d: Path) -> dict:
-    """Every file under d (symlinks as their target) -> its sha256."""
+    """Every file under d (symlinks as their target) -> its sha256; a live run's empty `.lock` aside."""
     out = {}
     for p in sorted(d.rglob("*")):
+        if p.name == ".lock":
+            continue
         if p.is_symlink():
             out[str(p.relative_to(d))] = "-> " + os.readlink(p)
         elif p.is_file():
@@ -138,20 +149,34 @@ def test_the_logger_never_empties_the_history(finished, tmp_path, monkeypatch):
     (here a full disk) leaves the old history whole."""
     out = _copy(finished, tmp_path)
     before = (out / "metrics.jsonl").read_bytes()
-    real = Path.write_text
-
-    def full_disk(self, *a, **k):
-        if self.name == "metrics.jsonl.tmp":
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(Path, "write_text", full_disk)
+    _refuse(monkeypatch, "metrics.jsonl.tmp", errno.ENOSPC, at="write")
     with pytest.raises(SystemExit) as e:
         train.main(["--steps", "3", "--resume", "--out-dir", str(out), *SMALL])
     assert e.value.code == 1 and (out / "metrics.jsonl").read_bytes() == before
 
 
-def test_damage_reads_headers_only(finished):
+def _refuse(monkeypatch, name: str, code: int, at: str = "open") -> None:
+    """rundir.create_new fails for the file `name` with OSError `code`: at its creation (a read-only
+    directory), or at its first write (a full disk)."""
+    real = rundir.create_new
+
+    def failing(path):
+        if path.name != name:
+            return real(path)
+        if at == "open":
+            raise OSError(code, os.strerror(code), str(path))
+        f = real(path)
+
+        def write(text):
+            raise OSError(code, os.strerror(code), str(path))
+
+        f.write = write
+        return f
+
+    monkeypatch.setattr(rundir, "create_new", failing)
+
+
+def test_damage_passes_a_whole_checkpoint(finished):
     assert checkpoint.damage(finished / "step_000002") is None
 
 
@@ -188,14 +213,7 @@ def _same_but(before: dict, after: dict, *torn: str) -> None:
 def test_a_read_only_config_json_leaves_the_run_dir_as_it_was(finished, tmp_path, monkeypatch, capsys):
     """The first write of a run (config.json): a new --out-dir is gone again; on resume (config.json
     is rewritten) the run directory is byte-identical, and resumes once the disk is writable."""
-    real = Path.write_text
-
-    def read_only(self, *a, **k):
-        if self.name.startswith("config.json"):
-            raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(self))
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(Path, "write_text", read_only)
+    _refuse(monkeypatch, "config.json.tmp", errno.EACCES)
     new = tmp_path / "new"
     one_line(_main(capsys, "--steps", "1", "--out-dir", str(new)), 1, "cannot write", os.strerror(errno.EACCES))
     assert not new.exists()
@@ -217,10 +235,12 @@ def test_a_full_disk_mid_metrics_row_keeps_what_was_written(tmp_path, monkeypatc
 
     def full_at_row_2(path, mode="r", *a, **k):
         f = real_open(path, mode, *a, **k)
-        if Path(path).name == "metrics.jsonl" and "a" in mode:
+        if Path(path).name == "metrics.jsonl.tmp":  # the Logger's file, renamed to metrics.jsonl
             write, rows = f.write, []
 
             def torn(text):
+                if not text:  # a new run's kept rows: none
+                    return write(text)
                 rows.append(text)
                 if len(rows) < 2:
                     return write(text)
@@ -233,21 +253,23 @@ def test_a_full_disk_mid_metrics_row_keeps_what_was_written(tmp_path, monkeypatc
             f.write = torn
         return f
 
-    monkeypatch.setattr(checkpoint, "open", full_at_row_2, raising=False)  # shadows the builtin in checkpoint.py
+    monkeypatch.setattr(rundir, "open", full_at_row_2, raising=False)  # shadows the builtin in rundir.py (create_new)
     one_line(_main(capsys, "--steps", "3", "--save-every", "1", "--out-dir", str(out)), 1, "cannot write",
              os.strerror(errno.ENOSPC), "metrics.jsonl")
     _same_but(seen, _tree(out), "metrics.jsonl")
     assert (out / "metrics.jsonl").read_bytes().startswith(rows_before[0])  # step 1's row, then half of step 2's
-    assert [p.name for p in checkpoint.checkpoints(out)] == ["step_000001"]
+    assert [p.name for p in rundir.checkpoints(out)] == ["step_000001"]
     monkeypatch.undo()
     r = _main(capsys, "--steps", "3", "--resume", "--out-dir", str(out))
     assert r.returncode == 0 and "dropping its torn last row" in r.stdout
     assert [r["step"] for r in _rows(out)] == [1, 2, 3]
 
 
-def test_a_full_disk_mid_checkpoint_never_shows_a_torn_step_dir(tmp_path, monkeypatch, capsys):
-    """step_000002's weights: half the file lands under step_000002.tmp, then ENOSPC. No step_000002
-    appears (the torn copy is removed), `final` still names step_000001, and --resume continues from it."""
+@pytest.mark.parametrize("raised", ["OSError", "SafetensorError"])
+def test_a_full_disk_mid_checkpoint_never_shows_a_torn_step_dir(tmp_path, monkeypatch, capsys, raised):
+    """step_000002's weights: half the file lands under step_000002.tmp, then ENOSPC (as an OSError,
+    or as safetensors' own writer reports it). No step_000002 appears (the torn copy is removed),
+    `final` still names step_000001, and --resume continues from it."""
     out, seen, calls = tmp_path / "run", {}, []
     real = M.save_file
 
@@ -257,6 +279,8 @@ def test_a_full_disk_mid_checkpoint_never_shows_a_torn_step_dir(tmp_path, monkey
             return real(tensors, filename, metadata=metadata)
         seen.update(_tree(out))
         Path(filename).write_bytes(st_save(tensors)[:1000])
+        if raised == "SafetensorError":  # what safetensors 0.8's save_file raised on a full disk
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
 
     monkeypatch.setattr(M, "save_file", full_at_save_2)
@@ -288,10 +312,346 @@ def test_an_engine_that_fails_to_start_leaves_the_run_dir_as_it_was(tmp_path, mo
     assert not (tmp_path / "runs").exists()  # and the parent this start would have made
     mine = tmp_path / "mine"
     mine.mkdir()
-    (mine / "notes.txt").write_text("mine")
     one_line(_main(capsys, *flags, "--out-dir", str(mine)), 2, "refuses this flag")
-    assert _tree(mine) == {"notes.txt": hashlib.sha256(b"mine").hexdigest()}
+    assert list(mine.iterdir()) == []  # the lock too is gone
     monkeypatch.undo()
     for out in (new, mine):
         assert _main(capsys, *flags, "--out-dir", str(out)).returncode == 0
         assert [r["step"] for r in _rows(out)] == [1]
+
+
+# ----------------------------------------------------------------------------- what a run directory is, and its lock
+
+def test_a_directory_that_is_not_a_run_is_refused_and_left_as_it_was(tmp_path, capsys):
+    """A model directory as --out-dir (its config.json was overwritten), a directory with a config.json
+    of something else or any other file, and an --out-dir inside the --model directory: one line,
+    nothing written."""
+    model = tmp_path / "M"
+    subprocess.run(["cp", "-a", str(ROOT / "checkpoints" / "reverse-tiny"), str(model)], check=True)
+    other, notes = tmp_path / "other", tmp_path / "notes"
+    other.mkdir()
+    (other / "config.json").write_text('{"name": "not a run"}')
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    before = {d: _tree(d) for d in (model, other, notes)}
+    for out, words in ((model, "is the --model directory"), (model / "run", "is the --model directory"),
+                       (other, "holds no floe run"), (notes, "notes.txt")):
+        one_line(_main(capsys, "--steps", "1", "--model", str(model), "--out-dir", str(out)), 2, str(out), *words)
+    assert {d: _tree(d) for d in before} == before
+
+
+_HOLDER = """
+import sys, time
+sys.path.insert(0, {root!r})
+import rundir
+from pathlib import Path
+lock = rundir.RunLock(Path(sys.argv[1]))
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_locked_directory_is_one_line_and_a_killed_holder_leaves_no_lock(finished, tmp_path, capsys):
+    """A second run into a directory another process holds: one line naming it, nothing changed.
+    SIGKILL the holder and the kernel drops its flock: the run goes on."""
+    out = _copy(finished, tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER.format(root=str(ROOT)), str(out)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        before = _tree(out)
+        one_line(_main(capsys, "--steps", "3", "--resume", "--out-dir", str(out)), 2, str(out),
+                 "in use by another run")
+        assert _tree(out) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    assert _main(capsys, "--steps", "3", "--resume", "--out-dir", str(out)).returncode == 0
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3] and not (out / ".lock").exists()
+
+
+def test_a_planted_lock_symlink_is_never_followed(finished, tmp_path, capsys):
+    out, victim = _copy(finished, tmp_path), tmp_path / "victim"
+    victim.write_text("victim")
+    (out / ".lock").symlink_to(victim)
+    one_line(_main(capsys, "--steps", "3", "--resume", "--out-dir", str(out)), 2, "cannot lock", ".lock")
+    assert victim.read_text() == "victim" and (out / ".lock").is_symlink()
+
+
+def test_a_run_holds_its_lock_while_it_runs(tmp_path, monkeypatch, capsys):
+    """At step 1 a second taker of the directory is refused (flock conflicts between open files, in
+    one process too); two runs started at once therefore cannot both write it."""
+    out, tried = tmp_path / "run", []
+    real = train.rl_step
+
+    def step(run, n, ahead=None):
+        with pytest.raises(C.ConfigError, match="in use by another run"):
+            rundir.RunLock(out.absolute())
+        tried.append(n)
+        return real(run, n, ahead)
+
+    monkeypatch.setattr(train, "rl_step", step)
+    assert _main(capsys, "--steps", "1", "--out-dir", str(out)).returncode == 0 and tried == [1]
+
+
+def test_a_run_directory_that_changed_while_the_start_checked_it_is_one_line(tmp_path, monkeypatch, capsys):
+    """The checks run before the lock is taken: a run that came and went in between (here: a file
+    that appears) is caught once the lock is held, and nothing is written."""
+    out = tmp_path / "run"
+    real = rundir.RunLock
+
+    def late(path):
+        (path / "config.json").write_text("{}")  # another start got there first
+        return real(path)
+
+    monkeypatch.setattr(rundir, "RunLock", late)
+    one_line(_main(capsys, "--steps", "1", "--out-dir", str(out)), 2, "changed while this run was starting")
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- nothing written through a planted link
+
+def test_create_new_never_follows_a_planted_symlink(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("victim")
+    (tmp_path / "x.tmp").symlink_to(victim)
+    rundir.write_file(tmp_path / "x", "mine")
+    assert victim.read_text() == "victim" and (tmp_path / "x").read_text() == "mine"
+    assert not (tmp_path / "x").is_symlink() and not (tmp_path / "x.tmp").exists()
+
+
+def test_planted_symlinks_in_a_run_directory_are_never_followed(finished, tmp_path, monkeypatch, capsys):
+    """Every temporary name a resume writes (metrics.jsonl.tmp, config.json.tmp, final.tmp, the
+    checkpoint's step_000003.tmp, wandb_id) planted as a symlink: the targets stay as they were and
+    what lands in the run is floe's own regular files."""
+    out = _copy(finished, tmp_path)
+    victims = tmp_path / "victims"
+    (victims / "dir").mkdir(parents=True)
+    planted = {"metrics.jsonl.tmp": "m", "config.json.tmp": "c", "final.tmp": "f", "wandb_id": "w"}
+    for name, v in planted.items():
+        (victims / v).write_text("victim")
+        (out / name).symlink_to(victims / v)
+    (out / "step_000003.tmp").symlink_to(victims / "dir", target_is_directory=True)
+    ids = []
+    fake = types.SimpleNamespace(init=lambda **k: ids.append(k["id"]) or types.SimpleNamespace(
+        log=lambda *a, **k: None, finish=lambda: None))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    assert _main(capsys, "--steps", "3", "--resume", "--wandb-project", "p", "--out-dir", str(out)).returncode == 0
+    assert _tree(victims) == {"c": hashlib.sha256(b"victim").hexdigest(), **{
+        v: hashlib.sha256(b"victim").hexdigest() for v in ("m", "f", "w")}}
+    for name in ("metrics.jsonl", "config.json", "wandb_id"):
+        assert not (out / name).is_symlink() and (out / name).is_file(), name
+    assert ids and ids[0] != "victim" and (out / "wandb_id").read_text() == ids[0]
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3] and os.readlink(out / "final") == "step_000003"
+    assert (out / "step_000003").is_dir() and not (out / "step_000003").is_symlink()
+    assert not any(p.name.endswith(".tmp") for p in out.iterdir())
+
+
+def test_a_new_run_into_a_directory_with_a_planted_symlink_is_refused(tmp_path, capsys):
+    victim, d = tmp_path / "victim", tmp_path / "d"
+    victim.write_text("victim")
+    d.mkdir()
+    (d / "metrics.jsonl.tmp").symlink_to(victim)
+    one_line(_main(capsys, "--steps", "1", "--out-dir", str(d)), 2, "holds no floe run")
+    assert victim.read_text() == "victim" and os.readlink(d / "metrics.jsonl.tmp") == str(victim)
+
+
+# ----------------------------------------------------------------------------- a resume's record, and nothing to do
+
+def test_a_resume_keeps_the_runs_record(finished, tmp_path, capsys):
+    """config.json keeps what the run was trained from (--model, --out-dir as first given); only the
+    flags a resume may change follow it (--steps here, and --save-every back to its default)."""
+    out = _copy(finished, tmp_path)
+    saved = json.loads((out / "config.json").read_text())
+    r = _main(capsys, "--steps", "3", "--resume", "--model", "/nonexistent", "--out-dir", str(out) + "/.")
+    assert r.returncode == 0 and "--model /nonexistent is not used" in r.stdout
+    assert json.loads((out / "config.json").read_text()) == {**saved, "steps": 3, "save_every": 0}
+
+
+@pytest.mark.parametrize("steps", ["2", "1"])
+def test_a_resume_with_nothing_to_do_says_so_and_changes_nothing(finished, tmp_path, capsys, steps):
+    out = _copy(finished, tmp_path)
+    before = _tree(out)
+    r = _main(capsys, "--steps", steps, "--resume", "--out-dir", str(out))
+    assert r.returncode == 0 and not r.stderr
+    assert r.stdout.strip() == (f"floe: nothing to do: the run in {out} is at step 2 and --steps is {steps}; "
+                                "give --steps above 2 to continue it")
+    assert _tree(out) == before
+
+
+# ----------------------------------------------------------------------------- checkpoints that fall back
+
+@pytest.fixture(scope="module")
+def clean3(finished) -> list[dict]:
+    """The uninterrupted 3-step run's rows (time/* aside): what every resume of `finished` must give."""
+    out = finished.parent / "clean3"
+    train.main(["--steps", "3", "--out-dir", str(out), *SMALL])
+    return _strip(_rows(out))
+
+
+def _strip(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def _optim(path: Path, edit) -> None:
+    f = path / "trainer_state" / "optim_rng.safetensors"
+    tensors = st_load(f.read_bytes())
+    edit(tensors)
+    f.write_bytes(st_save(tensors))
+
+
+def _state(path: Path, **changes) -> None:
+    f = path / "trainer_state" / "state.json"
+    f.write_text(json.dumps({**json.loads(f.read_text()), **changes}))
+
+
+DAMAGE = {  # a part of the newest checkpoint, damaged: what the warning names
+    "step": (lambda p: _state(p, step=5), "says step 5, its directory is step_000002"),
+    "python_rng": (lambda p: _state(p, python_rng=[3, [1, 2], None]), "ValueError"),
+    "optim_key": (lambda p: _optim(p, lambda t: t.update({"optim/nope.weight/exp_avg": torch.zeros(2)})),
+                  "optim/nope.weight/exp_avg is no optimizer state"),
+    "optim_shape": (lambda p: _optim(p, lambda t: t.update({k: torch.zeros(3) for k in t if k.endswith("/exp_avg")})),
+                    "has shape (3,)"),
+    "config": (lambda p: (p / "config.json").unlink(), "config.json: missing"),
+    "tokenizer": (lambda p: (p / "tokenizer.json").unlink(), "tokenizer.json: missing"),
+    "nan": (lambda p: (p / "model.safetensors").write_bytes(st_save({k: v.fill_(math.nan) if k.endswith("norm.weight")
+                                                                      else v for k, v in
+                                                                      st_load((p / "model.safetensors").read_bytes()).items()})),
+            "holds NaN or inf"),
+}
+
+
+@pytest.mark.parametrize("part", DAMAGE)
+def test_a_damaged_part_of_the_newest_checkpoint_falls_back(finished, tmp_path, capsys, part):
+    """Each part a resume reads, damaged in step_000002: the start picks step_000001, warning with the
+    cause (the full resume from a fallback: test_a_damaged_newest_checkpoint_falls_back_to_the_one_before)."""
+    out = _copy(finished, tmp_path)
+    spoil, words = DAMAGE[part]
+    spoil(out / "step_000002")
+    assert checkpoint.damage(out / "step_000002") is not None
+    capsys.readouterr()
+    s = start.check_start(C.parse(["--steps", "3", "--resume", "--out-dir", str(out), *SMALL]).resolve(False))
+    said = capsys.readouterr().out
+    assert s.resume_from.name == "step_000001" and [r["step"] for r in s.kept] == [1]
+    assert "step_000002 is damaged" in said and words in said, said
+
+
+def test_a_checkpoint_whose_rows_were_lost_falls_back_and_redoes_them(finished, tmp_path, clean3, capsys):
+    """The last row torn (a power cut), its step's checkpoint whole: resuming there would never redo the
+    row, so the resume starts from the checkpoint before it, and the rows come out whole."""
+    out = _copy(finished, tmp_path)
+    text = (out / "metrics.jsonl").read_text()
+    (out / "metrics.jsonl").write_text(text[: text.rindex('"step": 2') + 12])
+    r = _main(capsys, "--steps", "3", "--resume", "--out-dir", str(out))
+    assert r.returncode == 0 and "lacks the row of step 2, which step_000002 covers" in r.stdout
+    assert _strip(_rows(out)) == clean3
+
+
+def test_rows_are_on_disk_before_the_checkpoint_that_covers_them(tmp_path, monkeypatch, capsys):
+    out, events = tmp_path / "run", []
+    real_fsync, real_save = os.fsync, M.save
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"), os.fstat(fd).st_size))
+        return real_fsync(fd)
+
+    def save(model, path, *a, **k):
+        events.append(("save", Path(path).name, (out / "metrics.jsonl").stat().st_size))
+        return real_save(model, path, *a, **k)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(M, "save", save)
+    assert _main(capsys, "--steps", "2", "--save-every", "1", "--out-dir", str(out)).returncode == 0
+    metrics = str((out / "metrics.jsonl").absolute())
+    for i, e in enumerate(events):
+        if e[0] == "save":
+            synced = [f for f in events[:i] if f[0] == "fsync" and f[1] == metrics]
+            assert synced and synced[-1][2] == e[2], (e, events[:i])  # every row so far, fsynced
+
+
+@pytest.mark.parametrize("line", ["42", '{"step": "x"}', '{"loss": 1.0}'])
+def test_a_metrics_line_that_is_not_a_row_is_one_line(finished, tmp_path, line):
+    out = _copy(finished, tmp_path)
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text(line + "\n" + "\n".join(rows[1:]) + "\n")
+    before = _tree(out)
+    one_line(_cli("--steps", "3", "--resume", "--out-dir", str(out)), 2, "metrics.jsonl:1 is not a metrics row")
+    assert _tree(out) == before
+
+
+# ----------------------------------------------------------------------------- Ctrl-C, and runs that stopped early
+
+def _stop_at(monkeypatch, at: int, exc) -> None:
+    real = train.rl_step
+
+    def step(run, n, ahead=None):
+        if n == at:
+            raise exc
+        return real(run, n, ahead)
+
+    monkeypatch.setattr(train, "rl_step", step)
+
+
+def test_ctrl_c_is_one_line_naming_where_resume_goes_on(tmp_path, monkeypatch, clean3, capsys):
+    """Ctrl-C at step 3: one line (no traceback), exit 130, and --resume goes on exactly."""
+    out = tmp_path / "run"
+    _stop_at(monkeypatch, 3, KeyboardInterrupt())
+    r = _main(capsys, "--steps", "3", "--save-every", "1", "--out-dir", str(out))
+    assert r.returncode == 130 and r.stderr.strip() == "floe: interrupted at step 3; --resume continues from step 2"
+    _stop_at(monkeypatch, 1, KeyboardInterrupt())
+    r = _main(capsys, "--steps", "3", "--out-dir", str(tmp_path / "early"))
+    assert r.stderr.strip() == "floe: interrupted at step 1; no checkpoint yet: run it again without --resume to start over"
+    monkeypatch.undo()
+    r = _main(capsys, "--steps", "3", "--resume", "--out-dir", str(out))
+    assert r.returncode == 0 and _strip(_rows(out)) == clean3
+
+
+def _sigint_default():
+    """A child started by a runner that ignores SIGINT (a shell's `&` job) would inherit SIG_IGN, and
+    Python installs its KeyboardInterrupt handler only over the default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_a_real_sigint_is_one_line_and_exit_130(tmp_path):
+    out = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *SMALL, "--steps", "200", "--save-every", "1",
+                          "--out-dir", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=_sigint_default)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "step_000001").is_dir() and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        err = p.communicate(timeout=60)[1]
+    finally:
+        p.kill()
+    assert p.returncode == 130 and len(err.strip().splitlines()) == 1, err
+    assert re.fullmatch(r"floe: interrupted at step \d+; --resume continues from step \d+", err.strip()), err
+
+
+def test_a_run_that_stopped_before_its_first_step_is_started_over(tmp_path, monkeypatch, capsys):
+    """A failure at step 1 (here a prompt that cannot fit) leaves config.json and an empty metrics.jsonl:
+    --resume says how to start over, and the same command again starts it over, saying so."""
+    out = tmp_path / "run"
+    _stop_at(monkeypatch, 1, train.D.RunError("every prompt is longer than the context"))
+    one_line(_main(capsys, "--steps", "2", "--out-dir", str(out)), 1, "longer than the context")
+    assert (out / "config.json").is_file() and (out / "metrics.jsonl").read_text() == ""
+    monkeypatch.undo()
+    one_line(_main(capsys, "--steps", "2", "--resume", "--out-dir", str(out)), 2, "no complete checkpoint",
+             "stopped before its first step", "without --resume")
+    r = _main(capsys, "--steps", "2", "--out-dir", str(out))
+    assert r.returncode == 0 and "starting it over" in r.stdout and [r["step"] for r in _rows(out)] == [1, 2]
+
+
+def test_a_run_that_stopped_before_its_first_checkpoint_says_how_to_start_over(tmp_path, monkeypatch, capsys):
+    """Rows but no checkpoint (a kill at step 2 of a run saving only at its end): both a new run and
+    --resume say the same way on (delete it, or another --out-dir), never each other's flag."""
+    out = tmp_path / "run"
+    _stop_at(monkeypatch, 2, train.D.RunError("stop"))
+    assert _main(capsys, "--steps", "3", "--out-dir", str(out)).returncode == 1
+    monkeypatch.undo()
+    before = _tree(out)
+    for more in ([], ["--resume"]):
+        one_line(_main(capsys, "--steps", "3", "--out-dir", str(out), *more), 2, "stopped at step 1",
+                 f"delete {out} to start over")
+    assert _tree(out) == before

@@ -102,6 +102,9 @@ def test_split_run_trains_and_resumes_exactly(tmp_path):
         r = torchrun(*base, "--steps", steps, "--out-dir", str(cut), *more, nproc=3)
         assert r.returncode == 0, r.stderr[-3000:]
     assert _rows(cut) == rows
+    r = torchrun(*base, "--steps", "4", "--out-dir", str(cut), "--resume", nproc=3)  # the inference rank is let go
+    assert r.returncode == 0 and "floe: nothing to do" in r.stdout, r.stderr[-3000:]
+    assert _rows(cut) == rows
 
 
 TEARDOWN = """
