@@ -12,7 +12,8 @@ icepop (--icepop-beta 2.0, as in the README's main command), over --seeds seeds:
   format a 2025 study proposes against bf16's mismatch).
 
 Each run is `train.main([...])` in this process, one after another, in
-`<out>/<setting>-<loss>-s<seed>/` (its log in `train.log` there). At the end
+`<out>/<setting>-<loss>-s<seed>/` (its log beside it, in `<setting>-<loss>-s<seed>.log`: a run
+directory holds only its run, rundir.py). At the end
 `<out>/results.md` (written to docs/experiment.md by default) holds one table row per
 setting and loss: mismatch KL (k3 on the sampled tokens, mean over steps and seeds), the
 loss's own masked or clipped fraction, the held-out reward at step 0 and at the end (mean ±
@@ -100,14 +101,14 @@ def run_args(s: Setting, loss: str, seed: int, steps: int, run_dir: Path, extra:
 
 
 def run_one(args: list[str], run_dir: Path) -> dict:
-    """train.main in this process, its stdout to train.log; result.json makes a rerun a no-op."""
+    """train.main in this process, its stdout to <run_dir>.log; result.json makes a rerun a no-op."""
     done = run_dir / "result.json"
     if done.is_file() and json.loads(done.read_text())["args"] == args:
         return {**json.loads(done.read_text()), "reused": True}
     shutil.rmtree(run_dir, ignore_errors=True)  # the study's own directory: a changed run starts over
-    run_dir.mkdir(parents=True)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with open(run_dir / "train.log", "w") as f, contextlib.redirect_stdout(f):
+    with open(run_dir.with_name(run_dir.name + ".log"), "w") as f, contextlib.redirect_stdout(f):
         summary = train.main(args)
     result = {"args": args, "wall_s": time.perf_counter() - t0, "summary": summary}
     done.write_text(json.dumps(result, indent=2))

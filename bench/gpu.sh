@@ -18,7 +18,7 @@ python3 -c "import torch; print('torch', torch.__version__, '|', torch.cuda.get_
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/env.txt"
 
 echo "== gpu tests (kernels, flex attention, bf16/fp16 training against CPU/eager references; vLLM fp8 where it imports)"
-timeout 150 python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/tests.txt"
+timeout 130 python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/tests.txt"
 
 echo "== bench/support.py"
 timeout 30 python3 bench/support.py 2>&1 | tee "$OUT/support.txt"
@@ -41,5 +41,9 @@ timeout 30 python3 train.py --device cuda --loss icepop --icepop-beta 2.0 --step
 echo "== the mismatch lab on the GPU: fp8 rollouts (vLLM's fp8 where the image has vLLM) and an fp16 trainer, 10 steps"
 timeout 30 python3 train.py --device cuda --loss icepop --icepop-beta 2.0 --steps 10 --eval-every 5 --engine-dtype fp8 \
   --train-dtype fp16 --out-dir "$OUT/run-fp8" 2>&1 | grep -v '^  "' | tee "$OUT/run-fp8.txt"
-# worst case, every timeout reached: 150 + 30 + 90 + 30 + 60 + 60 + 30 + 30 = 480 s of commands, plus
+echo "== multi-turn episodes on the GPU (built-in engine): the guess-letter game, 5 steps"
+timeout 20 python3 train.py --device cuda --task jsonl:examples/guess.jsonl --env guess-letter --model checkpoints/guess-tiny \
+  --max-new-tokens 4 --prompts-per-step 16 --group-size 8 --steps 5 --eval-every 5 --eval-prompts 16 \
+  --out-dir "$OUT/run-episodes" 2>&1 | grep -v '^  "' | tee "$OUT/run-episodes.txt"
+# worst case, every timeout reached: 130 + 30 + 90 + 30 + 60 + 60 + 30 + 30 + 20 = 480 s of commands, plus
 # start-up; typical runs finish well inside them.
