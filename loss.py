@@ -94,35 +94,6 @@ def reads(cfg: Config) -> set[str]:
     return own | set(LOSSES["icepop"].reads) if LOSSES[cfg.loss].clipped and cfg.icepop else own
 
 
-# A mask's or the KL's flags, and the switch without which nothing reads them (--correction-metrics-only
-# reports both masks, so it reads theirs)
-SWITCHED = {"seq_mask_low": ("seq_mask", "--seq-mask geometric or max"),
-            "seq_mask_high": ("seq_mask", "--seq-mask geometric or max"),
-            "kl_mask_threshold": ("kl_mask", "--kl-mask k1, k3 or binary"),
-            "kl_estimator": ("kl_coeff", "--kl-coeff > 0"), "kl_staleness": ("kl_coeff", "--kl-coeff > 0")}
-
-
-def unread(cfg: Config) -> list[tuple[str, str, bool]]:
-    """The loss's flags this config leaves unread, as (field, why, refused). Another loss's flags get a
-    note (a sweep keeps one set of flags over several --loss); the flags of a mask or of the KL that is
-    off are refused: the run would lack what the user tuned, and the line names the switch."""
-    if cfg.stage == "sft":
-        return [(f, "is not read with --stage sft", False) for f in (*_loss_flags(), *SWITCHED)]
-    audit, read = cfg.correction_metrics_only, reads(cfg)
-    trains = f"by --loss {cfg.loss}" + " under --correction-metrics-only" * audit
-    out = [(f, f"is not read {trains} (it is --loss {', '.join(n for n, x in LOSSES.items() if f in x.reads)}'s)", False)
-           for f in _loss_flags() if f not in read]
-    for f, (switch, fix) in SWITCHED.items():
-        value = getattr(cfg, switch)
-        if value in ("off", 0) and not (audit and switch != "kl_coeff"):
-            out.append((f, f"has no effect with --{switch.replace('_', '-')} {value}: add {fix}", True))
-    return out
-
-
-def _loss_flags() -> list[str]:
-    return list(dict.fromkeys(f for loss in LOSSES.values() for f in loss.reads))
-
-
 def reads_support(cfg: Config) -> bool:
     """Whether the engine must report each token's support. Score centering and the exact KL read
     it; truncated sampling always reports its kept set, whatever the loss, because the trainer's p

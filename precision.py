@@ -5,11 +5,15 @@
    dtype values. On a CPU the arithmetic is fp32: most CPUs have no bf16 matmul units.
 2. `Fp8Linear` (fp8): W8A8 as vLLM's fp8 path computes it, e4m3 weights with a scale per
    output channel and inputs quantized per token (`fp8_quantize`), bf16 outputs.
+3. `LossScale`: the trainer's side of low precision, --train-dtype fp16's dynamic loss scale
+   (train.optimizer_step applies it).
 
     python -m pytest -q tests/test_rollout.py    # against independent references
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -84,3 +88,29 @@ def emulate(model: nn.Module, dtype: str, emulated: bool) -> None:
         for child, sub in list(module.named_children()):
             if type(sub) is nn.Linear:
                 setattr(module, child, Fp8Linear(sub, emulated) if dtype == "fp8" else Rounded(sub, DTYPES[dtype]))
+
+
+@dataclass
+class LossScale:
+    """--train-dtype fp16's dynamic loss scaling (PyTorch GradScaler's defaults): the loss is
+    multiplied by `value` before the backward, so small gradients do not flush to zero in fp16,
+    and the gradients are divided by it before clipping. A non-finite gradient halves it and
+    skips the step; `growth` finite steps in a row double it. bf16 and fp32 keep 1.0."""
+
+    value: float = 1.0
+    dynamic: bool = False
+    good: int = 0  # finite steps since the last change
+    growth: int = 2000
+
+    @classmethod
+    def for_dtype(cls, train_dtype: str) -> LossScale:
+        return cls(2.0**16, dynamic=True) if train_dtype == "fp16" else cls()
+
+    def update(self, finite: bool) -> None:
+        if not self.dynamic:
+            return
+        self.good = self.good + 1 if finite else 0
+        if not finite:
+            self.value /= 2
+        elif self.good == self.growth:
+            self.value, self.good = self.value * 2, 0

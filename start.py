@@ -112,17 +112,46 @@ TASK_FLAGS = {"min_words": "reverse-text", "max_words": "reverse-text", "max_ope
 RL_FLAGS = ("async_level", "engine_noise", "score_centering_k")
 
 
+# A mask's or the KL's flags, and the switch without which nothing reads them (--correction-metrics-only
+# reports both masks, so it reads theirs)
+SWITCHED = {"seq_mask_low": ("seq_mask", "--seq-mask geometric or max"),
+            "seq_mask_high": ("seq_mask", "--seq-mask geometric or max"),
+            "kl_mask_threshold": ("kl_mask", "--kl-mask k1, k3 or binary"),
+            "kl_estimator": ("kl_coeff", "--kl-coeff > 0"), "kl_staleness": ("kl_coeff", "--kl-coeff > 0")}
+
+
+def unread(cfg: C.Config) -> list[tuple[str, str, bool]]:
+    """The loss's flags this config leaves unread, as (field, why, refused). Another loss's flags get a
+    note (a sweep keeps one set of flags over several --loss); the flags of a mask or of the KL that is
+    off are refused: the run would lack what the user tuned, and the line names the switch."""
+    if cfg.stage == "sft":
+        return [(f, "is not read with --stage sft", False) for f in (*_loss_flags(), *SWITCHED)]
+    audit, read = cfg.correction_metrics_only, L.reads(cfg)
+    trains = f"by --loss {cfg.loss}" + " under --correction-metrics-only" * audit
+    out = [(f, f"is not read {trains} (it is --loss {', '.join(n for n, x in L.LOSSES.items() if f in x.reads)}'s)", False)
+           for f in _loss_flags() if f not in read]
+    for f, (switch, fix) in SWITCHED.items():
+        value = getattr(cfg, switch)
+        if value in ("off", 0) and not (audit and switch != "kl_coeff"):
+            out.append((f, f"has no effect with --{switch.replace('_', '-')} {value}: add {fix}", True))
+    return out
+
+
+def _loss_flags() -> list[str]:
+    return list(dict.fromkeys(f for loss in L.LOSSES.values() for f in loss.reads))
+
+
 def check_read(cfg: C.Config) -> None:
     """A flag set away from its default that nothing reads in this combination: a note where the run
     is still what the user asked for (another loss's or task's flag, an rl flag under sft), an error
-    where it would lack what the flag tunes (a mask's bounds with the mask off: loss.unread)."""
-    unread = L.unread(cfg)
-    unread += [(f, f"is not read with --task {cfg.task} (it is --task {t}'s)", False) for f, t in TASK_FLAGS.items()
+    where it would lack what the flag tunes (a mask's bounds with the mask off: `unread`)."""
+    found = unread(cfg)
+    found += [(f, f"is not read with --task {cfg.task} (it is --task {t}'s)", False) for f, t in TASK_FLAGS.items()
                if cfg.task != t]
-    unread += [(f, "is not read with --stage sft (it is for rl rollouts)", False) for f in RL_FLAGS if cfg.stage == "sft"]
+    found += [(f, "is not read with --stage sft (it is for rl rollouts)", False) for f in RL_FLAGS if cfg.stage == "sft"]
     if cfg.device == "cuda":
-        unread.append(("dist_timeout", "is not read on CUDA (NCCL keeps torch's 10-minute watchdog)", False))
-    for field, why, refused in unread:
+        found.append(("dist_timeout", "is not read on CUDA (NCCL keeps torch's 10-minute watchdog)", False))
+    for field, why, refused in found:
         value = getattr(cfg, field)
         if value == C.Config.__dataclass_fields__[field].default:
             continue

@@ -68,7 +68,7 @@ from kernels import head
 import parallel as P
 from parallel import RANK, full, gather, print0, setup_distributed, sum_over_ranks
 from pipeline import AsyncRollouts, RolloutRNG
-from precision import DTYPES
+from precision import DTYPES, LossScale
 from remote import RemoteEngine, dismiss, serve
 from rollout import Sampling
 from rundir import claimed, way_on, write_file
@@ -207,32 +207,6 @@ def backward_pass(cfg, model, fwd, mbs, denom, step, old=None, scale: float = 1.
         (loss * scale if scale != 1.0 else loss).backward()
         L.accumulate(total, metrics)
     return total
-
-
-@dataclass
-class LossScale:
-    """--train-dtype fp16's dynamic loss scaling (PyTorch GradScaler's defaults): the loss is
-    multiplied by `value` before the backward, so small gradients do not flush to zero in fp16,
-    and the gradients are divided by it before clipping. A non-finite gradient halves it and
-    skips the step; `growth` finite steps in a row double it. bf16 and fp32 keep 1.0."""
-
-    value: float = 1.0
-    dynamic: bool = False
-    good: int = 0  # finite steps since the last change
-    growth: int = 2000
-
-    @classmethod
-    def for_dtype(cls, train_dtype: str) -> LossScale:
-        return cls(2.0**16, dynamic=True) if train_dtype == "fp16" else cls()
-
-    def update(self, finite: bool) -> None:
-        if not self.dynamic:
-            return
-        self.good = self.good + 1 if finite else 0
-        if not finite:
-            self.value /= 2
-        elif self.good == self.growth:
-            self.value, self.good = self.value * 2, 0
 
 
 def optimizer_step(cfg, model, opt, step, scale: LossScale | None = None, loss=None):
