@@ -80,3 +80,23 @@ def read_adapter(adapter_dir: str | Path) -> tuple[LoRASpec, dict[str, torch.Ten
         raise ValueError(f"{d / CONFIG}: target_modules must be a list of module names, not {targets!r}")
     spec = LoRASpec(int(cfg["r"]), float(cfg["lora_alpha"]), tuple(sorted(targets)))
     return spec, load_file(str(d / WEIGHTS)), str(cfg.get("base_model_name_or_path") or "")
+
+
+def module_of(key: str) -> str:
+    """The inverse of peft_key: a PEFT name -> the adapted layer's own name."""
+    assert key.startswith(PREFIX) and key.endswith((".lora_A.weight", ".lora_B.weight")), key
+    return key[len(PREFIX):-len(".lora_A.weight")]
+
+
+@torch.no_grad()
+def merged(base: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], spec: LoRASpec) -> dict[str, torch.Tensor]:
+    """Full weights by HF name: W + (alpha / r) B A for each adapted layer (computed in fp32, then
+    cast to W's dtype), every other tensor of `base` as it is. `base` is left untouched."""
+    out = dict(base)
+    for key in tensors:
+        if key.endswith(".lora_A.weight"):
+            module = module_of(key)
+            a, b = tensors[key].float(), tensors[peft_key(module, "B")].float()
+            w = base[f"{module}.weight"]
+            out[f"{module}.weight"] = (w.float() + spec.scale * (b @ a)).to(w.dtype)
+    return out
