@@ -97,7 +97,7 @@ class Config:
     top_k: int = 0  # top-k sampling; 0: off
     async_level: int = 0  # a: step s trains on rollouts sampled, on a thread, by the weights after step s-1-a; 0: synchronous
     inference_gpus: int = 0  # under torchrun: the last k processes only sample (remote.py); 0: every rank samples its share
-    dist_timeout: float = 300.0  # torchrun on a CPU (gloo): seconds a rank waits for the others at a collective, then one line
+    dist_timeout: float = 300.0  # torchrun on a CPU (gloo): seconds a rank waits for the others at a collective, then one line (with --env at least --call-timeout x (--max-turns + 2) + 60)
 
     # --- the loss (loss.py; docs/design.md "The loss")
     loss: Literal["reinforce", "icepop", "ipo", "tis", "ppo", "cispo", "gspo"] = "icepop"
@@ -187,8 +187,6 @@ class Config:
                f"must be a finite number of seconds > 0, got {self.call_timeout}")
         _check(1 <= self.max_turns <= 1000, "--max-turns", f"must be in [1, 1000], got {self.max_turns}")
         _check(not self.env or self.task.startswith("jsonl:"), "--env", "needs --task jsonl:FILE (the rows its episodes start from)")
-        for flag, on in (("--async-level", self.async_level), ("--inference-gpus", self.inference_gpus)):
-            _check(not (self.env and on), "--env", f"with {flag} is not built yet: run episodes synchronously, in one process")
         _check(self.dist_timeout > 0, "--dist-timeout", f"must be > 0 seconds, got {self.dist_timeout:g}")
         _check(all(math.isfinite(w) for w in self.reward_weights), "--reward-weights",
                f"must be finite numbers, got {' '.join(f'{w:g}' for w in self.reward_weights)}")
@@ -216,7 +214,16 @@ class Config:
             raise ConfigError("--device cuda: no CUDA device is available (use --device cpu)")
         compile_ = self.compile if self.compile != "auto" else ("on" if device == "cuda" else "off")
         lr = self.lr or (5e-4 if self.stage == "rl" else 3e-3)
-        return dataclasses.replace(self, device=device, compile=compile_, lr=lr, engine=self._engine(device))
+        return dataclasses.replace(self, device=device, compile=compile_, lr=lr, engine=self._engine(device),
+                                   dist_timeout=self._wait_limit())
+
+    def _wait_limit(self) -> float:
+        """--dist-timeout, raised under torchrun with --env to what one rank's environment calls may
+        take in a step while the others wait at its gather: --call-timeout for the resets, each turn
+        and the rewards, and a minute to spare."""
+        if not self.env or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            return self.dist_timeout
+        return max(self.dist_timeout, self.call_timeout * (self.max_turns + 2) + 60.0)
 
     def _engine(self, device: str) -> str:
         """auto: vLLM on a GPU when it imports; the built-in engine on a CPU (docs/design.md
@@ -240,10 +247,6 @@ class Config:
         if self.engine == "vllm" and self.engine_dtype == "fp8" and device != "cuda":
             raise ConfigError("--engine-dtype fp8 with --engine vllm needs a CUDA GPU (vLLM's fp8 path); on a "
                               f"{device} use --engine torch, which emulates W8A8 fp8")
-        if self.env and (world > 1 or self.engine == "vllm" or (self.engine == "auto" and device == "cuda" and has_vllm)):
-            if self.engine == "vllm" or world > 1:
-                raise ConfigError("--env runs on the built-in engine in one process for now (--engine torch, no torchrun)")
-            return "torch"
         if self.engine == "vllm" and self.engine_noise:
             raise ConfigError("--engine-noise is the built-in engine's (--engine torch); vLLM samples its own logits")
         return self.engine

@@ -48,6 +48,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -202,6 +203,7 @@ class Play:
     timeout: float
     template_kwargs: dict
     last_error: str = ""  # the newest environment error, for the line that stops a run
+    stop: threading.Event | None = None  # set when the run shuts down: a call still running is abandoned at once
 
 
 def play(pl: Play, rows: list[Prompt], group: int, seeds: list[int]) -> list[Episode]:
@@ -236,7 +238,7 @@ def _start_all(pl: Play, rows: list[Prompt], group: int, seeds: list[int]) -> li
     calls = [(lambda p=p, s=s: _start(pl.spec.cls, copy.deepcopy({"prompt": p.prompt, **p.columns}), s))
              for p, s in zip(rows, seeds) for _ in range(group)]
     eps = []
-    for i, res in enumerate(usercode.call_all(calls, pl.timeout)):
+    for i, res in enumerate(usercode.call_all(calls, pl.timeout, pl.stop)):
         row = rows[i // group]
         e = Episode(i // group, None, row)
         eps.append(e)
@@ -273,7 +275,7 @@ def _start_all(pl: Play, rows: list[Prompt], group: int, seeds: list[int]) -> li
 def _environment_turn(pl: Play, eps: list[Episode], turn: int) -> None:
     """Each live episode's environment judges the model's turn; a reply that fits is appended."""
     calls = [(lambda e=e: e.env.step(pl.codec.decode(e.last), list(e.last))) for e in eps]
-    for e, res in zip(eps, usercode.call_all(calls, pl.timeout)):
+    for e, res in zip(eps, usercode.call_all(calls, pl.timeout, pl.stop)):
         if not res.ok:
             e.end, e.why = ("timeout", "step timed out") if res.timed_out else ("error", f"step raised {res.error}")
             continue
@@ -298,7 +300,7 @@ def _rewards(pl: Play, eps: list[Episode]) -> None:
         for e in eps:
             e.reward = 0.0
         return
-    for e, res in zip(eps, usercode.call_all([e.env.reward for e in eps], pl.timeout)):
+    for e, res in zip(eps, usercode.call_all([e.env.reward for e in eps], pl.timeout, pl.stop)):
         try:
             if not res.ok:
                 raise ValueError("reward timed out" if res.timed_out else f"reward raised {res.error}")
@@ -364,7 +366,7 @@ def finish(pl: Play, task: Task, eps: list[Episode], group: int) -> list[Sample]
 def evaluate(cfg: Config, task: Task, pl: Play, n: int = 4) -> dict[str, float]:
     """Whole episodes from each held-out row, n per row, at fixed sampling and environment seeds."""
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, seed=cfg.seed + 1)
-    pl = Play(pl.spec, pl.codec, pl.engine, sampling, pl.limit, pl.max_turns, pl.timeout, pl.template_kwargs)
+    pl = Play(pl.spec, pl.codec, pl.engine, sampling, pl.limit, pl.max_turns, pl.timeout, pl.template_kwargs, stop=pl.stop)
     eps = play(pl, task.eval_set, n, [cfg.seed + 1 + i for i in range(len(task.eval_set))])
     score(task, eps, n)
     out = eval_metrics([e.reward if e.end not in FAULTS + ("dropped",) else math.nan for e in eps], n)

@@ -35,7 +35,7 @@ from parallel import Link, full
 from precision import DTYPES
 from rollout import Completion, Sampling, make_engine
 
-GEN, PUSH, STOP = 1, 2, 3
+GEN, PUSH, STOP, IDLE = 1, 2, 3, 4
 
 
 def wire_dtype(engine_dtype: str) -> torch.dtype:
@@ -46,10 +46,15 @@ def wire_dtype(engine_dtype: str) -> torch.dtype:
 
 # ----------------------------------------------------------------------------- the wire format
 
-def _request(prompts: list[list[int]], n: int, s: Sampling, seed: int, version: int) -> list[torch.Tensor]:
+def _request(prompts: list[list[int]], n: int, s: Sampling, seed: int, version: int,
+             budgets: list[int] | None = None) -> list[torch.Tensor]:
+    """A call: its sampling, the prompts' lengths and ids, and each prompt's own budget of new
+    tokens (a turn of a multi-turn episode: the room its episode has left)."""
     ints = [GEN, version, n, s.max_new_tokens, s.top_k, s.support, s.draws, seed]
+    caps = budgets if budgets is not None else [s.max_new_tokens] * len(prompts)
     return [torch.tensor(ints), torch.tensor([s.temperature, s.top_p, s.noise], dtype=torch.float64),
-            torch.tensor([len(p) for p in prompts]), torch.tensor([t for p in prompts for t in p], dtype=torch.int64)]
+            torch.tensor([len(p) for p in prompts]), torch.tensor([t for p in prompts for t in p], dtype=torch.int64),
+            torch.tensor(caps, dtype=torch.int64)]
 
 
 def _read_request(msg: list[torch.Tensor]):
@@ -57,7 +62,7 @@ def _read_request(msg: list[torch.Tensor]):
     prompts = [p.tolist() for p in msg[3].split(msg[2].tolist())]
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new,
                         seed=seed, support=bool(support), draws=draws, noise=noise)
-    return prompts, n, sampling, version
+    return prompts, n, sampling, version, msg[4].tolist()
 
 
 def _reply(done: list[Completion]) -> list[torch.Tensor]:
@@ -102,19 +107,27 @@ class RemoteEngine:
         for j in range(1, self.link.size):
             self.link.send([torch.tensor(list(str(model_dir).encode()), dtype=torch.uint8)], j)
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling,
+                 budgets: list[int] | None = None) -> list[Completion]:
         if not prompts:
             return []
         assert self.link is not None, "only trainer rank 0 samples under --inference-gpus"
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(2**31 - 1, (1,), generator=self.gen))
         chunks = [c for c in np.array_split(np.arange(len(prompts)), self.link.size - 1) if len(c)]
         for j, c in enumerate(chunks, 1):  # every inference rank starts on its chunk before any reply is read
-            self.link.send(_request([prompts[i] for i in c], n, sampling, seed + j - 1, self.version), j)
+            caps = None if budgets is None else [budgets[i] for i in c]
+            self.link.send(_request([prompts[i] for i in c], n, sampling, seed + j - 1, self.version, caps), j)
         replies = [self.link.recv(j) for j in range(1, len(chunks) + 1)]
         for r in replies:
             if r[0].dtype == torch.uint8:  # an inference rank could not serve the call (serve)
                 raise D.RunError(bytes(r[0].tolist()).decode())
         return [x for r in replies for x in _read_reply(r)]
+
+    def idle(self) -> None:
+        """The step's rollout is over: each inference rank's engine frees what it keeps between calls."""
+        if self.link is not None:
+            for j in range(1, self.link.size):
+                self.link.send([torch.tensor([IDLE, 0])], j)
 
     @torch.no_grad()
     def load_weights(self, model: M.Transformer, version: int) -> None:
@@ -155,15 +168,18 @@ def serve(cfg, link: Link) -> None:
         cmd = int(msg[0][0])
         if cmd == STOP:
             return
+        if cmd == IDLE:
+            engine.idle()
+            continue
         if cmd == PUSH:
             for t in model.state_dict().values():
                 link.broadcast(t)
             engine.load_weights(model, version=int(msg[0][1]))
             continue
-        prompts, n, sampling, version = _read_request(msg)
+        prompts, n, sampling, version, budgets = _read_request(msg)
         if version != engine.version:
             raise RuntimeError(f"inference rank {link.rank}: asked for version {version}, holds {engine.version}")
         try:
-            link.send(_reply(engine.generate(prompts, n, sampling)), 0)
+            link.send(_reply(engine.generate(prompts, n, sampling, budgets)), 0)
         except D.RunError as e:  # the trainer stops with this one line (train.fail)
             link.send([torch.tensor(list(f"inference rank {link.rank}: {e}".encode()), dtype=torch.uint8)], 0)

