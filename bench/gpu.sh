@@ -41,7 +41,8 @@ timeout 30 python3 train.py --device cuda --loss icepop --icepop-beta 2.0 --step
 echo "== the mismatch lab on the GPU: fp8 rollouts (vLLM's fp8 where the image has vLLM) and an fp16 trainer, 10 steps"
 timeout 30 python3 train.py --device cuda --loss icepop --icepop-beta 2.0 --steps 10 --eval-every 5 --engine-dtype fp8 \
   --train-dtype fp16 --out-dir "$OUT/run-fp8" 2>&1 | grep -v '^  "' | tee "$OUT/run-fp8.txt"
-echo "== multi-turn episodes on the GPU (built-in engine): the guess-letter game, 5 steps"
+# --engine auto: vLLM where the image has it (each turn a token prompt, asleep only after a step's last turn)
+echo "== multi-turn episodes on the GPU (vLLM where the image has it, else the built-in engine): the guess-letter game, 5 steps"
 timeout 20 python3 train.py --device cuda --task jsonl:examples/guess.jsonl --env guess-letter --model checkpoints/guess-tiny \
   --max-new-tokens 4 --prompts-per-step 16 --group-size 8 --steps 5 --eval-every 5 --eval-prompts 16 \
   --out-dir "$OUT/run-episodes" 2>&1 | grep -v '^  "' | tee "$OUT/run-episodes.txt"
