@@ -24,7 +24,7 @@ echo "== bench/support.py"
 timeout 30 python3 bench/support.py 2>&1 | tee "$OUT/support.txt"
 
 echo "== bench/head.py (the fused head: Triton kernels vs baselines; its tests ran with -m gpu above)"
-timeout 90 python3 bench/head.py 2>&1 | tee "$OUT/head.txt"
+timeout 65 python3 bench/head.py 2>&1 | tee "$OUT/head.txt"
 
 echo "== bench/engine.py (rollout tok/s: built-in engine, and vLLM where the image has it)"
 timeout 30 python3 bench/engine.py 2>&1 | grep -E '^[#|]' | tee "$OUT/engine.txt"
@@ -43,8 +43,8 @@ timeout 30 python3 train.py --device cuda --loss icepop --icepop-beta 2.0 --step
   --train-dtype fp16 --out-dir "$OUT/run-fp8" 2>&1 | grep -v '^  "' | tee "$OUT/run-fp8.txt"
 # --engine auto: vLLM where the image has it (each turn a token prompt, asleep only after a step's last turn)
 echo "== multi-turn episodes on the GPU (vLLM where the image has it, else the built-in engine): the guess-letter game, 5 steps"
-timeout 20 python3 train.py --device cuda --task jsonl:examples/guess.jsonl --env guess-letter --model checkpoints/guess-tiny \
+timeout 45 python3 train.py --device cuda --task jsonl:examples/guess.jsonl --env guess-letter --model checkpoints/guess-tiny \
   --max-new-tokens 4 --prompts-per-step 16 --group-size 8 --steps 5 --eval-every 5 --eval-prompts 16 \
   --out-dir "$OUT/run-episodes" 2>&1 | grep -v '^  "' | tee "$OUT/run-episodes.txt"
-# worst case, every timeout reached: 130 + 30 + 90 + 30 + 60 + 60 + 30 + 30 + 20 = 480 s of commands, plus
+# worst case, every timeout reached: 130 + 30 + 65 + 30 + 60 + 60 + 30 + 30 + 45 = 480 s of commands, plus
 # start-up; typical runs finish well inside them.
