@@ -65,15 +65,14 @@ def test_a_continued_call_equals_a_full_forward_kept_or_not(reuse, syncs):
     engine, prefills = _engine(model, reuse, syncs)
     out = engine.generate(PROMPTS, 3, S)
     prompts = _continue(PROMPTS, 3, out)
-    for turn in range(2):  # two continued turns: the second extends rows the first one kept
+    for _ in range(2):  # two continued turns: the second extends rows the first one kept
         prefills.clear()
         out = engine.generate(prompts, 1, S)
-        new = max(len(p) - (len(q) - 1) for p, q in zip(prompts, prompts_before)) if turn else len(REPLY) + 1
-        assert prefills[0] == (len(prompts), new if reuse else max(map(len, prompts))), prefills
+        # kept: each prompt's reply and the last sampled token (never fed); else the whole prompt
+        assert prefills[0] == (len(prompts), len(REPLY) + 1 if reuse else max(map(len, prompts))), prefills
         for p, c in zip(prompts, out):
             _check(model, p, c, S)
-        prompts_before = [p + c.ids for p, c in zip(prompts, out)]
-        prompts = [q + REPLY for q in prompts_before]
+        prompts = _continue(prompts, 1, out)
 
 
 def test_rows_that_finished_early_are_kept_and_n_above_one_continues_them():
