@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import torch
 
-from model import KVCache
-
 
 class KeptRows:
     """The engine's last call, kept for the next: every output row's ids (prompt + completion)
@@ -38,7 +36,7 @@ class KeptRows:
     never fed through the model), so a later prompt that starts with those ids, token for
     token, needs only the rest prefilled: a multi-turn episode's next turn."""
 
-    def __init__(self, cache: KVCache, ids: list[list[int]]):
+    def __init__(self, cache, ids: list[list[int]]):  # cache: a model.KVCache of len(ids) rows
         self.cache, self.ids = cache, ids
         self.valid = [len(x) - 1 for x in ids]
         self.key = min(self.valid)  # rows are looked up by their first `key` ids, then compared whole
@@ -56,7 +54,7 @@ class KeptRows:
                 best = (b, m)
         return best
 
-    def copy_into(self, cache: KVCache, dest: list[int], hits: list[tuple[int, int]]) -> None:
+    def copy_into(self, cache, dest: list[int], hits: list[tuple[int, int]]) -> None:
         """Row dest[i] of `cache` gets kept row hits[i][0]'s first slots. Slots past a row's own
         m come along too: the prefill and decoding overwrite them before any query reaches them."""
         dst = torch.tensor(dest, device=cache.layers[0][0].device)
