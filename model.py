@@ -353,6 +353,12 @@ class KVCache:
         out.layers = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.layers]
         return out
 
+    def put(self, rows: torch.Tensor, part: KVCache) -> None:
+        """Write `part`'s rows into these rows (R,): the engine keeps each row's cache as it leaves."""
+        for (k, v), (pk, pv) in zip(self.layers, part.layers):
+            k.index_copy_(0, rows, pk)
+            v.index_copy_(0, rows, pv)
+
 
 def init_weights(model: Transformer, std: float = 0.02, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)

@@ -18,7 +18,9 @@ Simplifications:
    masked tail, so shapes never change. On a CPU, where a host sync is free, decoding stops
    the moment every row has, and finished rows leave the batch (with their cache rows) once
    they are a quarter of it: 0.30 -> 0.18 s for 16 x 8 completions of random prompts, whose
-   lengths spread; little on reverse-text, whose rows end close together.
+   lengths spread; little on reverse-text, whose rows end close together. Each call keeps its
+   rows' caches for the next (prefix.py): a prompt that extends one (a multi-turn episode's
+   next turn) prefills only its new tokens.
 3. Sampling is the exponential-race form of categorical sampling
    (argmax(p / Exp(1)) is a draw from p), so it needs no host sync; on a GPU whether all
    rows have stopped is checked only every 8 tokens.
@@ -50,6 +52,7 @@ from data import RunError, TokenSupport, truncated
 from model import KVCache, Transformer
 from parallel import full
 from precision import DTYPES, Fp8Linear, emulate, fp8_quantize
+from prefix import KeptRows
 
 @dataclass
 class Sampling:
@@ -79,7 +82,9 @@ class Engine(Protocol):
                  budgets: list[int] | None = None) -> list[Completion]:
         """len(prompts) * n completions, prompt by prompt (a prompt's n are adjacent); `budgets`:
         each prompt's own cap on new tokens, at most sampling.max_new_tokens (a multi-turn episode's
-        room left); a completion cut by it ends with finish_reason "length"."""
+        room left); a completion cut by it ends with finish_reason "length". Stateless: what an
+        engine keeps between calls (a prefix cache) may change how fast a call is, never what it
+        samples from."""
         ...
 
     def load_weights(self, model: Transformer, version: int) -> None:
@@ -88,7 +93,8 @@ class Engine(Protocol):
 
     def idle(self) -> None:
         """The step's rollout (every turn of its episodes) or the eval is over: free what is kept
-        between calls (a colocated vLLM sleeps), until the next push or generate."""
+        between calls (TorchEngine: its last call's cache rows, prefix.py; a colocated vLLM
+        sleeps), until the next push or generate. Never called during a generate."""
         ...
 
 
@@ -183,10 +189,12 @@ class TorchEngine:
             emulate(self.model, dtype, self.emulated)
         self.quantized = {f"{n}.weight": m for n, m in self.model.named_modules() if isinstance(m, Fp8Linear)}
         self.stop_ids = torch.tensor(stop_ids, device=self.device)
+        self.kept: KeptRows | None = None
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
         self.load_weights(model, 0)  # rounds (fp8: quantizes) the copy's weights
         self.step = torch.compile(self._step) if compile_step else self._step
         self.syncs = self.device.type == "cpu"  # a host sync is free: stop the moment every row has
+        self.reuse = True  # keep the last call's rows for a call that extends them (False: re-prefill every prompt)
 
     @torch.no_grad()
     def load_weights(self, model: Transformer, version: int) -> None:
@@ -199,7 +207,7 @@ class TorchEngine:
         if self.fp8:  # the head's own e4m3 copy (a tied embedding stays bf16 for the lookup)
             q, scale = fp8_quantize(full(model.head_weight))
             self.head_q, self.head_scale = q.to(next(self.model.parameters()).dtype), scale[:, 0]
-        self.version = version
+        self.version, self.kept = version, None  # rows cached under the old weights are not these weights' rows
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head, in the engine's precision -> fp32 logits."""
@@ -219,11 +227,12 @@ class TorchEngine:
             return logits
         return logits + noise * torch.randn(logits.shape, generator=gen, device=logits.device)
 
-    def idle(self) -> None:
-        pass  # nothing is kept between calls
-
     def _step(self, tok, pos, cache):
         return self._logits(self.model.forward_cached(tok[:, None], pos[:, None], cache)[:, 0])  # (B, V)
+
+    def idle(self) -> None:
+        """The step's rollout or the eval is over: drop the kept rows (their memory)."""
+        self.kept = None
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling,
@@ -233,19 +242,45 @@ class TorchEngine:
         assert min(caps) >= 1, caps
         T_new = max(caps)
         cap = torch.tensor(caps, device=dev).repeat_interleave(n)  # (B,) each row's own budget
-        lens = torch.tensor([len(p) for p in prompts], device=dev)
-        P = max(len(p) for p in prompts)
-        tokens = torch.zeros(G, P, dtype=torch.long, device=dev)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(p)
-        positions = torch.arange(P, device=dev).expand(G, P)
-        cache = KVCache(self.model.args, G, P + T_new, next(self.model.parameters()).dtype, dev)
-        h = self.model.forward_cached(tokens, positions, cache)[torch.arange(G, device=dev), lens - 1]  # (G, H)
-        logits = self._logits(h).repeat_interleave(n, 0)  # (B, V)
-        cache, pos = cache.repeat(n), (lens - 1).repeat_interleave(n)
-        B = G * n
+        logits, cache, pos = self._prefill(prompts, n, T_new)
+        store = cache if self.reuse else None  # every output row's cache, as it leaves the decode batch
         gen = self.gen if sampling.seed is None else torch.Generator(device=dev).manual_seed(sampling.seed)
-        rec = SupportRecorder(sampling, B, dev) if sampling.support else None
+        rec = SupportRecorder(sampling, len(cap), dev) if sampling.support else None
+        ids, logq = self._decode(logits, cache, pos, cap, sampling, gen, rec, store)
+        if rec is not None:
+            rec.finish()
+        out = self._completions(ids, logq, rec, cap.tolist())
+        if store is not None:
+            self.kept = KeptRows(store, [prompts[b // n] + c.ids for b, c in enumerate(out)])
+        return out
+
+    def _prefill(self, prompts: list[list[int]], n: int, T_new: int):
+        """Each prompt once, right-padded in one batch, from where the last call's kept rows leave
+        off (the whole prompt when none extends to it) -> logits (B, V), the cache repeated n times,
+        each row's position. Padding writes only slots past its row's prompt (clamped to the last
+        slot, which no real token reaches), so decoding overwrites them before any query sees them."""
+        G, dev = len(prompts), self.device
+        kept, self.kept = self.kept, None  # memory: only the last call's rows are ever kept
+        hits = [kept.match(p) for p in prompts] if kept is not None else [(0, 0)] * G
+        start = torch.tensor([m for _, m in hits], device=dev)  # each prompt's first token to prefill
+        lens = torch.tensor([len(p) for p in prompts], device=dev)
+        P, S = int(lens.max()), int((lens - start).max())
+        tokens = torch.zeros(G, S, dtype=torch.long, device=dev)
+        for i, (p, (_, m)) in enumerate(zip(prompts, hits)):
+            tokens[i, : len(p) - m] = torch.tensor(p[m:])
+        positions = (start[:, None] + torch.arange(S, device=dev)).clamp(max=P + T_new - 1)
+        cache = KVCache(self.model.args, G, P + T_new, next(self.model.parameters()).dtype, dev)
+        if any(m for _, m in hits):
+            kept.copy_into(cache, [i for i, (_, m) in enumerate(hits) if m], [(b, m) for b, m in hits if m])
+        h = self.model.forward_cached(tokens, positions, cache)[torch.arange(G, device=dev), lens - start - 1]  # (G, H)
+        return self._logits(h).repeat_interleave(n, 0), cache.repeat(n), (lens - 1).repeat_interleave(n)
+
+    def _decode(self, logits, cache, pos, cap, sampling: Sampling, gen, rec: SupportRecorder | None,
+                store: KVCache | None) -> tuple[list[list[int]], list[list[float]]]:
+        """Sample every row to its stop or budget -> each output row's ids and logq (past its stop
+        too: cut by _completions). `store` (the cache as it was before any row left) gets each
+        row's cache back when it leaves the batch, for the next call to extend."""
+        B, T_new, dev = len(cap), int(cap.max()), self.device
         out_ids = torch.zeros(B, T_new, dtype=torch.long, device=dev)
         out_logq = torch.zeros(B, T_new, device=dev)
         rows = torch.arange(B, device=dev)  # the output row of each batch row still being decoded
@@ -264,14 +299,16 @@ class TorchEngine:
                     break
                 if 4 * finished >= len(rows):  # copying the cache costs less than decoding them on
                     keep = (~done).nonzero()[:, 0]
+                    if store is not None and cache is not store:
+                        store.put(rows[done], cache.select(done.nonzero()[:, 0]))
                     rows, tok, pos, done, cache = rows[keep], tok[keep], pos[keep], done[keep], cache.select(keep)
             elif t % 8 == 7 and bool(done.all()):
                 break
             pos = pos + 1
             logits = self.step(tok, pos, cache)
-        if rec is not None:
-            rec.finish()
-        return self._completions(out_ids[:, : t + 1].tolist(), out_logq[:, : t + 1].tolist(), rec, cap.tolist())
+        if store is not None and cache is not store:
+            store.put(rows, cache)
+        return out_ids[:, : t + 1].tolist(), out_logq[:, : t + 1].tolist()
 
     def _completions(self, ids: list[list[int]], logq: list[list[float]], rec: SupportRecorder | None,
                      caps: list[int]):

@@ -1,0 +1,260 @@
+"""What a turn costs: a K-turn episode against a single turn of the same total tokens, and the
+share of a step spent in environment calls.
+
+Table 1, the engines. A step of 16 groups x 8 episodes (the README's multi-turn job) from one
+first prompt (the built-in game's), every episode exactly K turns of g sampled tokens with a
+reply of r tokens after each turn but the last: the calls `episodes.play` makes (the first turn
+one prompt per group, n = 8; each later turn every episode's whole ids so far, n = 1), without
+the environment. Against it, a single turn from the same first prompts that samples all of the
+episode's later tokens itself, K*g + (K-1)*r, so both end on sequences of the same length.
+Fixed lengths: the built-in engine's only stop id is outside the vocabulary, so it is never
+sampled and every turn runs to --max-new-tokens = g; vLLM gets no stop ids and ignore_eos (set
+on vllm.SamplingParams in this process). Every completion's length is checked. Columns: the
+built-in engine keeping its last call's cache rows (prefix.py, the default) and re-prefilling
+every prompt (`engine.reuse = False`), and vLLM (VLLMEngine as train.py builds it; its prefix
+cache reset before each timed call sequence, as a weight push resets it). Time is the median of
+--repeats, the settings taking turns; "per model token" divides by the tokens the model sampled
+(the episode's K*g per row, the single turn's K*g + (K-1)*r), so it shows what the replies cost:
+prefilled in one batch by the episode, decoded one by one by the single turn.
+
+Table 2, the environment. The real job (train.py, --env, the built-in engine, 3 steps after one
+warm-up step) with the built-in game and with the same game slowed by a sleep in every `step`
+(a tool call that waits): the time inside environment code (usercode.call_all: every reset,
+step and reward, run in threads) and inside floe's environment side (the same plus rendering
+each reply's ids), as shares of the rollout and of the step.
+
+    python bench/turns.py                                     # both tables (about 10 min on 2 quiet cores)
+    python bench/turns.py --turns 1 2 --repeats 1 --no-vllm --no-env   # smoke test
+
+Simplifications:
+1. Table 1 runs no environment and table 2 no fixed lengths: the engines' cost and the
+   environment's are measured apart, each where it is exact.
+2. One process runs every engine in turn (vLLM in this process, as train.py runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import data as D  # noqa: E402
+import envs  # noqa: E402
+import model as M  # noqa: E402
+from rollout import Sampling, TorchEngine  # noqa: E402
+
+
+def load() -> str:
+    return os.getloadavg()[0].__format__(".2f")
+
+
+# ----------------------------------------------------------------------------- table 1: the engines
+
+def episode(engine, prompts, n, K, g, reply, s, fresh) -> float:
+    """Seconds for K turns of every episode (the calls play makes), each turn exactly g tokens."""
+    fresh()
+    t = time.perf_counter()
+    outs = engine.generate(prompts, n, s)
+    seqs = [prompts[b // n] + c.ids for b, c in enumerate(outs)]
+    for _ in range(K - 1):
+        assert all(len(c.ids) == g for c in outs), sorted({len(c.ids) for c in outs})
+        seqs = [x + reply for x in seqs]
+        outs = engine.generate(seqs, 1, s)
+        seqs = [x + c.ids for x, c in zip(seqs, outs)]
+    dt = time.perf_counter() - t
+    assert all(len(c.ids) == g for c in outs)
+    if hasattr(engine, "idle"):
+        engine.idle()
+    return dt
+
+
+def single(engine, prompts, n, tokens, s, fresh) -> float:
+    fresh()
+    t = time.perf_counter()
+    outs = engine.generate(prompts, n, Sampling(**{**s.__dict__, "max_new_tokens": tokens}))
+    dt = time.perf_counter() - t
+    assert all(len(c.ids) == tokens for c in outs), sorted({len(c.ids) for c in outs})
+    if hasattr(engine, "idle"):
+        engine.idle()
+    return dt
+
+
+def engines(a, model, vocab: int):
+    """(name, engine, before each timed sequence) for every column that runs here."""
+    torch_engine = TorchEngine(model, a.dtype, [vocab], seed=0)  # a stop id outside the vocabulary: never sampled
+
+    def mode(reuse):
+        def fresh():
+            torch_engine.reuse = reuse
+            torch_engine.idle()
+        return fresh
+
+    out = [("built-in, kept", torch_engine, mode(True)), ("built-in, re-prefilled", torch_engine, mode(False))]
+    if a.no_vllm or not importlib.util.find_spec("vllm"):
+        print("# vLLM: not run" + ("" if a.no_vllm else " (it does not import here)"))
+        return out, None
+    import vllm
+
+    from rollout import VLLMEngine
+
+    plain = vllm.SamplingParams
+    vllm.SamplingParams = lambda **kw: plain(**kw, ignore_eos=True)  # fixed lengths (see the docstring)
+    v = VLLMEngine(a.model, vocab, a.dtype, [], 0, a.vllm_memory, "cpu", model.args.max_position_embeddings)
+    prefix = v.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    out.append(("vLLM", v, v.llm.reset_prefix_cache))
+    return out, prefix
+
+
+def table1(a) -> None:
+    model = M.load(a.model)
+    codec = D.TextCodec.load(a.model)
+    vocab = model.args.vocab_size
+    first = codec.render([{"role": "user", "content": envs.PROMPT}])
+    rng = random.Random(0)
+    reply = [rng.choice([i for i in range(vocab) if i not in codec.stop_ids]) for _ in range(a.reply)]
+    prompts, n = [list(first)] * a.groups, a.group_size
+    s = Sampling(temperature=1.0, max_new_tokens=a.gen, support=not a.no_support)
+    cols, prefix = engines(a, model, vocab)
+    print(f"# {Path(a.model).name} (V={vocab}), {a.dtype} engines, torch threads {torch.get_num_threads()}, "
+          f"{a.groups} groups x {n}, first prompt {len(first)} tokens, g = {a.gen} sampled per turn, r = {a.reply} "
+          f"per reply, support {'off' if a.no_support else 'on (K=16 draws)'}, median of {a.repeats}"
+          + ("" if prefix is None else f"; vLLM prefix caching {'on' if prefix else 'off'} (its default here)"))
+    head = ["K", "tokens after the prompt", "model tokens"]
+    for name, _, _ in cols:
+        head += [f"{name}: episode s", "single turn s", "ratio", "ms per model token (episode / single)"]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for K in a.turns:
+        total = K * a.gen + (K - 1) * a.reply
+        row = [str(K), str(total), str(K * a.gen)]
+        for name, engine, fresh in cols:
+            episode(engine, prompts, n, K, a.gen, reply, s, fresh)  # warm-up
+            single(engine, prompts, n, total, s, fresh)
+            te, ts = [], []
+            for _ in range(a.repeats):
+                te.append(episode(engine, prompts, n, K, a.gen, reply, s, fresh))
+                ts.append(single(engine, prompts, n, total, s, fresh))
+            e, t = statistics.median(te), statistics.median(ts)
+            rows = a.groups * n
+            row += [f"{e:.3f}", f"{t:.3f}", f"{e / t:.2f}x",
+                    f"{1e3 * e / (rows * K * a.gen):.3f} / {1e3 * t / (rows * total):.3f}"]
+        print("| " + " | ".join(row) + f" |   (load {load()})", flush=True)
+
+
+# ----------------------------------------------------------------------------- table 2: the environment
+
+SLOW = """
+import time
+from envs import GuessLetter
+
+class SlowGuess(GuessLetter):
+    def step(self, text, ids):
+        time.sleep({sleep})
+        return super().step(text, ids)
+"""
+
+CHILD = """
+import contextlib, io, json, sys, time
+sys.path.insert(0, {root!r})
+import episodes, train, usercode
+steps = []  # per play call (one a step: --eval-every 0): seconds in user code, on the environment side, in play
+def timed(fn, key):
+    def wrapped(*args, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kw)
+        finally:
+            steps[-1][key] += time.perf_counter() - t
+    return wrapped
+usercode.call_all = timed(usercode.call_all, "user")
+for name in ("_start_all", "_environment_turn", "_rewards"):
+    setattr(episodes, name, timed(getattr(episodes, name), "env"))
+play = timed(episodes.play, "play")
+def counted(*args, **kw):
+    steps.append({{"user": 0.0, "env": 0.0, "play": 0.0}})
+    return play(*args, **kw)
+episodes.play = counted
+with contextlib.redirect_stdout(io.StringIO()):
+    train.main({argv!r})
+print(json.dumps(steps))
+"""
+
+
+def env_share(a, env: str, tmp: Path) -> list[str]:
+    out = tmp / ("run-" + Path(env).name.replace(":", "_"))
+    flags = (f"--task jsonl:{ROOT / 'examples/guess.jsonl'} --model {ROOT / 'checkpoints/guess-tiny'} --env {env} "
+             f"--max-new-tokens 4 --max-turns 4 --prompts-per-step {a.groups} --group-size {a.group_size} "
+             f"--steps {a.env_steps + 1} --eval-every 0 --out-dir {out}")
+    code = CHILD.format(root=str(ROOT), argv=shlex.split(flags))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp)
+    if r.returncode:
+        raise SystemExit(f"bench/turns.py: the --env {env} run failed:\n{r.stderr[-2000:]}")
+    spent = json.loads(r.stdout.strip().splitlines()[-1])[1:]  # after the warm-up step
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"time/step"' in x][1:]
+    assert len(spent) == len(rows) == a.env_steps, (len(spent), len(rows))
+    user, side = sum(x["user"] for x in spent), sum(x["env"] for x in spent)
+    rollout, step = sum(r["time/rollout"] for r in rows), sum(r["time/step"] for r in rows)
+    turns = statistics.mean(r["episode/turns"] for r in rows)
+    k = len(rows)
+    return [env, f"{turns:.2f}", f"{step / k:.2f}", f"{rollout / k:.2f}",
+            f"{user / k:.3f} ({user / rollout:.0%} / {user / step:.0%})",
+            f"{side / k:.3f} ({side / rollout:.0%} / {side / step:.0%})"]
+
+
+def table2(a) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        slow = tmp / "slow_env.py"
+        slow.write_text(SLOW.format(sleep=a.sleep))
+        print(f"\n# the environment's share: train.py --env, checkpoints/guess-tiny, {a.groups} groups x "
+              f"{a.group_size}, --max-turns 4, mean over {a.env_steps} steps after a warm-up; "
+              f"SlowGuess sleeps {a.sleep * 1e3:.0f} ms in every step() (calls of a turn run at once)")
+        head = ["--env", "turns per episode", "step s", "rollout s", "in environment code s (of rollout / of step)",
+                "environment side s, replies' ids included (of rollout / of step)"]
+        print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+        for env in ("guess-letter", f"{slow}:SlowGuess"):
+            row = env_share(a, env, tmp)
+            row[0] = "guess-letter" if env == "guess-letter" else f"SlowGuess ({a.sleep * 1e3:.0f} ms sleep)"
+            print("| " + " | ".join(row) + f" |   (load {load()})", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(ROOT / "checkpoints" / "guess-tiny"))
+    ap.add_argument("--turns", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--gen", type=int, default=16, help="g: tokens sampled per turn")
+    ap.add_argument("--reply", type=int, default=16, help="r: tokens per reply")
+    ap.add_argument("--groups", type=int, default=16)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--no-support", action="store_true", help="sample without support rows (default: K=16 draws)")
+    ap.add_argument("--vllm-memory", type=float, default=0.2)
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--no-env", action="store_true", help="skip table 2")
+    ap.add_argument("--env-steps", type=int, default=3)
+    ap.add_argument("--sleep", type=float, default=0.1, help="SlowGuess's sleep per step() call, seconds")
+    a = ap.parse_args()
+    print(f"# {os.uname().nodename}, {os.cpu_count()} cores, load {load()} at the start")
+    table1(a)
+    if not a.no_env:
+        table2(a)
+
+
+if __name__ == "__main__":
+    main()

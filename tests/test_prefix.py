@@ -1,0 +1,141 @@
+"""The built-in engine's kept cache rows (prefix.py): a call whose prompts extend the last call's
+rows (a multi-turn episode's next turn) prefills only the new tokens, and every logq and support
+row it reports is still the full fp32 forward's of the whole sequence. Rows are dropped when the
+weights change and on idle(); rows that left the decode batch early are kept too."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import model as M
+from rollout import Sampling, TorchEngine
+
+STOPS = [2, 0]
+PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11]]
+REPLY = [3, 12, 13]  # an environment's reply: ids the model did not sample
+
+
+def _model(seed=0):
+    m = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
+    M.init_weights(m, std=0.15, seed=seed)  # a peaked but not one-hot distribution
+    return m
+
+
+def _engine(model, reuse=True, syncs=True, seed=3):
+    e = TorchEngine(model, "fp32", STOPS, seed=seed)
+    e.reuse, e.syncs = reuse, syncs  # syncs False: the GPU's decode loop (no row leaves the batch)
+    prefills = []  # the token shape of every forward; cleared before a call, [0] is its prefill
+    forward = e.model.forward_cached
+    e.model.forward_cached = lambda tok, pos, cache: prefills.append(tuple(tok.shape)) or forward(tok, pos, cache)
+    return e, prefills
+
+
+def _check(model, prompt, c, s: Sampling):
+    """c's logq, and its support rows when reported, against a full fp32 forward of prompt + c.ids."""
+    ids = torch.tensor(prompt + c.ids)
+    with torch.no_grad():
+        h = model(ids, torch.arange(len(ids)), torch.zeros(len(ids), dtype=torch.long))
+        z = (h @ model.head_weight.T).double()[len(prompt) - 1: -1] / s.temperature
+    if s.top_k:
+        z = z.masked_fill(z < z.topk(s.top_k, -1).values[:, -1:], -math.inf)
+    ref = z.log_softmax(-1)
+    for t, (tok, lq) in enumerate(zip(c.ids, c.logq)):
+        assert abs(lq - ref[t, tok].item()) < 1e-5, (t, lq, ref[t, tok].item())
+        if c.support is not None:
+            a, b = int(c.support.host_offsets[t]), int(c.support.host_offsets[t + 1])
+            got = dict(zip(c.support.ids[a:b].tolist(), c.support.logq[a:b].tolist()))
+            assert set(got) == set(torch.isfinite(ref[t]).nonzero()[:, 0].tolist())
+            assert all(abs(q - ref[t, v].item()) < 2e-5 for v, q in got.items())
+
+
+def _continue(prompts, n, out):
+    """Each output row's whole sequence and a reply: the next turn's prompts."""
+    return [prompts[b // n] + c.ids + REPLY for b, c in enumerate(out)]
+
+
+S = Sampling(temperature=0.9, top_k=6, max_new_tokens=8, support=True)
+
+
+@pytest.mark.parametrize("reuse,syncs", [(True, True), (True, False), (False, True)],
+                         ids=["kept", "kept-gpu-loop", "re-prefilled"])
+def test_a_continued_call_equals_a_full_forward_kept_or_not(reuse, syncs):
+    model = _model()
+    engine, prefills = _engine(model, reuse, syncs)
+    out = engine.generate(PROMPTS, 3, S)
+    prompts = _continue(PROMPTS, 3, out)
+    for _ in range(2):  # two continued turns: the second extends rows the first one kept
+        prefills.clear()
+        out = engine.generate(prompts, 1, S)
+        # kept: each prompt's reply and the last sampled token (never fed); else the whole prompt
+        assert prefills[0] == (len(prompts), len(REPLY) + 1 if reuse else max(map(len, prompts))), prefills
+        for p, c in zip(prompts, out):
+            _check(model, p, c, S)
+        prompts = _continue(prompts, 1, out)
+
+
+def test_rows_that_finished_early_are_kept_and_n_above_one_continues_them():
+    """Rows leave the decode batch at many different steps; each is continued (n = 2) from all of
+    its own cached slots, and every continued row is its full forward's."""
+    model = _model()
+    engine, prefills = _engine(model)
+    s = dataclasses.replace(S, temperature=1.2, max_new_tokens=16)
+    sizes, step = [], engine.step
+    engine.step = lambda tok, pos, cache: sizes.append(len(tok)) or step(tok, pos, cache)
+    out = engine.generate(PROMPTS, 8, s)
+    assert len(set(sizes)) >= 3 and len({len(c.ids) for c in out}) > 3, sizes  # left at many steps
+    prompts = _continue(PROMPTS, 8, out)
+    prefills.clear()
+    again = engine.generate(prompts, 2, s)
+    assert prefills[0] == (16, len(REPLY) + 1)  # every prompt: its reply and the last sampled token
+    for i, c in enumerate(again):
+        _check(model, prompts[i // 2], c, s)
+
+
+def test_new_weights_and_idle_drop_the_kept_rows():
+    """After load_weights the kept keys are the old weights' (a continuation that used them would
+    not be the new model's forward); after idle() nothing is kept."""
+    model, other = _model(0), _model(1)
+    engine, prefills = _engine(model)
+    prompts = _continue(PROMPTS, 2, engine.generate(PROMPTS, 2, S))
+    engine.load_weights(other, version=1)
+    prefills.clear()
+    out = engine.generate(prompts, 1, S)
+    assert prefills[0] == (4, max(map(len, prompts)))
+    for p, c in zip(prompts, out):
+        _check(other, p, c, S)
+    engine.idle()
+    assert engine.kept is None
+    prefills.clear()
+    engine.generate([p + c.ids + REPLY for p, c in zip(prompts, out)], 1, S)
+    assert prefills[0][1] > len(REPLY) + 1
+
+
+def test_prompts_that_extend_nothing_prefill_whole_beside_those_that_do():
+    """One call, mixed: continued prompts, a fresh one, and one that diverges from its row inside
+    the cached part (no match: a kept row is reused only for an exact start)."""
+    model = _model()
+    engine, prefills = _engine(model)
+    first = engine.generate(PROMPTS, 1, S)
+    diverged = list(PROMPTS[1][:2]) + [14] + PROMPTS[1][3:] + first[1].ids + REPLY
+    prompts = [PROMPTS[0] + first[0].ids + REPLY, [1, 20, 21, 22, 23, 24, 25], diverged]
+    prefills.clear()
+    out = engine.generate(prompts, 2, S)
+    assert prefills[0] == (3, max(7, len(diverged)))
+    for i, c in enumerate(out):
+        _check(model, prompts[i // 2], c, S)
+    assert engine.kept.match(prompts[0] + out[0].ids + REPLY) == (0, len(prompts[0]) + len(out[0].ids) - 1)
+    assert engine.kept.match(prompts[0])[1] == 0  # a prompt no longer than a row's valid part: nothing to gain
+
+
+def test_a_single_turn_job_never_reuses():
+    """Calls whose prompts do not extend the last call's rows (every single-turn step) prefill
+    their whole prompts, and draw exactly what an engine that keeps nothing draws."""
+    a, pa = _engine(_model())
+    b, _ = _engine(_model(), reuse=False)
+    for _ in range(3):
+        pa.clear()
+        x, y = a.generate(PROMPTS, 4, S), b.generate(PROMPTS, 4, S)
+        assert pa[0] == (2, 5)
+        assert [c.ids for c in x] == [c.ids for c in y] and [c.logq for c in x] == [c.logq for c in y]
