@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,6 +48,7 @@ import torch
 
 from config import ConfigError
 from data import RunError, TokenSupport, truncated
+from lora import VLLM_RANKS, LoRASpec, write_adapter
 from model import KVCache, Transformer
 from parallel import full
 from precision import DTYPES, Fp8Linear, emulate, fp8_quantize
@@ -297,6 +299,17 @@ def vllm_logprobs(s: Sampling, vocab: int) -> int:
                       "--engine torch, or a loss that needs no support (--loss ppo|cispo with --top-p 1)")
 
 
+def vllm_lora_rank(rank: int) -> int:
+    """vLLM's max_lora_rank for an adapter of rank r: the smallest value it accepts that holds r.
+    vLLM zero-pads every adapter's A and B to max_lora_rank, so a rank between its values (say 4,
+    served at 8) computes the same x·A·B, at the padded rank's cost; ranks past the largest are refused."""
+    for r in VLLM_RANKS:
+        if r >= rank:
+            return r
+    raise ConfigError(f"--lora-rank {rank}: --engine vllm serves adapters up to rank {VLLM_RANKS[-1]} "
+                      "(vLLM 0.32's largest max_lora_rank); use a smaller rank or --engine torch")
+
+
 class VLLMEngine:
     """vllm.LLM in this process (no engine subprocess), loading the trainer's HF directory.
 
@@ -319,18 +332,21 @@ class VLLMEngine:
     not fit) stops the run with one line."""
 
     def __init__(self, model_dir, vocab: int, dtype: str, stop_ids: list[int], seed: int, memory: float,
-                 device: str = "cpu", max_len: int | None = None, sleep: bool = True):
+                 device: str = "cpu", max_len: int | None = None, sleep: bool = True, lora: LoRASpec | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         from vllm import LLM
 
         self.cuda, self.sleeps = device == "cuda", device == "cuda" and sleep  # no sleep alone on a GPU
         fp8 = {"quantization": "fp8"} if dtype == "fp8" else {}  # online W8A8; a reload re-quantizes (vLLM layerwise reload)
+        adapter = {} if lora is None else {"enable_lora": True, "max_lora_rank": vllm_lora_rank(lora.rank),
+                                           "max_loras": 1, "max_cpu_loras": 1}  # one adapter, reloaded in place
         self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=VLLM_DTYPES[dtype], seed=seed, **fp8,
                        logprobs_mode="processed_logprobs", max_logprobs=-1, max_model_len=max_len,
                        gpu_memory_utilization=memory, enforce_eager=not self.cuda,
-                       enable_sleep_mode=self.sleeps)
+                       enable_sleep_mode=self.sleeps, **adapter)
         self.vocab, self.stop_ids, self.version, self.asleep = vocab, list(stop_ids), 0, False
         self.gen = torch.Generator().manual_seed(seed)
+        self.lora, self.model_dir, self.adapter = lora, str(model_dir), None  # adapter: the LoRARequest once pushed
 
     def _wake(self) -> None:
         if self.asleep:
@@ -342,6 +358,24 @@ class VLLMEngine:
         self._wake()
         tensors = ((k, full(v)) for k, v in model.state_dict().items())
         self.llm.collective_rpc(_reload, args=(tensors,))  # in-process: the generator is read where it is
+        self.llm.reset_prefix_cache()
+        self.version = version
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """A LoRA push: the adapter's tensors (PEFT names) replace the served adapter in place; the base
+        weights vLLM loaded from `model_dir` stay as they are. vLLM 0.32 loads an adapter only from a
+        directory (loading from memory would mean patching it), so each push writes one under /dev/shm,
+        loads it eagerly (`load_inplace`: the same adapter id, new tensors) and removes it: vLLM keeps
+        the loaded copy, and nothing is left behind if the process ends without its finalizers."""
+        from vllm.lora.request import LoRARequest
+
+        assert self.lora is not None, "load_adapter needs an engine started with lora="
+        self._wake()
+        with tempfile.TemporaryDirectory(prefix="floe-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
+            write_adapter(d, tensors, self.lora, self.model_dir)
+            self.llm.llm_engine.add_lora(LoRARequest("floe", 1, d, load_inplace=True))
+        # requests name the loaded id; its directory is gone, and vLLM reads it only when the id is not loaded
+        self.adapter = LoRARequest("floe", 1, d)
         self.llm.reset_prefix_cache()
         self.version = version
 
@@ -359,7 +393,8 @@ class VLLMEngine:
                                  detokenize=False, stop_token_ids=self.stop_ids, flat_logprobs=True) for c in caps]
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.cuda else []):
             torch.manual_seed(seed)  # vLLM draws from the global generator; see the class docstring
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
+                                     lora_request=self.adapter)
         done = [self._completion(c, s) for o in outs for c in o.outputs]
         if self.sleeps:
             self.llm.sleep(level=1)
