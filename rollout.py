@@ -48,7 +48,8 @@ import torch
 
 from config import ConfigError
 from data import RunError, TokenSupport, truncated
-from lora import VLLM_RANKS, LoRASpec, write_adapter
+import lora
+from lora import VLLM_RANKS, LoRASpec
 from model import KVCache, Transformer
 from parallel import full
 from precision import DTYPES, Fp8Linear, emulate, fp8_quantize
@@ -307,7 +308,7 @@ def vllm_lora_rank(rank: int) -> int:
         if r >= rank:
             return r
     raise ConfigError(f"--lora-rank {rank}: --engine vllm serves adapters up to rank {VLLM_RANKS[-1]} "
-                      "(vLLM 0.32's largest max_lora_rank); use a smaller rank or --engine torch")
+                      "(vLLM 0.32's largest max_lora_rank); use a smaller rank, --lora-merged or --engine torch")
 
 
 class VLLMEngine:
@@ -355,8 +356,12 @@ class VLLMEngine:
 
     @torch.no_grad()
     def load_weights(self, model: Transformer, version: int) -> None:
+        """The trainer's weights in place; under LoRA its adapter (`load_adapter`), or with --lora-merged
+        the merged weights (`merged_weights`)."""
+        if model.lora is not None and self.lora is not None:
+            return self.load_adapter(lora.adapter_state(model), version)
         self._wake()
-        tensors = ((k, full(v)) for k, v in model.state_dict().items())
+        tensors = ((k, full(v)) for k, v in model.state_dict().items()) if model.lora is None else merged_weights(model)
         self.llm.collective_rpc(_reload, args=(tensors,))  # in-process: the generator is read where it is
         self.llm.reset_prefix_cache()
         self.version = version
@@ -372,7 +377,7 @@ class VLLMEngine:
         assert self.lora is not None, "load_adapter needs an engine started with lora="
         self._wake()
         with tempfile.TemporaryDirectory(prefix="floe-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
-            write_adapter(d, tensors, self.lora, self.model_dir)
+            lora.write_adapter(d, tensors, self.lora, self.model_dir)
             self.llm.llm_engine.add_lora(LoRARequest("floe", 1, d, load_inplace=True))
         # requests name the loaded id; its directory is gone, and vLLM reads it only when the id is not loaded
         self.adapter = LoRARequest("floe", 1, d)
@@ -427,6 +432,23 @@ class VLLMEngine:
                                         torch.ones(len(starts), dtype=torch.bool))
 
 
+def merged_weights(model: Transformer):
+    """A LoRA model's full weights by HF name, for an engine that takes no adapter (--lora-merged):
+    W + (alpha / r) B A merged in fp32 from the untouched base and cast back to W's dtype, one layer
+    at a time (the reload streams them, so no second copy of the model is ever held)."""
+    adapter = lora.adapter_state(model)
+    for k, w in lora.base_state(model).items():
+        layer = k.removesuffix(".weight")
+        pair = {n: adapter[n] for n in (lora.peft_key(layer, "A"), lora.peft_key(layer, "B")) if n in adapter}
+        yield k, (lora.merged({k: w}, pair, model.lora)[k] if pair else w)
+
+
+def serves_adapter(cfg) -> bool:
+    """Under LoRA, whether the engine serves the adapter itself (vLLM's enable_lora) rather than taking
+    merged weights (the built-in engine; vLLM with --lora-merged)."""
+    return cfg.engine == "vllm" and not cfg.lora_merged
+
+
 def _reload(worker, tensors) -> None:
     """In-place reload, then re-pack a tied LM head: on a CPU vLLM multiplies by a packed copy
     of the head made at load time, and the reload refreshes only the embedding that owns the
@@ -442,6 +464,10 @@ def make_engine(cfg, model: Transformer, model_dir, stop_ids: list[int], seed: i
     """The engine `cfg.engine` names (resolved by Config.resolve), holding `model`'s weights. vLLM
     sleeps between calls only when it shares its GPU with a trainer (no --inference-gpus)."""
     if cfg.engine == "vllm":  # it loads `model_dir`, where `model` came from (a resume pushes its step after)
-        return VLLMEngine(model_dir, model.args.vocab_size, cfg.engine_dtype, stop_ids, seed, cfg.vllm_memory,
-                          cfg.device, model.args.max_position_embeddings, sleep=not cfg.inference_gpus)
+        engine = VLLMEngine(model_dir, model.args.vocab_size, cfg.engine_dtype, stop_ids, seed, cfg.vllm_memory,
+                            cfg.device, model.args.max_position_embeddings, sleep=not cfg.inference_gpus,
+                            lora=model.lora if serves_adapter(cfg) else None)
+        if model.lora is not None:  # `model_dir` is LoRA's base: the adapter (an --adapter's, say) goes in now
+            engine.load_weights(model, 0)
+        return engine
     return TorchEngine(model, cfg.engine_dtype, stop_ids, seed, compile_step=cfg.compile == "on")

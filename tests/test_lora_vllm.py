@@ -13,8 +13,10 @@ import sys
 
 import pytest
 
+from conftest import one_line
 from config import ConfigError
 from lora import VLLM_RANKS
+from test_distributed import torchrun
 from test_engines import ROOT, needs_vllm
 
 ENGINE = """
@@ -62,18 +64,22 @@ def check(engine, merged, version, s):
 
 
 results = {{}}
-for name, rank, alpha, targets in {cases!r}:
+for name, rank, alpha, targets, merged_push in {cases!r}:
     spec, first = peft_adapter(name + "-a", rank, alpha, targets, seed=1)
     _, second = peft_adapter(name + "-b", rank, alpha, targets, seed=2)
-    engine = VLLMEngine(d, 32, "fp32", [2, 0], seed=0, memory=0.2, lora=spec)
+    model = M.load(d)  # floe's LoRA model, holding each peft adapter in turn
+    L.add(model, spec)
+    engine = VLLMEngine(d, 32, "fp32", [2, 0], seed=0, memory=0.2, lora=None if merged_push else spec)
     rows = []
     for version, tensors in ((1, first), (2, second)):  # the second push replaces the first in place
-        engine.load_adapter(tensors, version)
+        L.load_adapter(model, tensors)
+        engine.load_weights(model, version)
         merged = M.Transformer(base.args)
         merged.load_state_dict(L.merged(base.state_dict(), tensors, spec))
         for s in (Sampling(temperature=0.7, max_new_tokens=12), Sampling(temperature=1.2, max_new_tokens=12)):
             rows.append(check(engine, merged, version, s))
-    results[name] = {{"rows": rows, "max_lora_rank": engine.llm.llm_engine.vllm_config.lora_config.max_lora_rank}}
+    config = engine.llm.llm_engine.vllm_config.lora_config
+    results[name] = {{"rows": rows, "max_lora_rank": config and config.max_lora_rank}}
     engine.llm.llm_engine.engine_core.shutdown()  # one vLLM at a time in this process
     del engine
 print(json.dumps(results))
@@ -83,20 +89,22 @@ print(json.dumps(results))
 @pytest.mark.vllm
 @needs_vllm
 def test_vllm_serves_the_adapter_as_a_merged_fp32_forward(tmp_path):
-    """Two engines in one process, each through enable_lora and two in-place pushes of peft-made
-    adapters: rank 8 on every linear layer (the --lora-rank 8 default), and rank 4 (served at vLLM's
-    max_lora_rank 8, zero-padded) on some of them, which leaves parts of vLLM's packed qkv and
-    gate_up layers without an adapter. Every logq equals the merged fp32 forward's within 1e-4 and
-    is far from the base's (the adapter is really applied, and the second push replaced the first)."""
-    cases = [("r8", 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-             ("r4", 4, 8, ["q_proj", "v_proj", "gate_proj", "down_proj"])]
+    """Three engines in one process, each taking two pushes (load_weights) of floe's LoRA model holding
+    a peft-made adapter: through enable_lora, rank 8 on every linear layer (the --lora-rank 8 path),
+    and rank 4 (served at vLLM's max_lora_rank 8, zero-padded) on some of them, which leaves parts of
+    vLLM's packed qkv and gate_up layers without an adapter; and the --lora-merged fallback (no
+    enable_lora, merged full weights reloaded). Every logq equals the merged fp32 forward's within
+    1e-4 and is far from the base's (the adapter is applied, and the second push replaced the first)."""
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    cases = [("r8", 8, 16, every, False), ("r4", 4, 8, ["q_proj", "v_proj", "gate_proj", "down_proj"], False),
+             ("merged", 8, 16, every, True)]
     d = tmp_path / "tiny"
     d.mkdir()
     script = ENGINE.format(root=str(ROOT), dir=str(d), out=str(tmp_path), cases=cases)
     proc = subprocess.run([sys.executable, "-c", script], text=True, capture_output=True, timeout=400, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert r["r8"]["max_lora_rank"] == 8 and r["r4"]["max_lora_rank"] == 8
+    assert (r["r8"]["max_lora_rank"], r["r4"]["max_lora_rank"], r["merged"]["max_lora_rank"]) == (8, 8, None)
     for name, case in r.items():
         for worst, off in case["rows"]:
             print(f"{name}: worst |logq - merged| {worst:.1e}, mean |logq - base| {off:.2f}")
@@ -110,5 +118,137 @@ def test_vllm_lora_ranks_round_up_to_what_vllm_accepts():
     assert [vllm_lora_rank(r) for r in (1, 2, 4, 8, 9, 16, 300, 320, 321, 512)] == [
         1, 8, 8, 8, 16, 16, 320, 320, 512, 512]
     assert all(vllm_lora_rank(r) == r for r in VLLM_RANKS)
-    with pytest.raises(ConfigError, match="--lora-rank 513: --engine vllm serves adapters up to rank 512"):
+    with pytest.raises(ConfigError, match="--lora-rank 513: --engine vllm serves adapters up to rank 512.*--lora-merged"):
         vllm_lora_rank(513)
+
+
+WIRE = """
+import sys
+sys.path[:0] = [{root!r}]
+import torch
+import config as C, data as D, lora as L, model as M, parallel as P
+from remote import RemoteEngine, serve
+from rollout import Sampling, TorchEngine
+
+src, engine, dtype = {src!r}, {engine!r}, {dtype!r}
+cfg = C.Config(model=src, engine=engine, inference_gpus=1, engine_dtype=dtype, lora_rank=8).resolve(False)
+link = P.setup_distributed("cpu", 1)
+if P.serving(1):
+    serve(cfg, link)
+    raise SystemExit
+model, spec = M.load(src), L.spec_of(cfg)
+shapes = [l.weight.shape for n, l in L.linears(model).items() if n.rsplit(".", 1)[-1] in spec.targets]
+expected = sum(spec.rank * (o + i) * 4 for o, i in shapes)  # A (r, in) and B (out, r) in fp32, every adapted layer
+torch.manual_seed(0)
+L.add(model, spec)
+with torch.no_grad():  # a trained adapter (a fresh one has B = 0: the base)
+    for m in L.adapted(model).values():
+        m.lora_B.weight.normal_(0, 0.05)
+remote = RemoteEngine(link, 0, dtype, spec)
+remote.start(src)
+wire, broadcast, send = {{"broadcast": 0, "send": 0}}, link.broadcast, link.send
+def counted_broadcast(t):
+    wire["broadcast"] += t.numel() * t.element_size()
+    broadcast(t)
+def counted_send(ts, dst):  # what Link.send puts on the wire: a count, a (dtype, length) pair per tensor, the data
+    wire["send"] += 8 + 16 * len(ts) + sum(t.numel() * t.element_size() for t in ts)
+    send(ts, dst)
+link.broadcast, link.send = counted_broadcast, counted_send
+remote.load_weights(model, 3)
+push = dict(wire)
+adapter = L.adapter_state(model)
+full_push = sum(v.numel() * torch.empty(0, dtype=remote.dtype).element_size() for v in L.base_state(model).values())
+prompts, s = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], Sampling(temperature=0.7, max_new_tokens=10, seed=5)
+got = remote.generate(prompts, 3, s)
+assert {{v for c in got for v in c.versions}} == {{3}}
+if engine == "torch":  # the colocated engine, on the same LoRA model: the same draws, bit for bit
+    local = TorchEngine(model, dtype, D.TextCodec.load(src).stop_ids)
+    local.load_weights(model, 3)
+    want = local.generate(prompts, 3, s)
+    assert [(c.ids, c.logq) for c in got] == [(c.ids, c.logq) for c in want]
+    worst = 0.0
+else:  # vLLM's LoRA path against the merged fp32 forward
+    merged = M.Transformer(model.args)
+    merged.load_state_dict(L.merged(L.base_state(model), adapter, spec))
+    worst = 0.0
+    for i, c in enumerate(got):
+        x = torch.tensor(prompts[i // 3] + c.ids)
+        with torch.no_grad():
+            z = merged(x, torch.arange(len(x)), torch.zeros(len(x), dtype=torch.long)) @ merged.head_weight.T
+        lp = (z.double() / 0.7).log_softmax(-1)[len(prompts[i // 3]) - 1: -1]
+        worst = max([worst] + [abs(q - lp[t, v].item()) for t, (v, q) in enumerate(zip(c.ids, c.logq))])
+remote.stop()
+print("WIRE", push["broadcast"], push["send"], expected, full_push, worst)
+"""
+
+
+@pytest.mark.parametrize("engine,dtype", [("torch", "bf16"), pytest.param("vllm", "fp32", marks=[pytest.mark.vllm, needs_vllm])])
+def test_a_lora_push_sends_the_adapter_alone(tmp_path, engine, dtype):
+    """--inference-gpus 1 under --lora-rank 8: a push puts the adapter's fp32 tensors on the wire and
+    nothing else but its few-byte header (the bytes each Link call moves are counted), and the
+    inference rank samples from the trainer's adapted model: the built-in engine merges from its
+    fp32 base and draws exactly what a colocated one draws; vLLM serves the adapter (enable_lora,
+    the base never copied into floe) and its logq is the merged fp32 forward's."""
+    script = tmp_path / "wire.py"
+    script.write_text(WIRE.format(root=str(ROOT), src=str(ROOT / "checkpoints" / "reverse-tiny"), engine=engine, dtype=dtype))
+    r = torchrun(str(script), nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("WIRE"))
+    broadcast, send, adapter, full_push, worst = (float(x) for x in line.split()[1:])
+    print(f"a LoRA push: {broadcast:.0f} B of tensors + {send:.0f} B of header; a full push would be {full_push:.0f} B")
+    assert broadcast == adapter  # every adapted layer's A and B, once, in fp32
+    assert send < 100  # [PUSH, version] and its header
+    assert worst < 1e-4
+
+
+TRAIN = """
+import json, sys
+sys.path[:0] = [{root!r}]
+import rollout, train
+
+pushes = {{"adapter": [], "full": 0}}
+load_adapter, reload = rollout.VLLMEngine.load_adapter, rollout._reload
+def counted_adapter(self, tensors, version):
+    pushes["adapter"].append(version)
+    load_adapter(self, tensors, version)
+def counted_reload(worker, tensors):
+    pushes["full"] += 1
+    reload(worker, tensors)
+rollout.VLLMEngine.load_adapter, rollout._reload = counted_adapter, counted_reload
+train.main({args!r})
+print("PUSHES", json.dumps(pushes))
+"""
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_train_with_vllm_serving_the_adapter(tmp_path):
+    """`--engine vllm --lora-rank 8`, 3 steps: every push (the start's and each step's) goes through
+    vLLM's LoRA path and none through a full reload; the run trains (the adapter moves off B = 0, so
+    sampler and trainer are compared on a changing adapter) with a small mismatch, and its
+    checkpoint is a PEFT adapter."""
+    out = tmp_path / "run"
+    args = ["--engine", "vllm", "--lora-rank", "8", "--lr", "5e-3", "--loss", "icepop", "--steps", "3",
+            "--prompts-per-step", "8", "--group-size", "8", "--eval-every", "3", "--eval-prompts", "8", "--out-dir", str(out)]
+    proc = subprocess.run([sys.executable, "-c", TRAIN.format(root=str(ROOT), args=args)], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pushes = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("PUSHES"))[len("PUSHES"):])
+    assert pushes == {"adapter": [0, 1, 2, 3], "full": 0}
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and "eval/reward" in rows[-1]
+    for r in rows[1:]:
+        assert 0 < r["mismatch/kl"] < 1e-2  # bf16 vLLM (base and adapter) against the fp32 trainer
+    assert (out / "final" / "adapter_config.json").is_file() and (out / "final" / "adapter_model.safetensors").is_file()
+
+
+@needs_vllm
+def test_a_rank_vllm_cannot_serve_is_one_line_before_the_first_byte(tmp_path):
+    """Ranks between vLLM's max_lora_rank values are served at the next one up (zero-padded: exact,
+    the engine test's rank 4); past its largest, 512, --engine vllm stops with one line before the
+    run directory exists (not the model's width check: that one comes later)."""
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--engine", "vllm", "--lora-rank", "513",
+                        "--out-dir", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    one_line(r, 2, "--lora-rank 513: --engine vllm serves adapters up to rank 512", "--lora-merged")
+    assert not out.exists()
