@@ -177,24 +177,35 @@ class TorchEngine:
         self.dtype, self.fp8 = DTYPES[dtype], dtype == "fp8"  # what the weights and each matmul's output hold
         self.emulated = self.device.type == "cpu" and self.dtype != torch.float32  # Rounded/Fp8Linear: fp32 arithmetic
         self.model = copy.deepcopy(model).to(torch.float32 if self.emulated else self.dtype).eval().requires_grad_(False)
+        lora.strip(self.model)  # under LoRA a plain model, whose weights every push merges (load_weights)
         if self.emulated or self.fp8:
             emulate(self.model, dtype, self.emulated)
         self.quantized = {f"{n}.weight": m for n, m in self.model.named_modules() if isinstance(m, Fp8Linear)}
         self.stop_ids = torch.tensor(stop_ids, device=self.device)
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
+        self.version = None  # nothing pushed yet
         self.load_weights(model, 0)  # rounds (fp8: quantizes) the copy's weights
         self.step = torch.compile(self._step) if compile_step else self._step
         self.syncs = self.device.type == "cpu"  # a host sync is free: stop the moment every row has
 
     @torch.no_grad()
     def load_weights(self, model: Transformer, version: int) -> None:
+        """The trainer's weights into the copy, cast to its dtype (fp8: quantized). Under LoRA each adapted
+        layer gets W + (alpha / r) B A, merged in fp32 from the trainer's untouched base, and the frozen
+        tensors (embedding, norms, head) are copied on the first push only."""
         src = model.state_dict()
+        deltas = lora.deltas(lora.adapter_state(model), model.lora) if model.lora is not None else {}  # (FSDP2: a collective)
         for k, v in self.model.state_dict().items():  # FSDP2 shards are gathered one tensor at a time
+            if model.lora is not None and self.version is not None and k not in deltas:
+                continue  # frozen: as the first push left it
+            w = full(src[k])
+            if k in deltas:
+                w = (w.float() + deltas[k].to(w.device)).to(w.dtype)
             if k in self.quantized:
-                self.quantized[k].quantize(full(src[k]))
+                self.quantized[k].quantize(w)
             else:
-                v.copy_(full(src[k]).to(self.dtype))
-        if self.fp8:  # the head's own e4m3 copy (a tied embedding stays bf16 for the lookup)
+                v.copy_(w.to(self.dtype))
+        if self.fp8 and (model.lora is None or self.version is None):  # the head's own e4m3 copy (a tied embedding stays bf16)
             q, scale = fp8_quantize(full(model.head_weight))
             self.head_q, self.head_scale = q.to(next(self.model.parameters()).dtype), scale[:, 0]
         self.version = version
