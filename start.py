@@ -31,7 +31,7 @@ import lora
 import parallel as P
 from parallel import RANK, print0, shard
 from remote import RemoteEngine
-from rollout import Sampling, make_engine, vllm_logprobs
+from rollout import Sampling, make_engine, serves_adapter, vllm_logprobs, vllm_lora_rank
 from rundir import check_fresh, snapshot
 
 
@@ -54,6 +54,8 @@ def check_start(cfg: C.Config) -> Start:
     """Flags, run directory, checkpoint, model directory, tokenizer, task and rewards, engine choice."""
     check_same_flags(cfg)
     check_read(cfg)
+    if cfg.lora_rank and serves_adapter(cfg):  # a rank vLLM's LoRA path cannot serve, before the model loads
+        vllm_lora_rank(cfg.lora_rank)
     if cfg.prompts_per_step % P.world() and not cfg.inference_gpus:
         raise C.ConfigError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the {P.world()} "
                             "torchrun processes (each rank samples its own share)")
@@ -195,6 +197,8 @@ def check_read(cfg: C.Config) -> None:
     found += [(f, "is not read with --stage sft (it is for rl rollouts)", False) for f in RL_FLAGS if cfg.stage == "sft"]
     if cfg.device == "cuda":
         found.append(("dist_timeout", "is not read on CUDA (NCCL keeps torch's 10-minute watchdog)", False))
+    if not (cfg.lora_rank and cfg.engine == "vllm"):
+        found.append(("lora_merged", "is read only with --engine vllm and --lora-rank (the built-in engine always merges)", False))
     if not cfg.lora_rank:  # the user asked for adapters and would get full fine-tuning
         found += [(f, "has no effect with --lora-rank 0 (full fine-tuning): add --lora-rank r", True)
                   for f in ("lora_alpha", "lora_targets")]
@@ -249,9 +253,11 @@ def build(cfg: C.Config, src: Path, model: M.Transformer, codec: D.TextCodec, li
     if cfg.compile == "on" and not can_compile(cfg.device):
         cfg = C.dataclasses.replace(cfg, compile="off")  # the engine's decode step too
     if cfg.inference_gpus:  # the last ranks sample (remote.py): they load `src` once rank 0 says so
-        engine = RemoteEngine(link, cfg.seed + RANK, cfg.engine_dtype)
+        engine = RemoteEngine(link, cfg.seed + RANK, cfg.engine_dtype, model.lora)
         if RANK == 0:
             engine.start(src)
+        if model.lora is not None:  # the ranks loaded LoRA's base: the adapter (an --adapter's, say) goes in now
+            engine.load_weights(model, 0)
     else:
         engine = make_engine(cfg, model, src, codec.stop_ids, cfg.seed + RANK)
     shard(model)  # after the engine took its full copy
