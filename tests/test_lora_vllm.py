@@ -8,16 +8,21 @@ merged fp32 forward of floe's model to the fp32 bound. A push sends the adapter 
 """
 
 import json
+import math
 import subprocess
 import sys
 
 import pytest
+import torch
 
-from conftest import one_line
+import lora as L
+import model as M
 from config import ConfigError
-from lora import VLLM_RANKS
+from conftest import one_line
+from lora import VLLM_RANKS, LoRASpec
+from rollout import Sampling
 from test_distributed import torchrun
-from test_engines import ROOT, needs_vllm
+from test_engines import HAS_VLLM, PROMPTS, ROOT, STOPS, _model, _probs, model_dir, needs_vllm  # noqa: F401 (a fixture)
 
 ENGINE = """
 import json, math, sys
@@ -252,3 +257,39 @@ def test_a_rank_vllm_cannot_serve_is_one_line_before_the_first_byte(tmp_path):
                         "--out-dir", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     one_line(r, 2, "--lora-rank 513: --engine vllm serves adapters up to rank 512", "--lora-merged")
     assert not out.exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.skipif(not (HAS_VLLM and torch.cuda.is_available()), reason="needs vllm and a CUDA GPU")
+def test_vllm_lora_on_a_gpu_keeps_its_adapter_through_sleep(model_dir):
+    """On a GPU (bench/gpu.sh), colocated, so the engine sleeps after each call (level 1: weights,
+    the LoRA buffers among them, offloaded) and wakes for the next: its bf16 logq stays near the
+    merged fp32 forward and far from the base's after a push, after a sleep with no push between
+    (an eval, then the next rollout), and after a second push into a woken engine."""
+    from rollout import VLLMEngine
+
+    spec = LoRASpec(8, 16.0)
+    engine = VLLMEngine(model_dir, 32, "bf16", STOPS, seed=0, memory=0.2, device="cuda", sleep=True, lora=spec)
+    model = _model()
+    L.add(model, spec)
+    gaps = []
+    for version, seed in ((1, 1), (1, None), (2, 2)):  # push, a call after a sleep with no push, push again
+        if seed is not None:
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                for m in L.adapted(model).values():
+                    m.lora_B.weight.normal_(0, 0.05)
+            engine.load_weights(model, version)
+        merged = M.Transformer(model.args)
+        merged.load_state_dict(L.merged(L.base_state(model), L.adapter_state(model), spec))
+        near, far = [], []
+        for i, c in enumerate(engine.generate(PROMPTS, 3, Sampling(temperature=0.7, max_new_tokens=8))):
+            assert c.versions == [version] * len(c.ids)
+            want, plain = _probs(merged, PROMPTS[i // 3], c.ids, 0.7), _probs(_model(), PROMPTS[i // 3], c.ids, 0.7)
+            near += [abs(q - math.log(want[t, v].item())) for t, (v, q) in enumerate(zip(c.ids, c.logq))]
+            far += [abs(q - math.log(plain[t, v].item())) for t, (v, q) in enumerate(zip(c.ids, c.logq))]
+        assert engine.asleep
+        gaps.append((sum(near) / len(near), sum(far) / len(far)))
+    print("mean |logq - merged fp32|, |logq - base|:", gaps)
+    assert all(near < 0.05 and far > 0.3 for near, far in gaps), gaps
