@@ -23,7 +23,8 @@ Simplifications:
    (argmax(p / Exp(1)) is a draw from p), so it needs no host sync; on a GPU whether all
    rows have stopped is checked only every 8 tokens.
 4. Group advantages (A = r - mean(group)) are the loss's (loss.group_advantages).
-5. `VLLMEngine` is vllm.LLM in this process (its class docstring has the details). What it
+5. `VLLMEngine` is vllm.LLM in this process (its class docstring has the details; under LoRA
+   it serves the adapter, and only the adapter moves on a push). What it
    cannot report it refuses before starting: under untruncated sampling it has no K draws,
    so a centered loss on a vocabulary over 4096 tokens needs --top-k (the kept set is then
    the top-k log-probs) or the built-in engine. `--engine auto` picks vLLM only on a GPU:
@@ -341,7 +342,11 @@ class VLLMEngine:
     truncated set, dropped) and otherwise, under --top-k, the top 2k log-probs: vLLM's top-k
     keeps every token tied with the k-th logit (as `truncate` does), and bf16 logits tie
     often. Every row is replayed (u = q); a row whose q does not sum to 1 (the kept set did
-    not fit) stops the run with one line."""
+    not fit) stops the run with one line.
+
+    Under LoRA (`lora=`, docs/lora.md) vLLM serves the adapter on the base it loaded (enable_lora;
+    on a CPU PunicaWrapperCPU, with compilation off): `load_weights` of a LoRA model goes through
+    `load_adapter`. An engine started without `lora` (--lora-merged) gets merged weights instead."""
 
     def __init__(self, model_dir, vocab: int, dtype: str, stop_ids: list[int], seed: int, memory: float,
                  device: str = "cpu", max_len: int | None = None, sleep: bool = True, lora: LoRASpec | None = None):

@@ -293,3 +293,18 @@ def test_vllm_lora_on_a_gpu_keeps_its_adapter_through_sleep(model_dir):
         gaps.append((sum(near) / len(near), sum(far) / len(far)))
     print("mean |logq - merged fp32|, |logq - base|:", gaps)
     assert all(near < 0.05 and far > 0.3 for near, far in gaps), gaps
+
+
+def test_split_run_trains_an_adapter(tmp_path):
+    """train.py --inference-gpus 1 --lora-rank 8 (1 trainer, 1 sampler, the built-in engine): the
+    adapter goes over at the start and after each step, the run trains with the bf16 engine's small
+    mismatch, and its checkpoint is the adapter."""
+    out = tmp_path / "run"
+    r = torchrun(str(ROOT / "train.py"), "--inference-gpus", "1", "--lora-rank", "8", "--lr", "5e-3", "--steps", "2",
+                 "--engine", "torch", "--loss", "icepop", "--prompts-per-step", "4", "--group-size", "3",
+                 "--max-new-tokens", "8", "--eval-every", "2", "--eval-prompts", "4", "--out-dir", str(out), nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [0, 1, 2] and "eval/reward" in rows[-1]
+    assert all(0 < x["mismatch/kl"] < 1e-3 for x in rows[1:])
+    assert (out / "final" / "adapter_model.safetensors").is_file()
