@@ -363,7 +363,7 @@ class VLLMEngine:
                        enable_sleep_mode=self.sleeps, **adapter)
         self.vocab, self.stop_ids, self.version, self.asleep = vocab, list(stop_ids), 0, False
         self.gen = torch.Generator().manual_seed(seed)
-        self.lora, self.model_dir, self.adapter = lora, str(model_dir), None  # adapter: the LoRARequest once pushed
+        self.spec, self.model_dir, self.adapter = lora, str(model_dir), None  # adapter: the LoRARequest once pushed
 
     def _wake(self) -> None:
         if self.asleep:
@@ -374,7 +374,7 @@ class VLLMEngine:
     def load_weights(self, model: Transformer, version: int) -> None:
         """The trainer's weights in place; under LoRA its adapter (`load_adapter`), or with --lora-merged
         the merged weights (`merged_weights`)."""
-        if model.lora is not None and self.lora is not None:
+        if model.lora is not None and self.spec is not None:
             return self.load_adapter(lora.adapter_state(model), version)
         self._wake()
         tensors = ((k, full(v)) for k, v in model.state_dict().items()) if model.lora is None else merged_weights(model)
@@ -390,10 +390,10 @@ class VLLMEngine:
         the loaded copy, and nothing is left behind if the process ends without its finalizers."""
         from vllm.lora.request import LoRARequest
 
-        assert self.lora is not None, "load_adapter needs an engine started with lora="
+        assert self.spec is not None, "load_adapter needs an engine started with lora="
         self._wake()
         with tempfile.TemporaryDirectory(prefix="floe-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
-            lora.write_adapter(d, tensors, self.lora, self.model_dir)
+            lora.write_adapter(d, tensors, self.spec, self.model_dir)
             self.llm.llm_engine.add_lora(LoRARequest("floe", 1, d, load_inplace=True))
         # requests name the loaded id; its directory is gone, and vLLM reads it only when the id is not loaded
         self.adapter = LoRARequest("floe", 1, d)
