@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import config as C
 import data as D
+import lora
 import model as M
 import parallel as P
 from parallel import RANK, full, gather
@@ -38,7 +39,7 @@ from rundir import STATE
 
 ADAM = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}  # AdamW's state per parameter
 FREE = ("steps", "eval_every", "save_every", "wandb_project", "dist_timeout", "call_timeout")  # a resume may change them; config.json follows
-UNUSED = ("resume", "model", "out_dir")  # a resume ignores them (out_dir: any spelling); config.json keeps the run's
+UNUSED = ("resume", "model", "out_dir")  # a resume ignores them (out_dir: any spelling; model: a LoRA run's base is its record's); config.json keeps the run's
 
 
 class NothingToDo(Exception):
@@ -52,12 +53,18 @@ def gathered(named) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in ((k, full(v)) for k, v in named) if RANK == 0}
 
 
-def save_checkpoint(out: Path, step: int, model, opt, rng, gen: torch.Generator, src, scale=None) -> Path | None:
+def save_checkpoint(out: Path, step: int, model, opt, rng, gen: torch.Generator, src, scale=None,
+                    final: bool = False) -> Path | None:
     """A HF directory plus the training state (optimizer, RNGs, step, the fp16 loss scale) in one
-    atomic rename, by rank 0."""
+    atomic rename, by rank 0. Under LoRA the adapter in PEFT's files in place of the HF directory,
+    and at the `final` step the merged weights as a HF directory in `merged/` as well."""
     names = {id(p): n for n, p in model.named_parameters()}
     tensors = gathered((f"optim/{names[id(p)]}/{k}", v) for p, st in opt.state.items() for k, v in st.items())
-    weights = gathered(model.state_dict().items())
+    if model.lora is None:
+        weights = gathered(model.state_dict().items())
+    else:
+        adapter = lora.adapter_state(model)  # (collectives: every rank joins, rank 0 writes)
+        base = gathered((k, v) for k, v in model.state_dict().items() if not lora.is_adapter_key(k)) if final else None
     gens = gather([gen.get_state()])  # the engine's sampling generator, every rank's
     if RANK:
         return None
@@ -66,12 +73,15 @@ def save_checkpoint(out: Path, step: int, model, opt, rng, gen: torch.Generator,
     if scale is not None and scale.dynamic:
         state["loss_scale"] = [scale.value, scale.good]
     path = out / f"step_{step:06d}"
+    extra = {f"{STATE}/state.json": json.dumps(state).encode(), f"{STATE}/optim_rng.safetensors": st_save(tensors)}
     try:
-        M.save(model, path, src, state=weights, extra={f"{STATE}/state.json": json.dumps(state).encode(),
-                                                       f"{STATE}/optim_rng.safetensors": st_save(tensors)})
+        if model.lora is None:
+            M.save(model, path, src, state=weights, extra=extra)
+        else:
+            save_adapter(path, model, adapter, None if base is None else lora.merged(base, adapter, model.lora), Path(src), extra)
     except BaseException:  # a full or read-only disk mid-write, a Ctrl-C: the torn copy never became step_NNNNNN
         with contextlib.suppress(OSError):
-            M.remove_path(path.with_name(path.name + ".tmp"))  # M.save's temporary name: free its space
+            M.remove_path(path.with_name(path.name + ".tmp"))  # M.write_dir's temporary name: free its space
         raise
     link = out / "final.tmp"  # `final` points at the newest checkpoint; replaced atomically
     link.unlink(missing_ok=True)  # a stale one: the link itself goes; symlink_to then creates, never follows
@@ -80,13 +90,31 @@ def save_checkpoint(out: Path, step: int, model, opt, rng, gen: torch.Generator,
     return path
 
 
-def whole(path: Path) -> tuple[M.Transformer, D.TextCodec]:
+MERGED = "merged"  # a LoRA run's last checkpoint: W + (alpha / r) B A as a HF directory, loaded with no peft
+
+
+def save_adapter(path: Path, model, adapter: dict, merged: dict | None, src: Path, extra: dict[str, bytes]) -> None:
+    """A LoRA checkpoint: PEFT's adapter files (naming the base `src`), the training state, and the merged
+    HF directory when given, under one temporary name (M.write_dir)."""
+    def fill(tmp: Path) -> None:
+        lora.write_adapter(tmp, adapter, model.lora, str(src.resolve()))
+        M.write_extra(tmp, extra)
+        if merged is not None:
+            (tmp / MERGED).mkdir()
+            M.write_hf(tmp / MERGED, M.saved_config(model.args, src), src, merged)
+    M.write_dir(path, fill)
+
+
+def whole(path: Path, base: tuple | None = None) -> tuple[M.Transformer, D.TextCodec]:
     """The checkpoint's model (on the CPU) and tokenizer, every part of the checkpoint checked: raises
     naming the first damaged one. state.json: its step is the directory's, its RNG state one that
     `random` takes; the HF directory: config.json, tokenizer.json and the weights as --model's are
     checked (M.load: keys, shapes, finite values); optim_rng.safetensors: its header (a truncated
-    file fails there) holds AdamW state for this model's parameters only, in their shapes, and
-    every rank's engine generator."""
+    file fails there) holds AdamW state for this model's trained parameters only, in their shapes,
+    and every rank's engine generator. A LoRA run's checkpoint holds an adapter instead of the HF
+    directory: `base` is (the base model with the run's adapters, its tokenizer), and the adapter
+    must be the run's (rank, alpha, targets) for exactly its layers; it is loaded into the base
+    once every part passed."""
     state = json.loads((path / STATE / "state.json").read_text())
     step, world = state.get("step"), state.get("world_size", 1)
     if type(step) is not int or path.name != f"step_{step:06d}":
@@ -101,8 +129,9 @@ def whole(path: Path) -> tuple[M.Transformer, D.TextCodec]:
         value, good = state["loss_scale"]
         if not (isinstance(value, float) and math.isfinite(value) and type(good) is int):
             raise ValueError(f"{STATE}/state.json: loss_scale {state['loss_scale']!r}")
-    model, codec = M.load(path), D.TextCodec.load(path)
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    model, codec = (M.load(path), D.TextCodec.load(path)) if base is None else base
+    adapter = None if model.lora is None else _adapter(path, model)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
     engines = {"rng/engine"} | {f"rng/engine/{r}" for r in range(1, world)}
     with safe_open(str(path / STATE / "optim_rng.safetensors"), framework="pt") as st:
         for key in st.keys():
@@ -116,13 +145,25 @@ def whole(path: Path) -> tuple[M.Transformer, D.TextCodec]:
                 raise ValueError(f"{STATE}/optim_rng.safetensors: {key} has shape {got}, its parameter {want}")
         if missing := sorted(engines - set(st.keys())):
             raise ValueError(f"{STATE}/optim_rng.safetensors: no {missing[0]} (world_size {world})")
+    if adapter is not None:
+        lora.load_adapter(model, adapter)
     return model, codec
 
 
-def damage(path: Path) -> str | None:
+def _adapter(path: Path, model) -> dict[str, torch.Tensor]:
+    """A LoRA checkpoint's adapter tensors, checked against the run's adapters (`model.lora`, its layers)."""
+    spec, tensors, _ = lora.read_adapter(path)
+    if spec != model.lora:
+        raise ValueError(f"{lora.CONFIG}: rank {spec.rank}, alpha {spec.alpha:g}, targets {' '.join(spec.targets)}; the run "
+                         f"has rank {model.lora.rank}, alpha {model.lora.alpha:g}, targets {' '.join(model.lora.targets)}")
+    lora.check_adapter(model, tensors, lora.WEIGHTS)
+    return tensors
+
+
+def damage(path: Path, base: tuple | None = None) -> str | None:
     """Why a checkpoint cannot be resumed from (`whole`), or None."""
     try:
-        whole(path)
+        whole(path, base)
     except Exception as e:  # json, OSError, safetensors' and tokenizers' own errors: all mean "not this one"
         return f"{type(e).__name__}: {e}"
     return None
@@ -151,12 +192,13 @@ def load_training_state(path: Path, model, opt, rng, engine, scale=None) -> int:
 
 # ----------------------------------------------------------------------------- resume
 
-def check_resumable(cfg: C.Config, out: Path) -> tuple[Path, list[dict], M.Transformer, D.TextCodec]:
-    """The checkpoint to resume from, with the metrics rows it keeps, its model and tokenizer: the
-    newest that reads whole (`whole`) and whose steps all have their row in metrics.jsonl (the rows
-    are fsynced before the checkpoint that covers them; a disk or a copy that lost some falls back
-    to the one before, with a warning). The flags that shape the run must not change; a run already
-    at --steps has nothing to do (NothingToDo)."""
+def check_resumable(cfg: C.Config, out: Path) -> tuple[Path, list[dict], M.Transformer, D.TextCodec, Path]:
+    """The checkpoint to resume from, with the metrics rows it keeps, its model and tokenizer, and the
+    directory the model's weights came from (the checkpoint; under LoRA the run's base): the newest
+    that reads whole (`whole`) and whose steps all have their row in metrics.jsonl (the rows are
+    fsynced before the checkpoint that covers them; a disk or a copy that lost some falls back to the
+    one before, with a warning). The flags that shape the run must not change, nor a LoRA run's base
+    (`lora_base`); a run already at --steps has nothing to do (NothingToDo)."""
     if not out.is_dir():
         raise C.ConfigError(f"--resume: --out-dir {out} does not exist (a new run needs no --resume)")
     found, saved, done = R.checkpoints(out), R.floe_config(out), R.trained_steps(out)
@@ -171,8 +213,9 @@ def check_resumable(cfg: C.Config, out: Path) -> tuple[Path, list[dict], M.Trans
     for k, v in json.loads(cfg.to_json()).items():  # a flag newer than the run's record stands at its default
         if k not in FREE + UNUSED and saved.get(k, defaults[k]) != v:
             raise C.ConfigError(f"--resume: --{k.replace('_', '-')} is {v!r} but the run in {out} used {saved.get(k)!r}")
+    base = lora_base(cfg, saved, out) if cfg.lora_rank else None
     rows = read_rows(out)
-    path, model, codec, why = _newest_whole(found, {r["step"] for r in rows}, out)
+    path, model, codec, why = _newest_whole(found, {r["step"] for r in rows}, out, None if base is None else base[:2])
     if path is None:
         raise C.ConfigError(f"--resume: every checkpoint in {out} is damaged or lacks its metrics rows (the newest: "
                             f"{why}); delete that directory to start over, or give another --out-dir")
@@ -181,23 +224,45 @@ def check_resumable(cfg: C.Config, out: Path) -> tuple[Path, list[dict], M.Trans
     world = json.loads((path / STATE / "state.json").read_text()).get("world_size", 1)
     if world != P.world():
         raise C.ConfigError(f"--resume: the run in {out} ran on {world} trainer processes, this one on {P.world()} "
-                            f"(torchrun --nproc_per_node); start a new run with --model {path} instead")
+                            f"(torchrun --nproc_per_node); start a new run with "
+                            + (f"--model {path}" if base is None else f"--model {base[2]} --adapter {path}") + " instead")
     step = int(path.name[5:])  # step_NNNNNN
     if step >= cfg.steps:
         raise NothingToDo(f"nothing to do: the run in {out} is at step {step} and --steps is {cfg.steps}; give "
                           f"--steps above {step} to continue it")
     if cfg.model != saved.get("model"):
-        P.print0(f"note: --model {cfg.model} is not used: a resumed run continues from {path}")
-    return path, [r for r in rows if r["step"] <= step], model, codec
+        P.print0(f"note: --model {cfg.model} is not used: a resumed run continues from {path}"
+                 + (f" on its base {base[2]}" if base else ""))
+    return path, [r for r in rows if r["step"] <= step], model, codec, path if base is None else base[2]
 
 
-def _newest_whole(found: list[Path], have: set[int], out: Path):
+def lora_base(cfg: C.Config, saved: dict, out: Path) -> tuple[M.Transformer, D.TextCodec, Path]:
+    """A LoRA run's base as its config.json records it (`lora_base`: the directory and its weights'
+    sha256), with the run's adapters added (zeros until a checkpoint's are loaded) and its tokenizer.
+    A base that is gone or changed stops the resume with one line."""
+    rec = saved.get("lora_base")
+    if not isinstance(rec, dict) or not isinstance(rec.get("path"), str) or not isinstance(rec.get("sha256"), str):
+        raise C.ConfigError(f"--resume: {out / 'config.json'} records no lora_base (the base model's directory and "
+                            "sha256) for its --lora-rank run")
+    path = Path(rec["path"])
+    try:
+        model, codec = M.load(path), D.TextCodec.load(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise C.ConfigError(f"--resume: the run's base model does not load ({e})") from None
+    if (now := lora.weights_sha256(path)) != rec["sha256"]:
+        raise C.ConfigError(f"--resume: the base model in {path} changed since the run started (the sha256 of its "
+                            f"weights was {rec['sha256'][:12]}, now {now[:12]}); its adapters were trained on the old one")
+    lora.add(model, lora.spec_of(cfg))
+    return model, codec, path
+
+
+def _newest_whole(found: list[Path], have: set[int], out: Path, base: tuple | None = None):
     """(path, model, codec, None) for the first of `found` that reads whole with its rows in `have`,
     warning for each one passed over; (None, None, None, why the newest failed) when none does."""
     first = None
     for p in found:
         try:
-            model, codec = whole(p)
+            model, codec = whole(p, base)
         except Exception as e:  # as in `damage`
             why = f"{p} is damaged ({type(e).__name__}: {e})"
         else:

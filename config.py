@@ -39,6 +39,7 @@ class ConfigError(Exception):
 FP32_MAX = 3.4028234663852886e38  # a flag that becomes a float32 tensor must be finite there too
 SEED_MAX = 2**32  # torch and numpy seed from 64-bit integers; floe adds the rank and 1 (eval) to the seed
 SAMPLES_MAX = 2**20  # samples a step: --prompts-per-step x --group-size (rl), sequences (sft)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every linear of a block (lora.TARGETS)
 BOUNDS = {"score_centering_k": 1024, "max_words": 1000, "eval_prompts": 2**16, "micro_batch_tokens": 2**20}
 
 
@@ -86,9 +87,18 @@ class Config:
     grad_clip: float = 1.0  # max global grad norm; 0: off
     epochs: int = 1  # optimizer passes over each rollout batch (>1: ppo/cispo/gspo's pi_old is a no-grad pass)
 
+    # --- LoRA (lora.py; docs/lora.md): adapters on a frozen base instead of full fine-tuning
+    lora_rank: int = 0  # r: train rank-r adapters, every base weight frozen (--model names the base); 0: full fine-tuning
+    # alpha stays fixed as r changes (the adapters add alpha/r * B A): with Adam the 1/r keeps the best --lr about the
+    # same at every rank, and 32 is the value "LoRA without regret" (Thinking Machines, 2025) ran its ranks with
+    lora_alpha: float = 32.0  # the adapters add (alpha / r) B A x
+    lora_targets: tuple[str, ...] = LORA_TARGETS  # the decoder's linear layers that get adapters (embedding and LM head stay frozen)
+    adapter: str = ""  # a PEFT LoRA adapter directory to start from (sets --lora-rank/-alpha/-targets); --model is its base
+
     # --- sampling (the engine)
     engine: Literal["auto", "torch", "vllm"] = "auto"  # auto: vllm on a GPU when it imports, else the built-in torch engine
     vllm_memory: float = 0.2  # vllm: the share of GPU memory (on a CPU: of RAM) it reserves for weights and KV cache
+    lora_merged: bool = False  # vllm under LoRA: push merged weights W + (alpha/r) B A instead of serving the adapter (docs/lora.md)
     engine_dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"  # the engine's weights (fp8: W8A8 e4m3); the trainer keeps fp32
     engine_noise: float = 0.0  # built-in engine: N(0, s^2) on every logit it samples from, a controlled mismatch; 0: off
     train_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # the trainer's matmuls (autocast and a bf16/fp16 head; fp16 with loss scaling); weights stay fp32
@@ -127,7 +137,7 @@ class Config:
     def __post_init__(self) -> None:
         for name in ("lr", "weight_decay", "temperature", "adv_tau", "kl_coeff", "icepop_alpha", "icepop_beta",
                      "ipo_eps", "clip_low", "clip_high", "tis_floor", "seq_mask_low", "top_p", "vllm_memory", "engine_noise",
-                     "dist_timeout"):
+                     "dist_timeout", "lora_alpha"):
             v = getattr(self, name)  # caps whose inf means "no cap" (--tis-cap, --grad-clip, ...) may stay inf
             _check(math.isfinite(v), f"--{name.replace('_', '-')}", f"must be a finite number, got {v}")
             _check(abs(v) <= FP32_MAX, f"--{name.replace('_', '-')}", f"must be a finite number in float32 "
@@ -187,6 +197,11 @@ class Config:
                f"must be a finite number of seconds > 0, got {self.call_timeout}")
         _check(1 <= self.max_turns <= 1000, "--max-turns", f"must be in [1, 1000], got {self.max_turns}")
         _check(not self.env or self.task.startswith("jsonl:"), "--env", "needs --task jsonl:FILE (the rows its episodes start from)")
+        _check(self.lora_rank >= 0, "--lora-rank", f"must be >= 0 (0: full fine-tuning), got {self.lora_rank}")
+        _check(self.lora_alpha > 0, "--lora-alpha", f"must be > 0, got {self.lora_alpha:g}")
+        _check(len(self.lora_targets) > 0, "--lora-targets", f"needs at least one layer name (e.g. {' '.join(LORA_TARGETS)})")
+        _check(len(set(self.lora_targets)) == len(self.lora_targets), "--lora-targets",
+               f"names a layer twice: {' '.join(self.lora_targets)}")
         _check(self.dist_timeout > 0, "--dist-timeout", f"must be > 0 seconds, got {self.dist_timeout:g}")
         _check(all(math.isfinite(w) for w in self.reward_weights), "--reward-weights",
                f"must be finite numbers, got {' '.join(f'{w:g}' for w in self.reward_weights)}")

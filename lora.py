@@ -1,22 +1,43 @@
-"""LoRA (--lora-rank r): the adapter's shape and its files in PEFT's format.
+"""LoRA (--lora-rank r): adapters on the model's linear layers, and their files in PEFT's format.
 
-W x + (alpha / r) B A x for each adapted linear layer: A (r, in) and B (out, r) are trained in
-fp32, the base W stays frozen. An adapter on disk is PEFT's directory (adapter_config.json and
-adapter_model.safetensors with PEFT's names), so peft, transformers and vLLM load it as it is.
+W x + b + (alpha / r) B A x for each adapted linear layer: A (r, in) and B (out, r) are trained in
+fp32, the base W (and b) stays frozen, as does every other weight (embedding, norms, LM head).
+`add` turns each target nn.Linear into a `LoRALinear` that keeps the layer's own `weight` and
+`bias` and gains `lora_A` and `lora_B`, so the model's state_dict names are HF's plus PEFT's
+suffixes (`...q_proj.lora_A.weight`), and PEFT's file name of a tensor is `PREFIX` + that name.
+An adapter on disk is PEFT's directory (adapter_config.json and adapter_model.safetensors with
+PEFT's names), so peft, transformers and vLLM load it as it is.
 
-    python train.py --lora-rank 8 --lora-alpha 16 --lr 1e-3
+Simplifications:
+1. The adapter is plain LoRA: no dropout (RL's batches are fresh samples, and dropout would make
+   the engine's policy differ from the trainer's), no bias, no DoRA or rsLoRA, one rank and
+   alpha for every layer. PEFT's init: A Kaiming-uniform, B zero, so step 0 is the base model.
+2. The base stays in fp32, like full fine-tuning's weights (a bf16 base would halve its memory
+   but make the trainer's forward differ from the fp32 parity references; not offered yet).
+3. The engines get merged weights, W + (alpha / r) B A, computed in fp32 from the untouched
+   base on every push (rollout.TorchEngine), so what samples is a plain model.
+
+    python train.py --lora-rank 8 --lr 5e-3            # the reverse-text job with rank-8 adapters
+    python -m pytest -q tests/test_lora.py              # against peft, transformers and autograd
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from safetensors.torch import save as st_save
+from torch import nn
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every linear of a block
+from config import LORA_TARGETS as TARGETS  # every linear of a block: the flag's default
+from parallel import full
+
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 accepts
 PREFIX = "base_model.model."  # PEFT's prefix before the model's own parameter names
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -33,6 +54,11 @@ class LoRASpec:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+
+def spec_of(cfg) -> LoRASpec | None:
+    """The config's adapters (targets in name order, as adapter_config.json lists them); None: full fine-tuning."""
+    return LoRASpec(cfg.lora_rank, float(cfg.lora_alpha), tuple(sorted(cfg.lora_targets))) if cfg.lora_rank else None
 
 
 def peft_key(module: str, which: str) -> str:
@@ -56,7 +82,8 @@ def write_adapter(out_dir: str | Path, tensors: dict[str, torch.Tensor], spec: L
     (a checkpoint writes under a temporary name and renames)."""
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(d / WEIGHTS))
+    blob = st_save({k: v.detach().float().contiguous().cpu() for k, v in tensors.items()}, metadata={"format": "pt"})
+    (d / WEIGHTS).write_bytes(blob)  # a full disk raises OSError here, as every other checkpoint write does
     (d / CONFIG).write_text(json.dumps(adapter_config(spec, base), indent=2))
 
 
@@ -89,14 +116,139 @@ def module_of(key: str) -> str:
 
 
 @torch.no_grad()
+def deltas(tensors: dict[str, torch.Tensor], spec: LoRASpec) -> dict[str, torch.Tensor]:
+    """(alpha / r) B A (out, in) in fp32 for each adapted layer, by the HF name of its weight."""
+    modules = sorted({module_of(k) for k in tensors})
+    return {f"{m}.weight": spec.scale * (tensors[peft_key(m, "B")].float() @ tensors[peft_key(m, "A")].float())
+            for m in modules}
+
+
+@torch.no_grad()
 def merged(base: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], spec: LoRASpec) -> dict[str, torch.Tensor]:
     """Full weights by HF name: W + (alpha / r) B A for each adapted layer (computed in fp32, then
     cast to W's dtype), every other tensor of `base` as it is. `base` is left untouched."""
     out = dict(base)
-    for key in tensors:
-        if key.endswith(".lora_A.weight"):
-            module = module_of(key)
-            a, b = tensors[key].float(), tensors[peft_key(module, "B")].float()
-            w = base[f"{module}.weight"]
-            out[f"{module}.weight"] = (w.float() + spec.scale * (b @ a)).to(w.dtype)
+    for key, d in deltas(tensors, spec).items():
+        w = base[key]
+        out[key] = (w.float() + d.to(w.device)).to(w.dtype)
     return out
+
+
+# ----------------------------------------------------------------------------- the adapters in the model
+
+class LoRALinear(nn.Module):
+    """An nn.Linear's frozen `weight` (out, in) and `bias`, under the same names, plus its adapter:
+    y = x W^T + b + scale * B(A x), lora_A.weight (r, in), lora_B.weight (out, r), as PEFT computes it."""
+
+    def __init__(self, linear: nn.Linear, rank: int, scale: float):
+        super().__init__()
+        self.weight, self.bias, self.scale = linear.weight, linear.bias, scale
+        out_features, in_features = linear.weight.shape
+        dev = linear.weight.device
+        self.lora_A = nn.Linear(in_features, rank, bias=False, device=dev, dtype=torch.float32)
+        self.lora_B = nn.Linear(rank, out_features, bias=False, device=dev, dtype=torch.float32)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's init_lora_weights=True
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(x)) * self.scale
+
+
+def linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The decoder blocks' linear layers by name (the embedding and the LM head are not among them)."""
+    return {n: m for n, m in model.named_modules() if ".layers." in f".{n}" and isinstance(m, (nn.Linear, LoRALinear))}
+
+
+def add(model: nn.Module, spec: LoRASpec) -> None:
+    """Freeze every weight of a model.Transformer and give each target layer an adapter (fp32, on the
+    layer's device, drawn from torch's global RNG); `model.lora` becomes `spec`. ValueError, naming
+    the flag, for a target that matches no layer or a rank above a layer's width."""
+    layers = linears(model)
+    kinds = sorted({n.rsplit(".", 1)[-1] for n in layers})
+    if stray := [t for t in spec.targets if t not in kinds]:
+        raise ValueError(f"--lora-targets {stray[0]} matches no linear layer of the model (its layers: {', '.join(kinds)}; "
+                         "the embedding and the LM head stay frozen)")
+    chosen = {n: m for n, m in layers.items() if n.rsplit(".", 1)[-1] in spec.targets}
+    for name, m in chosen.items():
+        width = min(m.weight.shape)
+        if spec.rank > width:  # B A would have rank <= width anyway: the extra rows train nothing new
+            raise ValueError(f"--lora-rank {spec.rank} is larger than {name}'s width {width} "
+                             f"(weight {tuple(m.weight.shape)}); use a rank <= {width}")
+    model.requires_grad_(False)
+    for name, m in chosen.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, LoRALinear(m, spec.rank, spec.scale))
+    model.lora = spec
+
+
+def adapted(model: nn.Module) -> dict[str, LoRALinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def is_adapter_key(name: str) -> bool:
+    """A state_dict name of an adapter tensor (`....lora_A.weight`, `....lora_B.weight`)."""
+    return name.endswith((".lora_A.weight", ".lora_B.weight"))
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's tensors by PEFT name, fp32, whole. Under FSDP2 a collective: every trainer rank
+    calls it (in the same module order) and gets every tensor."""
+    out = {}
+    for name, m in adapted(model).items():
+        out[peft_key(name, "A")] = full(m.lora_A.weight).detach().float()
+        out[peft_key(name, "B")] = full(m.lora_B.weight).detach().float()
+    return out
+
+
+def base_state(model: nn.Module, only: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """The untouched base weights by HF name (what `merged` merges into), whole; `only`: these names
+    alone. Under FSDP2 a collective, as `adapter_state`."""
+    return {k: full(v).detach() for k, v in model.state_dict().items()
+            if not is_adapter_key(k) and (only is None or k in only)}
+
+
+@torch.no_grad()
+def load_adapter(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """PEFT-named tensors (checked by `check_adapter`) into the model's adapters."""
+    for name, m in adapted(model).items():
+        m.lora_A.weight.copy_(tensors[peft_key(name, "A")])
+        m.lora_B.weight.copy_(tensors[peft_key(name, "B")])
+
+
+def check_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """The tensors are exactly the model's adapters (every layer, nothing more) in their shapes and
+    finite: ValueError naming `source` and the first tensor that is not."""
+    want = {peft_key(n, w): tuple(getattr(m, f"lora_{w}").weight.shape) for n, m in adapted(model).items() for w in "AB"}
+    if missing := sorted(set(want) - set(tensors)):
+        raise ValueError(f"{source}: no {missing[0]} (the adapter does not cover the model's {module_of(missing[0])})")
+    if extra := sorted(set(tensors) - set(want)):
+        raise ValueError(f"{source}: {extra[0]} names no adapted layer of the model")
+    for k, shape in want.items():
+        if tuple(tensors[k].shape) != shape:
+            raise ValueError(f"{source}: {k} has shape {tuple(tensors[k].shape)}, the model's layer needs {shape}")
+        if not torch.isfinite(tensors[k]).all():
+            raise ValueError(f"{source}: {k} holds NaN or inf")
+
+
+def strip(model: nn.Module) -> None:
+    """Each LoRALinear back to a plain nn.Linear over the same weight and bias (the engine's copy,
+    whose weights are merged on every push); `model.lora` becomes None."""
+    for name, m in adapted(model).items():
+        parent, _, child = name.rpartition(".")
+        plain = nn.Linear(1, 1, bias=False, device="meta")
+        plain.in_features, plain.out_features = m.weight.shape[1], m.weight.shape[0]
+        plain.weight, plain.bias = m.weight, m.bias
+        setattr(model.get_submodule(parent), child, plain)
+    model.lora = None
+
+
+def weights_sha256(model_dir: str | Path) -> str:
+    """sha256 over a HF directory's *.safetensors files (names and bytes, in name order): the run's
+    record of its base, checked again on --resume."""
+    h = hashlib.sha256()
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()

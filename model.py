@@ -299,6 +299,7 @@ class Transformer(nn.Module):
         self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_frequencies(a), persistent=False)
         self.attention = "auto"  # the packed forward's attention (attention.document_mask): auto | flex | rows | dense
+        self.lora = None  # lora.LoRASpec once lora.add gave the linear layers adapters; None: full fine-tuning
 
     @property
     def head_weight(self) -> torch.Tensor:  # (V, H)
@@ -485,24 +486,44 @@ def save(model: Transformer, out_dir: str | Path, src_dir: str | Path, extra: di
          state: dict[str, torch.Tensor] | None = None) -> None:
     """Write a HF directory (plus `extra` files) under a temporary name, then rename it into place.
     `src_dir` is where the model came from: its config.json, tokenizer and generation files.
-    `state` replaces model.state_dict(): the full weights gathered from FSDP shards (train.py).
-    The temporary directory is made new (mkdir fails on anything left there, which is removed
-    first, a planted symlink included, never followed), so every file in it is this call's."""
-    out, src = Path(out_dir), Path(src_dir)
+    `state` replaces model.state_dict(): the full weights gathered from FSDP shards (train.py), or a
+    LoRA model's merged or base weights."""
+    src = Path(src_dir)
+    assert state is not None or model.lora is None, "a LoRA model's HF directory is its merged or base weights (state=)"
     config = saved_config(model.args, src)  # read before anything is written: src may be out
+
+    def fill(tmp: Path) -> None:
+        write_hf(tmp, config, src, state or model.state_dict())
+        write_extra(tmp, extra or {})
+    write_dir(out_dir, fill)
+
+
+def write_hf(d: Path, config: dict, src: Path, state: dict[str, torch.Tensor]) -> None:
+    """A HF directory's files into the existing directory `d`: fp32 weights, `config`, and the
+    tokenizer and generation files of `src`."""
+    write_weights({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}, d / "model.safetensors")
+    (d / "config.json").write_text(json.dumps(config, indent=2))
+    for f in TOKENIZER_FILES:
+        if (src / f).is_file():
+            shutil.copy(src / f, d / f)
+
+
+def write_extra(d: Path, files: dict[str, bytes]) -> None:
+    for name, blob in files.items():
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_bytes(blob)
+
+
+def write_dir(out_dir: str | Path, fill) -> None:
+    """A directory whose files `fill(tmp)` writes, made under a temporary name, fsynced, then renamed
+    into place. The temporary directory is made new (mkdir fails on anything left there, which is
+    removed first, a planted symlink included, never followed), so every file in it is this call's."""
+    out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     remove_path(tmp)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     tmp.mkdir()
-    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in (state or model.state_dict()).items()}
-    write_weights(state, tmp / "model.safetensors")
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    for f in TOKENIZER_FILES:
-        if (src / f).is_file():
-            shutil.copy(src / f, tmp / f)
-    for name, blob in (extra or {}).items():
-        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp / name).write_bytes(blob)
+    fill(tmp)
     for f in tmp.rglob("*"):  # data on disk before the rename makes it visible
         if f.is_file():
             with open(f, "rb") as fh:

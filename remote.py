@@ -22,18 +22,27 @@ Simplifications:
    an in-process vLLM makes that group its own. The link's groups are built on torchrun's store.
 5. Messages are lists of 1-D tensors with a small header (dtype codes and lengths): no pickle
    (parallel.Link).
+6. Under LoRA (--lora-rank) only what changes travels: the adapter's shape (rank, alpha, targets)
+   once, with the directory, and its fp32 tensors on each push, in PEFT-name order. Each inference
+   rank keeps the base it loaded untouched: vLLM serves the adapter on it (no floe copy of the
+   base at all, only the adapter's tensors), a merging engine (the built-in one, or vLLM with
+   --lora-merged) holds the fp32 base the trainers hold and merges W + (alpha / r) B A from it on
+   every push, as a colocated engine does, bit for bit (the fp8 engine requantizes the merge).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import torch
 
 import data as D
+import lora
 import model as M
 from parallel import Link, full
 from precision import DTYPES
-from rollout import Completion, Sampling, make_engine
+from rollout import Completion, Sampling, make_engine, serves_adapter
 
 GEN, PUSH, STOP, IDLE = 1, 2, 3, 4
 
@@ -98,14 +107,15 @@ class RemoteEngine:
     """The `Engine` on the trainer ranks: rank 0 (which holds `link`) sends the calls; every trainer
     rank joins the weight gathers of a push. `gen` seeds the calls (simplification 2)."""
 
-    def __init__(self, link: Link | None, seed: int, dtype: str):
-        self.link, self.version, self.dtype = link, 0, wire_dtype(dtype)
+    def __init__(self, link: Link | None, seed: int, dtype: str, spec: lora.LoRASpec | None = None):
+        self.link, self.version, self.dtype, self.spec = link, 0, wire_dtype(dtype), spec
         self.gen = torch.Generator().manual_seed(seed)
 
     def start(self, model_dir) -> None:
-        """Tell the inference ranks which directory to load (after rank 0 wrote it, for --model scratch)."""
+        """Tell the inference ranks which directory to load (after rank 0 wrote it, for --model scratch)
+        and, under LoRA, the adapter's shape."""
         for j in range(1, self.link.size):
-            self.link.send([torch.tensor(list(str(model_dir).encode()), dtype=torch.uint8)], j)
+            self.link.send(_start(model_dir, self.spec), j)
 
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling,
                  budgets: list[int] | None = None) -> list[Completion]:
@@ -134,10 +144,14 @@ class RemoteEngine:
         if self.link is not None:
             for j in range(1, self.link.size):
                 self.link.send([torch.tensor([PUSH, version])], j)
-        for v in model.state_dict().values():
-            t = full(v)  # a collective over the trainers
+        if self.spec is not None:  # the adapter alone, fp32 (a collective over the trainers under FSDP2)
+            adapter = lora.adapter_state(model)
+            wire = (adapter[k] for k in sorted(adapter))
+        else:
+            wire = (full(v).detach().to(self.dtype) for v in model.state_dict().values())  # a collective per tensor
+        for t in wire:
             if self.link is not None:
-                self.link.broadcast(t.detach().to(self.dtype).contiguous())
+                self.link.broadcast(t.contiguous())
         self.version = version
 
     def stop(self) -> None:
@@ -157,10 +171,10 @@ def dismiss(link: Link) -> None:
 def serve(cfg, link: Link) -> None:
     """An inference rank: load the directory trainer rank 0 names, then generate and take weight
     pushes in the order it sends them, until STOP. No directory named: the trainers have nothing to do."""
-    src = bytes(link.recv(0)[0].tolist()).decode()
+    src, spec = _read_start(link.recv(0))
     if not src:
         return
-    model = M.load(src, device=cfg.device, dtype=wire_dtype(cfg.engine_dtype))  # the pushes land here
+    model = _inference_model(cfg, src, spec)  # the pushes land here
     seed = cfg.seed + 1000 * link.rank  # unused by sampling (each call brings its seed); vLLM's init takes one
     engine = make_engine(cfg, model, src, D.TextCodec.load(src).stop_ids, seed)
     while True:
@@ -172,8 +186,7 @@ def serve(cfg, link: Link) -> None:
             engine.idle()
             continue
         if cmd == PUSH:
-            for t in model.state_dict().values():
-                link.broadcast(t)
+            _receive(link, model)
             engine.load_weights(model, version=int(msg[0][1]))
             continue
         prompts, n, sampling, version, budgets = _read_request(msg)
@@ -183,3 +196,55 @@ def serve(cfg, link: Link) -> None:
             link.send(_reply(engine.generate(prompts, n, sampling, budgets)), 0)
         except D.RunError as e:  # the trainer stops with this one line (train.fail)
             link.send([torch.tensor(list(f"inference rank {link.rank}: {e}".encode()), dtype=torch.uint8)], 0)
+
+
+# ----------------------------------------------------------------------------- LoRA on the wire
+
+def _start(model_dir, spec: lora.LoRASpec | None) -> list[torch.Tensor]:
+    """The start message: the directory, then under LoRA its rank, alpha and targets."""
+    out = [torch.tensor(list(str(model_dir).encode()), dtype=torch.uint8)]
+    if spec is not None:
+        out += [torch.tensor([spec.rank]), torch.tensor([spec.alpha], dtype=torch.float64),
+                torch.tensor(list(" ".join(spec.targets).encode()), dtype=torch.uint8)]
+    return out
+
+
+def _read_start(msg: list[torch.Tensor]) -> tuple[str, lora.LoRASpec | None]:
+    src = bytes(msg[0].tolist()).decode()
+    if len(msg) == 1:
+        return src, None
+    return src, lora.LoRASpec(int(msg[1]), float(msg[2]), tuple(bytes(msg[3].tolist()).decode().split()))
+
+
+def _inference_model(cfg, src: str, spec: lora.LoRASpec | None) -> M.Transformer:
+    """What an inference rank keeps for its engine. Full fine-tuning: a copy in the wire's dtype that
+    each push overwrites. LoRA served by vLLM: the adapter's tensors alone, on a model whose base
+    stays on the meta device (vLLM loaded the base itself). LoRA merged on this rank: the base in
+    fp32, as the trainers hold it, with adapters that each push fills."""
+    if spec is None:
+        return M.load(src, device=cfg.device, dtype=wire_dtype(cfg.engine_dtype))
+    if not serves_adapter(cfg):
+        model = M.load(src, device=cfg.device)
+        lora.add(model, spec)
+        return model
+    with torch.device("meta"):
+        model = M.Transformer(M.ModelArgs.from_hf(M.read_config(Path(src) / "config.json"), src))
+    lora.add(model, spec)
+    for m in lora.adapted(model).values():
+        for part in (m.lora_A, m.lora_B):
+            part.to_empty(device=cfg.device).requires_grad_(False).weight.zero_()
+    return model
+
+
+@torch.no_grad()
+def _receive(link: Link, model: M.Transformer) -> None:
+    """One push into `model`: every tensor (full fine-tuning) or the adapter's (LoRA), in the order
+    RemoteEngine.load_weights sends them."""
+    if model.lora is None:
+        for t in model.state_dict().values():
+            link.broadcast(t)
+        return
+    adapter = {k: torch.empty_like(v) for k, v in lora.adapter_state(model).items()}
+    for k in sorted(adapter):
+        link.broadcast(adapter[k])
+    lora.load_adapter(model, adapter)

@@ -25,7 +25,8 @@ Simplifications:
    (argmax(p / Exp(1)) is a draw from p), so it needs no host sync; on a GPU whether all
    rows have stopped is checked only every 8 tokens.
 4. Group advantages (A = r - mean(group)) are the loss's (loss.group_advantages).
-5. `VLLMEngine` is vllm.LLM in this process (its class docstring has the details). What it
+5. `VLLMEngine` is vllm.LLM in this process (its class docstring has the details; under LoRA
+   it serves the adapter, and only the adapter moves on a push). What it
    cannot report it refuses before starting: under untruncated sampling it has no K draws,
    so a centered loss on a vocabulary over 4096 tokens needs --top-k (the kept set is then
    the top-k log-probs) or the built-in engine. `--engine auto` picks vLLM only on a GPU:
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import copy
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,6 +51,8 @@ import torch
 
 from config import ConfigError
 from data import RunError, TokenSupport, truncated
+import lora
+from lora import VLLM_RANKS, LoRASpec
 from model import KVCache, Transformer
 from parallel import full
 from precision import DTYPES, Fp8Linear, emulate, fp8_quantize
@@ -185,12 +189,14 @@ class TorchEngine:
         self.dtype, self.fp8 = DTYPES[dtype], dtype == "fp8"  # what the weights and each matmul's output hold
         self.emulated = self.device.type == "cpu" and self.dtype != torch.float32  # Rounded/Fp8Linear: fp32 arithmetic
         self.model = copy.deepcopy(model).to(torch.float32 if self.emulated else self.dtype).eval().requires_grad_(False)
+        lora.strip(self.model)  # under LoRA a plain model, whose weights every push merges (load_weights)
         if self.emulated or self.fp8:
             emulate(self.model, dtype, self.emulated)
         self.quantized = {f"{n}.weight": m for n, m in self.model.named_modules() if isinstance(m, Fp8Linear)}
         self.stop_ids = torch.tensor(stop_ids, device=self.device)
         self.kept: KeptRows | None = None
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
+        self.version = None  # nothing pushed yet
         self.load_weights(model, 0)  # rounds (fp8: quantizes) the copy's weights
         self.step = torch.compile(self._step) if compile_step else self._step
         self.syncs = self.device.type == "cpu"  # a host sync is free: stop the moment every row has
@@ -198,13 +204,22 @@ class TorchEngine:
 
     @torch.no_grad()
     def load_weights(self, model: Transformer, version: int) -> None:
+        """The trainer's weights into the copy, cast to its dtype (fp8: quantized). Under LoRA each adapted
+        layer gets W + (alpha / r) B A, merged in fp32 from the trainer's untouched base, and the frozen
+        tensors (embedding, norms, head) are copied on the first push only."""
         src = model.state_dict()
+        deltas = lora.deltas(lora.adapter_state(model), model.lora) if model.lora is not None else {}  # (FSDP2: a collective)
         for k, v in self.model.state_dict().items():  # FSDP2 shards are gathered one tensor at a time
+            if model.lora is not None and self.version is not None and k not in deltas:
+                continue  # frozen: as the first push left it
+            w = full(src[k])
+            if k in deltas:
+                w = (w.float() + deltas[k].to(w.device)).to(w.dtype)
             if k in self.quantized:
-                self.quantized[k].quantize(full(src[k]))
+                self.quantized[k].quantize(w)
             else:
-                v.copy_(full(src[k]).to(self.dtype))
-        if self.fp8:  # the head's own e4m3 copy (a tied embedding stays bf16 for the lookup)
+                v.copy_(w.to(self.dtype))
+        if self.fp8 and (model.lora is None or self.version is None):  # the head's own e4m3 copy (a tied embedding stays bf16)
             q, scale = fp8_quantize(full(model.head_weight))
             self.head_q, self.head_scale = q.to(next(self.model.parameters()).dtype), scale[:, 0]
         self.version, self.kept = version, None  # rows cached under the old weights are not these weights' rows
@@ -342,6 +357,17 @@ def vllm_logprobs(s: Sampling, vocab: int) -> int:
                       "--engine torch, or a loss that needs no support (--loss ppo|cispo with --top-p 1)")
 
 
+def vllm_lora_rank(rank: int) -> int:
+    """vLLM's max_lora_rank for an adapter of rank r: the smallest value it accepts that holds r.
+    vLLM zero-pads every adapter's A and B to max_lora_rank, so a rank between its values (say 4,
+    served at 8) computes the same x·A·B, at the padded rank's cost; ranks past the largest are refused."""
+    for r in VLLM_RANKS:
+        if r >= rank:
+            return r
+    raise ConfigError(f"--lora-rank {rank}: --engine vllm serves adapters up to rank {VLLM_RANKS[-1]} "
+                      "(vLLM 0.32's largest max_lora_rank); use a smaller rank, --lora-merged or --engine torch")
+
+
 class VLLMEngine:
     """vllm.LLM in this process (no engine subprocess), loading the trainer's HF directory.
 
@@ -362,21 +388,28 @@ class VLLMEngine:
     truncated set, dropped) and otherwise, under --top-k, the top 2k log-probs: vLLM's top-k
     keeps every token tied with the k-th logit (as `truncate` does), and bf16 logits tie
     often. Every row is replayed (u = q); a row whose q does not sum to 1 (the kept set did
-    not fit) stops the run with one line."""
+    not fit) stops the run with one line.
+
+    Under LoRA (`lora=`, docs/lora.md) vLLM serves the adapter on the base it loaded (enable_lora;
+    on a CPU PunicaWrapperCPU, with compilation off): `load_weights` of a LoRA model goes through
+    `load_adapter`. An engine started without `lora` (--lora-merged) gets merged weights instead."""
 
     def __init__(self, model_dir, vocab: int, dtype: str, stop_ids: list[int], seed: int, memory: float,
-                 device: str = "cpu", max_len: int | None = None, sleep: bool = True):
+                 device: str = "cpu", max_len: int | None = None, sleep: bool = True, lora: LoRASpec | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         from vllm import LLM
 
         self.cuda, self.sleeps = device == "cuda", device == "cuda" and sleep  # no sleep alone on a GPU
         fp8 = {"quantization": "fp8"} if dtype == "fp8" else {}  # online W8A8; a reload re-quantizes (vLLM layerwise reload)
+        adapter = {} if lora is None else {"enable_lora": True, "max_lora_rank": vllm_lora_rank(lora.rank),
+                                           "max_loras": 1, "max_cpu_loras": 1}  # one adapter, reloaded in place
         self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=VLLM_DTYPES[dtype], seed=seed, **fp8,
                        logprobs_mode="processed_logprobs", max_logprobs=-1, max_model_len=max_len,
                        gpu_memory_utilization=memory, enforce_eager=not self.cuda,
-                       enable_sleep_mode=self.sleeps)
+                       enable_sleep_mode=self.sleeps, **adapter)
         self.vocab, self.stop_ids, self.version, self.asleep = vocab, list(stop_ids), 0, False
         self.gen = torch.Generator().manual_seed(seed)
+        self.spec, self.model_dir, self.adapter = lora, str(model_dir), None  # adapter: the LoRARequest once pushed
 
     def _wake(self) -> None:
         if self.asleep:
@@ -385,9 +418,31 @@ class VLLMEngine:
 
     @torch.no_grad()
     def load_weights(self, model: Transformer, version: int) -> None:
+        """The trainer's weights in place; under LoRA its adapter (`load_adapter`), or with --lora-merged
+        the merged weights (`merged_weights`)."""
+        if model.lora is not None and self.spec is not None:
+            return self.load_adapter(lora.adapter_state(model), version)
         self._wake()
-        tensors = ((k, full(v)) for k, v in model.state_dict().items())
+        tensors = ((k, full(v)) for k, v in model.state_dict().items()) if model.lora is None else merged_weights(model)
         self.llm.collective_rpc(_reload, args=(tensors,))  # in-process: the generator is read where it is
+        self.llm.reset_prefix_cache()
+        self.version = version
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """A LoRA push: the adapter's tensors (PEFT names) replace the served adapter in place; the base
+        weights vLLM loaded from `model_dir` stay as they are. vLLM 0.32 loads an adapter only from a
+        directory (loading from memory would mean patching it), so each push writes one under /dev/shm,
+        loads it eagerly (`load_inplace`: the same adapter id, new tensors) and removes it: vLLM keeps
+        the loaded copy, and nothing is left behind if the process ends without its finalizers."""
+        from vllm.lora.request import LoRARequest
+
+        assert self.spec is not None, "load_adapter needs an engine started with lora="
+        self._wake()
+        with tempfile.TemporaryDirectory(prefix="floe-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
+            lora.write_adapter(d, tensors, self.spec, self.model_dir)
+            self.llm.llm_engine.add_lora(LoRARequest("floe", 1, d, load_inplace=True))
+        # requests name the loaded id; its directory is gone, and vLLM reads it only when the id is not loaded
+        self.adapter = LoRARequest("floe", 1, d)
         self.llm.reset_prefix_cache()
         self.version = version
 
@@ -405,7 +460,8 @@ class VLLMEngine:
                                  detokenize=False, stop_token_ids=self.stop_ids, flat_logprobs=True) for c in caps]
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.cuda else []):
             torch.manual_seed(seed)  # vLLM draws from the global generator; see the class docstring
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
+                                     lora_request=self.adapter)
         return [self._completion(c, s) for o in outs for c in o.outputs]
 
     def idle(self) -> None:
@@ -441,6 +497,23 @@ class VLLMEngine:
                                         torch.ones(len(starts), dtype=torch.bool))
 
 
+def merged_weights(model: Transformer):
+    """A LoRA model's full weights by HF name, for an engine that takes no adapter (--lora-merged):
+    W + (alpha / r) B A merged in fp32 from the untouched base and cast back to W's dtype, one layer
+    at a time (the reload streams them, so no second copy of the model is ever held)."""
+    adapter = lora.adapter_state(model)
+    for k, w in lora.base_state(model).items():
+        layer = k.removesuffix(".weight")
+        pair = {n: adapter[n] for n in (lora.peft_key(layer, "A"), lora.peft_key(layer, "B")) if n in adapter}
+        yield k, (lora.merged({k: w}, pair, model.lora)[k] if pair else w)
+
+
+def serves_adapter(cfg) -> bool:
+    """Under LoRA, whether the engine serves the adapter itself (vLLM's enable_lora) rather than taking
+    merged weights (the built-in engine; vLLM with --lora-merged)."""
+    return cfg.engine == "vllm" and not cfg.lora_merged
+
+
 def _reload(worker, tensors) -> None:
     """In-place reload, then re-pack a tied LM head: on a CPU vLLM multiplies by a packed copy
     of the head made at load time, and the reload refreshes only the embedding that owns the
@@ -456,6 +529,10 @@ def make_engine(cfg, model: Transformer, model_dir, stop_ids: list[int], seed: i
     """The engine `cfg.engine` names (resolved by Config.resolve), holding `model`'s weights. vLLM
     sleeps between calls only when it shares its GPU with a trainer (no --inference-gpus)."""
     if cfg.engine == "vllm":  # it loads `model_dir`, where `model` came from (a resume pushes its step after)
-        return VLLMEngine(model_dir, model.args.vocab_size, cfg.engine_dtype, stop_ids, seed, cfg.vllm_memory,
-                          cfg.device, model.args.max_position_embeddings, sleep=not cfg.inference_gpus)
+        engine = VLLMEngine(model_dir, model.args.vocab_size, cfg.engine_dtype, stop_ids, seed, cfg.vllm_memory,
+                            cfg.device, model.args.max_position_embeddings, sleep=not cfg.inference_gpus,
+                            lora=model.lora if serves_adapter(cfg) else None)
+        if model.lora is not None:  # `model_dir` is LoRA's base: the adapter (an --adapter's, say) goes in now
+            engine.load_weights(model, 0)
+        return engine
     return TorchEngine(model, cfg.engine_dtype, stop_ids, seed, compile_step=cfg.compile == "on")

@@ -27,10 +27,11 @@ import loss as L
 import model as M
 import tasks as T
 from checkpoint import check_resumable
+import lora
 import parallel as P
 from parallel import RANK, print0, shard
 from remote import RemoteEngine
-from rollout import Sampling, make_engine, vllm_logprobs
+from rollout import Sampling, make_engine, serves_adapter, vllm_logprobs, vllm_lora_rank
 from rundir import check_fresh, snapshot
 
 
@@ -53,14 +54,15 @@ def check_start(cfg: C.Config) -> Start:
     """Flags, run directory, checkpoint, model directory, tokenizer, task and rewards, engine choice."""
     check_same_flags(cfg)
     check_read(cfg)
+    if cfg.lora_rank and serves_adapter(cfg):  # a rank vLLM's LoRA path cannot serve, before the model loads
+        vllm_lora_rank(cfg.lora_rank)
     if cfg.prompts_per_step % P.world() and not cfg.inference_gpus:
         raise C.ConfigError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the {P.world()} "
                             "torchrun processes (each rank samples its own share)")
     out = Path(cfg.out_dir)
     seen = snapshot(out)
-    if cfg.resume:  # the checkpoint, checked whole: its model and tokenizer come with it
-        resume_from, kept, model, codec = check_resumable(cfg, out)
-        src = resume_from
+    if cfg.resume:  # the checkpoint, checked whole: its model and tokenizer come with it (LoRA: with its base)
+        resume_from, kept, model, codec, src = check_resumable(cfg, out)
     else:
         if note := check_fresh(out, cfg.model):
             print0(note)
@@ -77,6 +79,8 @@ def check_start(cfg: C.Config) -> Start:
                     raise C.ConfigError(f"{cfg.task}: a row's `episode` is not a multi-turn reference ({e})") from None
     torch.manual_seed(cfg.seed)
     model = model.to(cfg.device) if cfg.resume else load_model(cfg, src, codec)
+    if not cfg.resume and cfg.lora_rank:
+        add_adapters(cfg, model, src)
     task.fit_eval_set(cfg.max_new_tokens, model.args.max_position_embeddings, cfg.eval_every > 0)
     if cfg.engine == "vllm":  # can vLLM report the support this loss needs? Ask before starting it
         vllm_logprobs(Sampling(top_k=cfg.top_k, support=L.reads_support(cfg)), model.args.vocab_size)
@@ -92,6 +96,48 @@ def check_start(cfg: C.Config) -> Start:
         print0(f"note: --epochs {cfg.epochs} with --loss {cfg.loss}: the later passes reweight by p/q against the "
                "sampler; nothing clips them against pi_old (ppo, cispo and gspo do)")
     return Start(out, src, resume_from, kept, seen, codec, task, model, env)
+
+
+def adapter_flags(cfg: C.Config) -> C.Config:
+    """--adapter DIR: the adapter's rank, alpha and targets become --lora-rank, --lora-alpha and
+    --lora-targets (a value given that differs is refused); without it, `cfg` as it is."""
+    if not cfg.adapter:
+        return cfg
+    try:
+        spec, _, _ = lora.read_adapter(cfg.adapter)
+    except (ValueError, OSError, KeyError) as e:
+        raise C.ConfigError(f"--adapter {cfg.adapter}: {e}") from None
+    default = C.Config()
+    given = {"lora_rank": (cfg.lora_rank, 0, spec.rank), "lora_alpha": (cfg.lora_alpha, default.lora_alpha, spec.alpha),
+             "lora_targets": (tuple(sorted(cfg.lora_targets)), tuple(sorted(default.lora_targets)), spec.targets)}
+    for k, (value, unset, theirs) in given.items():
+        if value != unset and value != theirs:
+            raise C.ConfigError(f"--{k.replace('_', '-')} {_shown(value)} is not --adapter {cfg.adapter}'s "
+                                f"{_shown(theirs)} (its {lora.CONFIG}); leave the flag out")
+    return C.dataclasses.replace(cfg, lora_rank=spec.rank, lora_alpha=spec.alpha, lora_targets=spec.targets)
+
+
+def add_adapters(cfg: C.Config, model: M.Transformer, src: Path | None) -> None:
+    """--lora-rank: adapters on `model` (lora.add refuses a rank above a layer's width, a target that
+    names no layer); --adapter DIR: its tensors, once they fit the model and its base is --model's."""
+    lora.add(model, lora.spec_of(cfg))
+    if not cfg.adapter:
+        return
+    spec, tensors, base = lora.read_adapter(cfg.adapter)
+    try:
+        lora.check_adapter(model, tensors, lora.WEIGHTS)
+    except ValueError as e:
+        raise ValueError(f"--adapter {cfg.adapter} does not fit --model {cfg.model}: {e}") from None
+    named = Path(base)  # a local directory (floe writes the absolute path) is compared; a hub id cannot be
+    if src is not None and base and (named / "config.json").is_file() and named.resolve() != src.resolve():
+        if lora.weights_sha256(named) != lora.weights_sha256(src):
+            raise ValueError(f"--adapter {cfg.adapter} was trained on {base}, whose weights differ from --model "
+                             f"{cfg.model}'s; give that base as --model")
+    lora.load_adapter(model, tensors)
+
+
+def _shown(v) -> str:
+    return " ".join(v) if isinstance(v, tuple) else f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def check_same_flags(cfg: C.Config) -> None:
@@ -151,11 +197,16 @@ def check_read(cfg: C.Config) -> None:
     found += [(f, "is not read with --stage sft (it is for rl rollouts)", False) for f in RL_FLAGS if cfg.stage == "sft"]
     if cfg.device == "cuda":
         found.append(("dist_timeout", "is not read on CUDA (NCCL keeps torch's 10-minute watchdog)", False))
+    if not (cfg.lora_rank and cfg.engine == "vllm"):
+        found.append(("lora_merged", "is read only with --engine vllm and --lora-rank (the built-in engine always merges)", False))
+    if not cfg.lora_rank:  # the user asked for adapters and would get full fine-tuning
+        found += [(f, "has no effect with --lora-rank 0 (full fine-tuning): add --lora-rank r", True)
+                  for f in ("lora_alpha", "lora_targets")]
     for field, why, refused in found:
         value = getattr(cfg, field)
         if value == C.Config.__dataclass_fields__[field].default:
             continue
-        flag = f"--{field.replace('_', '-')}" + ("" if value is True else f" {value:g}" if isinstance(value, float) else f" {value}")
+        flag = f"--{field.replace('_', '-')}" + ("" if value is True else f" {_shown(value)}")
         if refused:
             raise C.ConfigError(f"{flag} {why}")
         print0(f"note: {flag} {why}; the run goes on without it")
@@ -190,7 +241,7 @@ def write_scratch(cfg: C.Config, out: Path, model: M.Transformer, task: T.Task) 
         M.remove_path(src)  # a run started over makes its model anew (a symlink there is not followed)
         src.mkdir()
         D.write_tokenizer(src, task.alphabet)
-        M.save(model, src, src)
+        M.save(model, src, src, state=lora.base_state(model) if model.lora else None)  # LoRA: the base it trains on
     if P.world() > 1:
         dist.barrier()
     return src
@@ -202,13 +253,16 @@ def build(cfg: C.Config, src: Path, model: M.Transformer, codec: D.TextCodec, li
     if cfg.compile == "on" and not can_compile(cfg.device):
         cfg = C.dataclasses.replace(cfg, compile="off")  # the engine's decode step too
     if cfg.inference_gpus:  # the last ranks sample (remote.py): they load `src` once rank 0 says so
-        engine = RemoteEngine(link, cfg.seed + RANK, cfg.engine_dtype)
+        engine = RemoteEngine(link, cfg.seed + RANK, cfg.engine_dtype, model.lora)
         if RANK == 0:
             engine.start(src)
+        if model.lora is not None:  # the ranks loaded LoRA's base: the adapter (an --adapter's, say) goes in now
+            engine.load_weights(model, 0)
     else:
         engine = make_engine(cfg, model, src, codec.stop_ids, cfg.seed + RANK)
     shard(model)  # after the engine took its full copy
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
+    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+    opt = torch.optim.AdamW(trained, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
     fwd = torch.compile(model) if cfg.compile == "on" else model
     return fwd, engine, opt
 

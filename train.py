@@ -61,6 +61,7 @@ import config as C
 import data as D
 import episodes as E
 import evidence
+import lora
 import loss as L
 import model as M
 import tasks as T
@@ -73,7 +74,7 @@ from precision import DTYPES, LossScale
 from remote import RemoteEngine, dismiss, serve
 from rollout import Sampling
 from rundir import claimed, way_on, write_file
-from start import Start, build, check_start, write_scratch
+from start import Start, adapter_flags, build, check_start, write_scratch
 
 
 # ----------------------------------------------------------------------------- phases
@@ -302,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
     P.pin_inference_gpu(cfg.inference_gpus)
     link = None
     try:
-        cfg = cfg.resolve(torch.cuda.is_available())
+        cfg = adapter_flags(cfg.resolve(torch.cuda.is_available()))
         link = setup_distributed(cfg.device, cfg.inference_gpus, cfg.dist_timeout)
         if P.serving(cfg.inference_gpus):  # an --inference-gpus rank: it samples for the trainers until they stop it
             serve(cfg, link)
@@ -360,7 +361,7 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
             fail(e, 2)
         if RANK == 0:  # the engine started: now the config, which a resume checks its flags against
             record = (resumed_config(s.out, cfg) if s.resume_from  # the run's own record; None: unchanged
-                      else {**json.loads(cfg.to_json()), "reward_sha256": hashes})
+                      else {**json.loads(cfg.to_json()), "reward_sha256": hashes, **base_record(s.model, src)})
             if record is not None:
                 write_file(s.out / "config.json", json.dumps(record, indent=2))
     log = run = None
@@ -368,7 +369,9 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
         rng, scale = random.Random(cfg.seed), LossScale.for_dtype(cfg.train_dtype)
         with P.collective("the resume", cfg.dist_timeout):
             start = load_training_state(s.resume_from, s.model, opt, rng, engine, scale) if s.resume_from else 0
+        trained = sum(p.numel() for p in s.model.parameters() if p.requires_grad)
         print0(f"model {src}: {sum(p.numel() for p in s.model.parameters()) / 1e6:.2f}M params on {cfg.device}"
+               + (f", LoRA rank {cfg.lora_rank}: {trained / 1e6:.3f}M trained" if cfg.lora_rank else "")
                + (f" x {P.world()} ranks (FSDP2)" if P.world() > 1 else "")
                + (f", sampling on {cfg.inference_gpus} more" if cfg.inference_gpus else "")
                + (f" | resuming at step {start}" if start else "") + (" | compiling, ~1 min" if cfg.compile == "on" else ""))
@@ -394,6 +397,14 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
     summary = finish(cfg, log)
     P.teardown(link, cfg.inference_gpus)
     return summary
+
+
+def base_record(model: M.Transformer, src: Path) -> dict:
+    """A LoRA run's record of its base (config.json's `lora_base`): --resume reloads this directory, and
+    stops if the sha256 of its weights changed; {} for full fine-tuning."""
+    if model.lora is None:
+        return {}
+    return {"lora_base": {"path": str(src.resolve()), "sha256": lora.weights_sha256(src)}}
 
 
 @dataclass
@@ -451,7 +462,8 @@ def loop(run: Run, start: int) -> None:
                 st = RolloutRNG(run.rng, run.engine.gen) if ahead is None else ahead.rng_after(step)
                 run.log.sync()  # the rows on disk before the checkpoint that covers them
                 with P.collective(f"the checkpoint of step {step}", cfg.dist_timeout):
-                    save_checkpoint(run.out, step, run.model, run.opt, st.rng, st.gen, run.src, run.scale)
+                    save_checkpoint(run.out, step, run.model, run.opt, st.rng, st.gen, run.src, run.scale,
+                                    final=step == cfg.steps)
 
 
 def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[dict, list]:

@@ -2,6 +2,7 @@
 
     python bench/engine.py                          # the shipped tiny model, CPU (or the GPU if there is one)
     python bench/engine.py --model DIR --prompts 64 # any HF Qwen3 directory
+    python bench/engine.py --lora-rank 8            # LoRA: vLLM serving the adapter against merged pushes
 
 What is timed: `engine.generate(prompts, n, sampling)` alone, the call train.py makes each
 step, at the training defaults (reverse-text prompts, 16 samples each, temperature 1, 24
@@ -14,9 +15,14 @@ warm-up call each (a call lasts until its longest sample stops, so single calls 
 up to ~1.5x). Engine start-up (vLLM loads the directory and reserves its KV cache) is
 printed separately, not in the rate.
 
+With --lora-rank r the model gets rank-r adapters on every linear layer (B drawn, so they
+change what is sampled) and the rows are the engines a LoRA run can use: the built-in engine
+and vLLM with --lora-merged (merged weights pushed), and vLLM serving the adapter (enable_lora).
+
 Simplifications:
-1. One process runs both engines in turn; vLLM runs in this process (as in train.py),
-   so the two share the machine's cores exactly as they would in training.
+1. One process runs the engines in turn; vLLM runs in this process (as in train.py),
+   so they share the machine's cores exactly as they would in training. A vLLM engine is shut
+   down before the next one starts.
 2. vLLM is skipped, and says so, when it does not import.
 """
 
@@ -36,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import data as D  # noqa: E402
+import lora as L  # noqa: E402
 import model as M  # noqa: E402
 import tasks as T  # noqa: E402
 from rollout import Sampling, TorchEngine, VLLMEngine  # noqa: E402
@@ -70,30 +77,46 @@ def main():
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--vllm-memory", type=float, default=0.2)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="the engines' weights")
+    ap.add_argument("--lora-rank", type=int, default=0, help="adapters of this rank on every linear layer (0: none)")
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = M.load(a.model, device=device)
+    if a.lora_rank:
+        L.add(model, L.LoRASpec(a.lora_rank, 32.0, tuple(sorted(L.TARGETS))))
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for m in L.adapted(model).values():
+                m.lora_B.weight.normal_(0, 0.02)
     codec = D.TextCodec.load(a.model)
-    task = T.ReverseText(codec, 1, 3, 8)
+    task = T.ReverseText(codec, min_words=1, max_words=3, eval_size=8)  # keywords: a reward list comes second now
     prompts = [p.ids for p in task.sample(a.prompts, random.Random(0))]
     settings = [("off", Sampling(top_k=a.top_k, max_new_tokens=a.max_new_tokens)),
                 ("on", Sampling(top_k=a.top_k, max_new_tokens=a.max_new_tokens, support=True))]
     print(f"# {Path(a.model).name}, V={model.args.vocab_size}, {device}, torch threads {torch.get_num_threads()}, "
           f"{a.prompts} prompts x {a.n} samples, {a.max_new_tokens} new tokens, top-k {a.top_k or 'off'}, {a.dtype} engines")
     rows = []
-    engines = [("torch", lambda: TorchEngine(model, a.dtype, codec.stop_ids, seed=0, compile_step=device == "cuda"))]
+    engines = [("torch" + " (merged)" * bool(a.lora_rank),
+                lambda: TorchEngine(model, a.dtype, codec.stop_ids, seed=0, compile_step=device == "cuda"))]
     if importlib.util.find_spec("vllm"):
-        engines.append(("vllm", lambda: VLLMEngine(a.model, model.args.vocab_size, a.dtype, codec.stop_ids, 0,
-                                                   a.vllm_memory, device, model.args.max_position_embeddings)))
+        def vllm(lora=None):
+            return VLLMEngine(a.model, model.args.vocab_size, a.dtype, codec.stop_ids, 0, a.vllm_memory, device,
+                              model.args.max_position_embeddings, lora=lora)
+        engines.append(("vllm" + " (merged)" * bool(a.lora_rank), vllm))
+        if a.lora_rank:
+            engines.append(("vllm (adapter)", lambda: vllm(model.lora)))
     else:
         print("# vllm does not import here: its rows are missing")
     for name, make in engines:
         t = time.perf_counter()
         engine = make()
+        if a.lora_rank:  # the drawn adapter: merged, or vLLM's first adapter load (counted in start-up)
+            engine.load_weights(model, 1)
         start = time.perf_counter() - t
         results = timed(engine, prompts, a.n, [s for _, s in settings], a.repeats)
         for (support, _), (tokens, dt) in zip(settings, results):
             rows.append((name, f"{start:.1f}", support, tokens, f"{dt:.3f}", f"{tokens / dt:,.0f}"))
+        if isinstance(engine, VLLMEngine):
+            engine.llm.llm_engine.engine_core.shutdown()  # its memory back before the next one starts
         del engine
     head = ("engine", "start s", "support", "tokens/call", "s/call", "tok/s")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, on one H200 in under 8 minutes: the gpu-marked tests (CUDA against the
 # CPU reference, compiled against eager), then the benchmarks, then a short end-to-end
-# run of the default job on the GPU. Run from the repo root:
+# run of the default job on the GPU, and last LoRA on vLLM in whatever time is left. Run from the repo root:
 #
 #   bash bench/gpu.sh            # results in $OUT (or /tmp/floe-gpu)
 #
@@ -18,7 +18,7 @@ python3 -c "import torch; print('torch', torch.__version__, '|', torch.cuda.get_
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/env.txt"
 
 echo "== gpu tests (kernels, flex attention, bf16/fp16 training against CPU/eager references; vLLM fp8 where it imports)"
-timeout 130 python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/tests.txt"
+timeout 130 python3 -m pytest -q -m gpu tests/ --ignore=tests/test_lora_vllm.py 2>&1 | tee "$OUT/tests.txt"  # LoRA's: below
 
 echo "== bench/support.py"
 timeout 30 python3 bench/support.py 2>&1 | tee "$OUT/support.txt"
@@ -46,5 +46,16 @@ echo "== multi-turn episodes on the GPU (vLLM where the image has it, else the b
 timeout 45 python3 train.py --device cuda --task jsonl:examples/guess.jsonl --env guess-letter --model checkpoints/guess-tiny \
   --max-new-tokens 4 --prompts-per-step 16 --group-size 8 --steps 5 --eval-every 5 --eval-prompts 16 \
   --out-dir "$OUT/run-episodes" 2>&1 | grep -v '^  "' | tee "$OUT/run-episodes.txt"
+echo "== LoRA on vLLM (where the image has vLLM): its GPU test (an adapter push, sleep, wake), then 10 steps of --lora-rank 8"
+left=$((470 - SECONDS))  # what the steps above left of the 8 minutes (bash counts SECONDS from the start)
+if ! python3 -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"; then
+  echo "(no vLLM in the image: skipped)" | tee "$OUT/lora.txt"
+elif [ "$left" -lt 30 ]; then
+  echo "(${left}s left of the 8 minutes: skipped)" | tee "$OUT/lora.txt"
+else  # its own pytest process: one vLLM per process
+  timeout "$left" bash -c "python3 -m pytest -q -s -m gpu tests/test_lora_vllm.py && python3 train.py --device cuda \
+    --engine vllm --lora-rank 8 --lr 5e-3 --loss icepop --icepop-beta 2.0 --steps 10 --eval-every 5 \
+    --out-dir $OUT/run-lora" 2>&1 | grep -v '^  "' | tee "$OUT/lora.txt"
+fi
 # worst case, every timeout reached: 130 + 30 + 65 + 30 + 60 + 60 + 30 + 30 + 45 = 480 s of commands, plus
-# start-up; typical runs finish well inside them.
+# start-up; typical runs finish well inside them. The LoRA step takes only what is left of 470 s.

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 import config as C
 import data as D
 import tasks as T
+import lora
 import loss as L
 import model as M
 import train
@@ -53,22 +54,28 @@ def one_step(cfg, state, samples):
     runs = []
     for phase in ("grads", "step"):
         model = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
+        if cfg.lora_rank:  # the frozen base sharded like full fine-tuning's weights, the adapters with it
+            lora.add(model, lora.spec_of(cfg))
         model.load_state_dict(state)
         train.P.shard(model)
         assert isinstance(model.head_weight, DTensor) == (train.P.world() > 1)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
         batch = train.gather(samples)
         scale = train.LossScale.for_dtype(cfg.train_dtype)  # fp16: 2^16, unscaled in optimizer_step
         if phase == "grads":
             mbs, denom, _ = train.prepare(cfg, batch, 32, "cpu")
             train.backward_pass(cfg, model, model, mbs, denom, step=0, scale=scale.value)
-            runs.append(({n: train.full(p.grad) / scale.value for n, p in model.named_parameters()}, len(mbs)))
+            runs.append(({n: train.full(p.grad) / scale.value for n, p in model.named_parameters() if p.requires_grad},
+                         len(mbs)))
         else:
             mbs, denom, total = train.prepare(cfg, batch, 32, "cpu")
             L.accumulate(total, train.backward_pass(cfg, model, model, mbs, denom, step=0, scale=scale.value))
             L.accumulate(total, train.optimizer_step(cfg, model, opt, step=1, scale=scale, loss=total["loss"][0]))
             metrics = L.reduce_metrics(train.sum_over_ranks(total, "cpu"))
-            runs.append((metrics, {n: train.full(p.detach()) for n, p in model.named_parameters()}))
+            weights = {n: train.full(p.detach()) for n, p in model.named_parameters()}
+            if cfg.lora_rank:  # the adapter as the engines and checkpoints get it (a collective)
+                assert all(torch.equal(v, weights[k.removeprefix(lora.PREFIX)]) for k, v in lora.adapter_state(model).items())
+            runs.append((metrics, weights))
     (grads, n_mb), (metrics, weights) = runs
     return metrics, grads, weights, n_mb
 
@@ -99,7 +106,14 @@ def _cases():
         budget = next(b for b in range(longest, 4096) if len(D.pack(samples, b)) == 3)
         cases.append((C.dataclasses.replace(cfg, micro_batch_tokens=budget).resolve(False), m.state_dict(), samples))
     cfg, state, samples = cases[0]  # --train-dtype bf16/fp16: autocast around FSDP2's fp32 weights, as in 1 process
-    return cases + [(C.dataclasses.replace(cfg, train_dtype=d), state, samples) for d in ("bf16", "fp16")]
+    cases += [(C.dataclasses.replace(cfg, train_dtype=d), state, samples) for d in ("bf16", "fp16")]
+    lcfg = C.dataclasses.replace(cfg, lora_rank=4, lora_alpha=8.0)  # LoRA: rank-4 adapters, B non-zero
+    torch.manual_seed(0)
+    lora.add(m, lora.spec_of(lcfg))
+    with torch.no_grad():
+        for layer in lora.adapted(m).values():
+            layer.lora_B.weight.normal_(0, 0.1)
+    return cases + [(lcfg, m.state_dict(), samples)]
 
 
 def test_two_gloo_ranks_match_one_process(tmp_path):
@@ -114,6 +128,9 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
         metrics, grads, weights, n_mb = one_step(cfg, state, samples)
         assert n_mb == 3 and metrics["bad_evidence/dropped"] == pytest.approx(1 / 12)
         assert 0.02 < metrics["icepop/masked_fraction"] < 0.9 and metrics["grad_norm"] > cfg.grad_clip  # clipped
+        if cfg.lora_rank:  # the step moved the adapters alone
+            assert grads.keys() == {k for k in weights if lora.is_adapter_key(k)}
+            assert all(torch.equal(weights[k], state[k]) for k in weights if not lora.is_adapter_key(k))
         for rank in ranks:
             m2, g2, w2, n2 = rank["steps"][i]
             assert n2 == 2  # 2 + 1 micro-batches, padded to 2 + 2
@@ -155,6 +172,28 @@ def test_torchrun_trains_resumes_and_its_checkpoint_loads_in_one_process(tmp_pat
     assert e.value.code == 2
     s = train.main(["--model", str(out / "final"), "--steps", "1", "--out-dir", str(tmp_path / "one"), *SMALL])
     assert s["steps"] == 1 and (tmp_path / "one" / "final" / "model.safetensors").is_file()
+
+
+def test_torchrun_trains_and_resumes_a_lora_run_exactly(tmp_path):
+    """Two ranks, rank-4 adapters on the sharded frozen base: each step's checkpoint holds the adapter, the
+    last one the merged model; a resume from step 1 redoes step 2 exactly."""
+    out = tmp_path / "run"
+    args = [str(ROOT / "train.py"), "--steps", "2", "--save-every", "1", "--out-dir", str(out), "--lora-rank", "4",
+            "--lr", "2e-2", *SMALL]
+    r = torchrun(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert (out / "step_000001" / lora.WEIGHTS).is_file() and not (out / "step_000001" / "model.safetensors").exists()
+    merged = M.load(out / "final" / "merged")
+    spec, tensors, _ = lora.read_adapter(out / "final")
+    base = M.load(ROOT / "checkpoints" / "reverse-tiny")
+    want = lora.merged(base.state_dict(), tensors, spec)  # the merged save is W + (alpha / r) B A of the saved adapter
+    assert all(torch.equal(v, want[k]) for k, v in merged.state_dict().items())
+    shutil.rmtree(out / "step_000002")
+    r = torchrun(*args, "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _rows(out) == rows
 
 
 REWARD = '''

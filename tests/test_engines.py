@@ -469,7 +469,7 @@ def test_a_colocated_vllm_sleeps_once_a_step_is_over_never_between_its_turns():
     calls = []
 
     class LLM:
-        def generate(self, prompts, params, use_tqdm):
+        def generate(self, prompts, params, use_tqdm, lora_request=None):
             calls.append("generate")
             return []
 
@@ -481,6 +481,7 @@ def test_a_colocated_vllm_sleeps_once_a_step_is_over_never_between_its_turns():
 
     e = object.__new__(VLLMEngine)
     e.llm, e.cuda, e.sleeps, e.asleep, e.vocab, e.stop_ids, e.version = LLM(), False, True, False, 32, STOPS, 0
+    e.adapter = None  # full weights: no LoRA request
     e.gen = torch.Generator().manual_seed(0)
     for _ in range(3):  # three turns of one step
         e.generate([[1, 2]], 1, Sampling(max_new_tokens=2), [2])
