@@ -222,7 +222,7 @@ def mismatch(engine: TorchEngine, model: M.Transformer, completions, prompts) ->
     fp32 trainer's, both from one full forward of prompt + completion."""
     kls = []
     with torch.no_grad():
-        for i, c in enumerate(completions):
+        for i, c in list(enumerate(completions))[::4]:  # every 4th: 128 of the 512
             ids = torch.tensor(prompts[i // 16] + c.ids)
             n = len(ids)
             p = (model(ids, torch.arange(n), torch.zeros(n, dtype=torch.long)) @ model.head_weight.T).log_softmax(-1)
