@@ -116,21 +116,20 @@ def module_of(key: str) -> str:
 
 
 @torch.no_grad()
-def deltas(tensors: dict[str, torch.Tensor], spec: LoRASpec) -> dict[str, torch.Tensor]:
-    """(alpha / r) B A (out, in) in fp32 for each adapted layer, by the HF name of its weight."""
-    modules = sorted({module_of(k) for k in tensors})
-    return {f"{m}.weight": spec.scale * (tensors[peft_key(m, "B")].float() @ tensors[peft_key(m, "A")].float())
-            for m in modules}
+def merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """One layer's W + (alpha / r) B A, in fp32 (one fused multiply-add, no (out, in) temporary but
+    the result), cast back to W's dtype: what the engines load and `merged` saves, bit for bit."""
+    return torch.addmm(w.float(), b.float().to(w.device), a.float().to(w.device), alpha=scale).to(w.dtype)
 
 
 @torch.no_grad()
 def merged(base: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], spec: LoRASpec) -> dict[str, torch.Tensor]:
-    """Full weights by HF name: W + (alpha / r) B A for each adapted layer (computed in fp32, then
-    cast to W's dtype), every other tensor of `base` as it is. `base` is left untouched."""
+    """Full weights by HF name: W + (alpha / r) B A for each adapted layer (`merge`), every other
+    tensor of `base` as it is. `base` is left untouched."""
     out = dict(base)
-    for key, d in deltas(tensors, spec).items():
-        w = base[key]
-        out[key] = (w.float() + d.to(w.device)).to(w.dtype)
+    for module in sorted({module_of(k) for k in tensors}):
+        w = f"{module}.weight"
+        out[w] = merge(base[w], tensors[peft_key(module, "A")], tensors[peft_key(module, "B")], spec.scale)
     return out
 
 

@@ -207,14 +207,16 @@ class TorchEngine:
         """The trainer's weights into the copy, cast to its dtype (fp8: quantized). Under LoRA each adapted
         layer gets W + (alpha / r) B A, merged in fp32 from the trainer's untouched base, and the frozen
         tensors (embedding, norms, head) are copied on the first push only."""
-        src = model.state_dict()
-        deltas = lora.deltas(lora.adapter_state(model), model.lora) if model.lora is not None else {}  # (FSDP2: a collective)
+        src, spec = model.state_dict(), model.lora
+        adapter = lora.adapter_state(model) if spec is not None else {}  # (FSDP2: a collective)
         for k, v in self.model.state_dict().items():  # FSDP2 shards are gathered one tensor at a time
-            if model.lora is not None and self.version is not None and k not in deltas:
+            layer = k.removesuffix(".weight")
+            a, b = adapter.get(lora.peft_key(layer, "A")), adapter.get(lora.peft_key(layer, "B"))
+            if spec is not None and self.version is not None and a is None:
                 continue  # frozen: as the first push left it
             w = full(src[k])
-            if k in deltas:
-                w = (w.float() + deltas[k].to(w.device)).to(w.dtype)
+            if a is not None:
+                w = lora.merge(w, a, b, spec.scale)
             if k in self.quantized:
                 self.quantized[k].quantize(w)
             else:

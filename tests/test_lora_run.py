@@ -198,3 +198,17 @@ def test_a_resume_whose_base_changed_is_one_line_and_changes_nothing(tmp_path, c
     line = _refused(capsys, "--model", str(base), "--steps", "2", "--out-dir", str(out), "--resume", *LORA)
     assert "--resume: the base model in" in line and "changed since the run started" in line
     assert _tree(out) == before
+
+
+def test_a_damaged_adapter_falls_back_to_the_checkpoint_before(run, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(run, out, symlinks=True)
+    spec, tensors, base = lora.read_adapter(out / "step_000002")
+    key = sorted(tensors)[-1]
+    tensors[key] = tensors[key][:-1]
+    lora.write_adapter(out / "step_000002", tensors, spec, base)
+    capsys.readouterr()
+    train.main(["--model", str(run.parent / "base"), "--steps", "2", "--out-dir", str(out), "--resume", *LORA])
+    said = capsys.readouterr().out
+    assert "step_000002 is damaged (ValueError: adapter_model.safetensors:" in said and "trying the one before it" in said
+    assert _rows(out) == _rows(run)  # step 2 redone from step 1's checkpoint, exactly
