@@ -136,9 +136,22 @@ def engines(a, model, vocab: int):
     v = VLLMEngine(a.model, vocab, a.dtype, [], 0, a.vllm_memory, a.device, model.args.max_position_embeddings)
     plain = vllm.SamplingParams  # replaced once vLLM is imported whole (its own modules type-check against it)
     vllm.SamplingParams = lambda **kw: plain(**kw, ignore_eos=True)  # fixed lengths (see the docstring)
-    prefix = v.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    cache = v.llm.llm_engine.vllm_config.cache_config
+    prefix = f"{'on' if cache.enable_prefix_caching else 'off'} (its default here), blocks of {cache.block_size} tokens"
+    generate = v.llm.generate
+
+    def counted(*args, **kw):  # how much of each prompt vLLM's prefix cache served
+        outs = generate(*args, **kw)
+        CACHED[0] += sum(o.num_cached_tokens or 0 for o in outs)
+        CACHED[1] += sum(len(o.prompt_token_ids) for o in outs)
+        return outs
+
+    v.llm.generate = counted
     out.append(("vLLM", v, v.llm.reset_prefix_cache))
     return out, prefix
+
+
+CACHED = [0, 0]  # vLLM's prompt tokens served from its prefix cache, of all its prompt tokens
 
 
 def table1(a, others: Others) -> None:
@@ -154,11 +167,12 @@ def table1(a, others: Others) -> None:
     print(f"# {Path(a.model).name} (V={vocab}), {a.device}, {a.dtype} engines, torch threads {torch.get_num_threads()}, "
           f"{a.groups} groups x {n}, first prompt {len(first)} tokens, g = {a.gen} sampled per turn, r = {a.reply} "
           f"per reply, support {'off' if a.no_support else 'on (K=16 draws)'}, median of {a.repeats}"
-          + ("" if prefix is None else f"; vLLM prefix caching {'on' if prefix else 'off'} (its default here)"))
+          + ("" if prefix is None else f"; vLLM prefix caching {prefix}"))
     head = ["K", "tokens after the prompt", "model tokens"]
     for name, _, _ in cols:
         head += [f"{name}: episode s", "single turn s", "ratio", "ms per model token (episode / single)"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    served = []
     for K in a.turns:
         total = K * a.gen + (K - 1) * a.reply
         row = [str(K), str(total), str(K * a.gen)]
@@ -169,11 +183,17 @@ def table1(a, others: Others) -> None:
             for _ in range(a.repeats):
                 te.append(episode(engine, prompts, n, K, a.gen, reply, s, fresh))
                 ts.append(single(engine, prompts, n, total, s, fresh))
+            if name == "vLLM":  # what its prefix cache served of an episode's prompts: one more, untimed
+                CACHED[:] = [0, 0]
+                episode(engine, prompts, n, K, a.gen, reply, s, fresh)
+                served.append(f"K={K}: {CACHED[0] / CACHED[1]:.0%}")
             e, t = statistics.median(te), statistics.median(ts)
             rows = a.groups * n
             row += [f"{e:.3f}", f"{t:.3f}", f"{e / t:.2f}x",
                     f"{1e3 * e / (rows * K * a.gen):.3f} / {1e3 * t / (rows * total):.3f}"]
         print("| " + " | ".join(row) + f" |   ({others.since()})", flush=True)
+    if served:
+        print("# vLLM's prefix cache served, of an episode's prompt tokens (its num_cached_tokens): " + ", ".join(served))
 
 
 # ----------------------------------------------------------------------------- table 2: the environment
