@@ -12,8 +12,8 @@ sampled and every turn runs to --max-new-tokens = g; vLLM gets no stop ids and i
 on vllm.SamplingParams in this process). Every completion's length is checked. Columns: the
 built-in engine keeping its last call's cache rows (prefix.py, the default) and re-prefilling
 every prompt (`engine.reuse = False`), and vLLM (VLLMEngine as train.py builds it; its prefix
-cache reset before each timed call sequence, as a weight push resets it). Time is the median of
---repeats, the settings taking turns; "per model token" divides by the tokens the model sampled
+cache reset before each timed call sequence, as a weight push resets it). Time is the median
+(--stat) of --repeats, the settings taking turns; "per model token" divides by the tokens the model sampled
 (the episode's K*g per row, the single turn's K*g + (K-1)*r), so it shows what the replies cost:
 prefilled in one batch by the episode, decoded one by one by the single turn.
 
@@ -151,6 +151,7 @@ def engines(a, model, vocab: int):
     return out, prefix
 
 
+STATS = {"median": statistics.median, "min": min}
 CACHED = [0, 0]  # vLLM's prompt tokens served from its prefix cache, of all its prompt tokens
 
 
@@ -166,7 +167,7 @@ def table1(a, others: Others) -> None:
     cols, prefix = engines(a, model, vocab)
     print(f"# {Path(a.model).name} (V={vocab}), {a.device}, {a.dtype} engines, torch threads {torch.get_num_threads()}, "
           f"{a.groups} groups x {n}, first prompt {len(first)} tokens, g = {a.gen} sampled per turn, r = {a.reply} "
-          f"per reply, support {'off' if a.no_support else 'on (K=16 draws)'}, median of {a.repeats}"
+          f"per reply, support {'off' if a.no_support else 'on (K=16 draws)'}, {a.stat} of {a.repeats}"
           + ("" if prefix is None else f"; vLLM prefix caching {prefix}"))
     head = ["K", "tokens after the prompt", "model tokens"]
     for name, _, _ in cols:
@@ -187,7 +188,7 @@ def table1(a, others: Others) -> None:
                 CACHED[:] = [0, 0]
                 episode(engine, prompts, n, K, a.gen, reply, s, fresh)
                 served.append(f"K={K}: {CACHED[0] / CACHED[1]:.0%}")
-            e, t = statistics.median(te), statistics.median(ts)
+            e, t = STATS[a.stat](te), STATS[a.stat](ts)
             rows = a.groups * n
             row += [f"{e:.3f}", f"{t:.3f}", f"{e / t:.2f}x",
                     f"{1e3 * e / (rows * K * a.gen):.3f} / {1e3 * t / (rows * total):.3f}"]
@@ -282,6 +283,7 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--stat", default="median", choices=list(STATS), help="of the repeats (min: on a busy machine)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--no-support", action="store_true", help="sample without support rows (default: K=16 draws)")
     ap.add_argument("--vllm-memory", type=float, default=0.2)
