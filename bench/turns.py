@@ -12,8 +12,8 @@ sampled and every turn runs to --max-new-tokens = g; vLLM gets no stop ids and i
 on vllm.SamplingParams in this process). Every completion's length is checked. Columns: the
 built-in engine keeping its last call's cache rows (prefix.py, the default) and re-prefilling
 every prompt (`engine.reuse = False`), and vLLM (VLLMEngine as train.py builds it; its prefix
-cache reset before each timed call sequence, as a weight push resets it). Time is the median of
---repeats, the settings taking turns; "per model token" divides by the tokens the model sampled
+cache reset before each timed call sequence, as a weight push resets it). Time is the median
+(--stat) of --repeats, the settings taking turns; "per model token" divides by the tokens the model sampled
 (the episode's K*g per row, the single turn's K*g + (K-1)*r), so it shows what the replies cost:
 prefilled in one batch by the episode, decoded one by one by the single turn.
 
@@ -136,9 +136,23 @@ def engines(a, model, vocab: int):
     v = VLLMEngine(a.model, vocab, a.dtype, [], 0, a.vllm_memory, a.device, model.args.max_position_embeddings)
     plain = vllm.SamplingParams  # replaced once vLLM is imported whole (its own modules type-check against it)
     vllm.SamplingParams = lambda **kw: plain(**kw, ignore_eos=True)  # fixed lengths (see the docstring)
-    prefix = v.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    cache = v.llm.llm_engine.vllm_config.cache_config
+    prefix = f"{'on' if cache.enable_prefix_caching else 'off'} (its default here), blocks of {cache.block_size} tokens"
+    generate = v.llm.generate
+
+    def counted(*args, **kw):  # how much of each prompt vLLM's prefix cache served
+        outs = generate(*args, **kw)
+        CACHED[0] += sum(o.num_cached_tokens or 0 for o in outs)
+        CACHED[1] += sum(len(o.prompt_token_ids) for o in outs)
+        return outs
+
+    v.llm.generate = counted
     out.append(("vLLM", v, v.llm.reset_prefix_cache))
     return out, prefix
+
+
+STATS = {"median": statistics.median, "min": min}
+CACHED = [0, 0]  # vLLM's prompt tokens served from its prefix cache, of all its prompt tokens
 
 
 def table1(a, others: Others) -> None:
@@ -153,12 +167,13 @@ def table1(a, others: Others) -> None:
     cols, prefix = engines(a, model, vocab)
     print(f"# {Path(a.model).name} (V={vocab}), {a.device}, {a.dtype} engines, torch threads {torch.get_num_threads()}, "
           f"{a.groups} groups x {n}, first prompt {len(first)} tokens, g = {a.gen} sampled per turn, r = {a.reply} "
-          f"per reply, support {'off' if a.no_support else 'on (K=16 draws)'}, median of {a.repeats}"
-          + ("" if prefix is None else f"; vLLM prefix caching {'on' if prefix else 'off'} (its default here)"))
+          f"per reply, support {'off' if a.no_support else 'on (K=16 draws)'}, {a.stat} of {a.repeats}"
+          + ("" if prefix is None else f"; vLLM prefix caching {prefix}"))
     head = ["K", "tokens after the prompt", "model tokens"]
     for name, _, _ in cols:
         head += [f"{name}: episode s", "single turn s", "ratio", "ms per model token (episode / single)"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    served = []
     for K in a.turns:
         total = K * a.gen + (K - 1) * a.reply
         row = [str(K), str(total), str(K * a.gen)]
@@ -169,11 +184,17 @@ def table1(a, others: Others) -> None:
             for _ in range(a.repeats):
                 te.append(episode(engine, prompts, n, K, a.gen, reply, s, fresh))
                 ts.append(single(engine, prompts, n, total, s, fresh))
-            e, t = statistics.median(te), statistics.median(ts)
+            if name == "vLLM":  # what its prefix cache served of an episode's prompts: one more, untimed
+                CACHED[:] = [0, 0]
+                episode(engine, prompts, n, K, a.gen, reply, s, fresh)
+                served.append(f"K={K}: {CACHED[0] / CACHED[1]:.0%}")
+            e, t = STATS[a.stat](te), STATS[a.stat](ts)
             rows = a.groups * n
             row += [f"{e:.3f}", f"{t:.3f}", f"{e / t:.2f}x",
                     f"{1e3 * e / (rows * K * a.gen):.3f} / {1e3 * t / (rows * total):.3f}"]
         print("| " + " | ".join(row) + f" |   ({others.since()})", flush=True)
+    if served:
+        print("# vLLM's prefix cache served, of an episode's prompt tokens (its num_cached_tokens): " + ", ".join(served))
 
 
 # ----------------------------------------------------------------------------- table 2: the environment
@@ -262,6 +283,7 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--stat", default="median", choices=list(STATS), help="of the repeats (min: on a busy machine)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--no-support", action="store_true", help="sample without support rows (default: K=16 draws)")
     ap.add_argument("--vllm-memory", type=float, default=0.2)
