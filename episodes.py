@@ -23,10 +23,11 @@ one sequence (one document) for --loss-agg sequence, GSPO and the sequence masks
 Simplifications:
 1. One batched engine call per turn over every live episode (the first turn: one prompt per
    group, n = --group-size); an episode that ended drops out; nothing is carried into the next
-   step. Each turn re-prefills an episode's whole prefix (the engine keeps no cache across
-   calls): the contract stays one stateless `generate`, which vLLM's prefix cache serves as
-   well. The cost, measured (docs/agents.md): the built-in game's third turn takes 267 ms
-   re-prefilled against 56 ms for its new tokens alone, about a sixth of the step's rollout.
+   step. Each turn's prompts are the episodes' whole ids: the contract stays one stateless
+   `generate`, and the engines keep the prefix themselves (the built-in engine its last call's
+   cache rows, prefix.py; vLLM its prefix cache), until `idle()` after the step's last turn.
+   Measured (docs/agents.md, bench/turns.py): a 4-turn episode costs 0.70x a single turn of
+   the same total tokens on the built-in engine with the rows kept, 1.48x re-prefilled.
 2. Every call into the environment goes through usercode.py: a thread of its own with
    --call-timeout, all of a turn's episodes at once, on copies of floe's data.
 3. Faults take the whole group out (`skipped/env_error`): an environment that raised or timed
