@@ -241,6 +241,14 @@ def strip(model: nn.Module) -> None:
     model.lora = None
 
 
+def base_record(model: nn.Module, src: Path) -> dict:
+    """A LoRA run's record of its base for config.json (`lora_base`: the directory and the sha256 of its
+    weights), which --resume reloads and checks; {} for full fine-tuning."""
+    if model.lora is None:
+        return {}
+    return {"lora_base": {"path": str(Path(src).resolve()), "sha256": weights_sha256(src)}}
+
+
 def weights_sha256(model_dir: str | Path) -> str:
     """sha256 over a HF directory's *.safetensors files (names and bytes, in name order): the run's
     record of its base, checked again on --resume."""

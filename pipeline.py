@@ -63,13 +63,13 @@ class AsyncRollouts:
        An explicit set_num_threads changes how later CPU matmuls split in that process, so a
        later run in the same process may differ from a fresh one in the last bits.
     7. An exception on the thread reaches the trainer at its next `get` or `publish`.
-    8. Closing never waits on user code: `stop` (the episodes' event) abandons an environment call
-       the thread is waiting on (usercode.call_all), so a hung environment cannot hold up the exit."""
+    8. Closing never waits on user code: `stop` (the run's event) abandons a reward or environment
+       call the thread is waiting on (usercode.call_all), so hung user code cannot hold up the exit."""
 
     def __init__(self, produce, engine: Engine, rng, level: int, start: int, steps: int, threads: int = 0,
                  stop: threading.Event | None = None):
         self.produce, self.engine, self.rng = produce, engine, rng  # produce(step) -> (samples, stats)
-        self.stop = stop  # set by close: user code the thread waits on (an environment) is abandoned at once
+        self.stop = stop  # set by close: user code the thread waits on (a reward, an environment) is abandoned at once
         self.level, self.start, self.steps = level, start, steps
         self.lock = threading.Lock()  # a generate and a weight push never overlap on the engine
         self.cv = threading.Condition()  # guards the fields below

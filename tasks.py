@@ -56,6 +56,7 @@ import math
 import random
 import re
 import string
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -150,6 +151,7 @@ class Reward:
     weight: float = 1.0
     source: Path | None = None  # None for the built-ins
     timeout: float = 60.0  # --call-timeout: seconds one call may take (usercode.py)
+    stop: threading.Event | None = None  # set when the run shuts down: a call still running is abandoned at once
 
     def needs(self) -> list[str]:
         """The columns the function asks for by name (parameters without a default)."""
@@ -168,7 +170,9 @@ class Reward:
         if inspect.iscoroutinefunction(fn):  # an async reward (TRL takes them too) runs to completion here
             def fn(**kw):
                 return asyncio.run(self.fn(**kw))
-        res = usercode.call(lambda: fn(**kwargs), self.timeout)
+        res = usercode.call_all([lambda: fn(**kwargs)], self.timeout, self.stop)[0]
+        if not res.ok and self.stop is not None and self.stop.is_set():
+            return [math.nan] * len(texts)  # the run is shutting down: the batch is never trained on
         if not res.ok:  # a user's function: an outage skips its samples, loudly
             why = f"took longer than --call-timeout {self.timeout:g}s" if res.timed_out else f"raised {res.error}"
             print(f"warning: reward {self.name} {why} ({len(texts)} samples skipped, counted in "

@@ -361,7 +361,7 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
             fail(e, 2)
         if RANK == 0:  # the engine started: now the config, which a resume checks its flags against
             record = (resumed_config(s.out, cfg) if s.resume_from  # the run's own record; None: unchanged
-                      else {**json.loads(cfg.to_json()), "reward_sha256": hashes, **base_record(s.model, src)})
+                      else {**json.loads(cfg.to_json()), "reward_sha256": hashes, **lora.base_record(s.model, src)})
             if record is not None:
                 write_file(s.out / "config.json", json.dumps(record, indent=2))
     log = run = None
@@ -371,15 +371,18 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
             start = load_training_state(s.resume_from, s.model, opt, rng, engine, scale) if s.resume_from else 0
         trained = sum(p.numel() for p in s.model.parameters() if p.requires_grad)
         print0(f"model {src}: {sum(p.numel() for p in s.model.parameters()) / 1e6:.2f}M params on {cfg.device}"
-               + (f", LoRA rank {cfg.lora_rank}: {trained / 1e6:.3f}M trained" if cfg.lora_rank else "")
                + (f" x {P.world()} ranks (FSDP2)" if P.world() > 1 else "")
+               + (f", LoRA rank {cfg.lora_rank}: {trained / 1e6:.3f}M trained" if cfg.lora_rank else "")
                + (f", sampling on {cfg.inference_gpus} more" if cfg.inference_gpus else "")
                + (f" | resuming at step {start}" if start else "") + (" | compiling, ~1 min" if cfg.compile == "on" else ""))
         log = Logger(cfg, start, s.kept)  # an OSError here (a full disk) reaches main's one line
+        stop = threading.Event()  # set at shutdown: a reward or environment call still running is abandoned
+        for r in s.task.rewards:
+            r.stop = stop
         play = None if s.env is None else E.Play(
             s.env, s.codec, engine, rl_sampling(cfg), min(s.model.args.max_position_embeddings, cfg.micro_batch_tokens + 1),
-            cfg.max_turns, cfg.call_timeout, s.task.template_kwargs, stop=threading.Event())
-        run = Run(cfg, s.task, s.model, fwd, opt, engine, rng, log, s.out, src, scale, play)
+            cfg.max_turns, cfg.call_timeout, s.task.template_kwargs, stop=stop)
+        run = Run(cfg, s.task, s.model, fwd, opt, engine, rng, log, s.out, src, scale, play, stop)
         loop(run, start)
     except D.RunError as e:
         fail(e, 1)  # what was logged and saved so far stays
@@ -399,14 +402,6 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
     return summary
 
 
-def base_record(model: M.Transformer, src: Path) -> dict:
-    """A LoRA run's record of its base (config.json's `lora_base`): --resume reloads this directory, and
-    stops if the sha256 of its weights changed; {} for full fine-tuning."""
-    if model.lora is None:
-        return {}
-    return {"lora_base": {"path": str(src.resolve()), "sha256": lora.weights_sha256(src)}}
-
-
 @dataclass
 class Run:
     """One run's parts, built once by `launch`; every step reads them from here."""
@@ -423,6 +418,7 @@ class Run:
     src: Path  # the model directory the engine loaded; checkpoints copy its tokenizer
     scale: LossScale  # --train-dtype fp16's dynamic loss scale (1.0 otherwise)
     play: E.Play | None = None  # --env: the environment, engine and limits episodes are played with
+    stop: threading.Event | None = None  # set at shutdown (pipeline.py decision 8): user code is abandoned
     step: int = 0  # the step in progress (a Ctrl-C's line names it)
 
 
@@ -437,7 +433,7 @@ def loop(run: Run, start: int) -> None:
     if cfg.async_level > 0 and cfg.stage == "rl":
         threads = max(1, torch.get_num_threads() // 2) if cfg.device == "cpu" else 0  # half the cores each
         ahead = AsyncRollouts(lambda step: make_batch(run, step), run.engine, run.rng, cfg.async_level, start,
-                              cfg.steps, threads, None if run.play is None else run.play.stop)
+                              cfg.steps, threads, run.stop)
     skipped = empty = failed = 0  # non-finite steps in a row, empty ones, ones whose episodes all failed
     with ahead or contextlib.nullcontext():
         for step in range(start + 1, cfg.steps + 1):

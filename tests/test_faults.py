@@ -629,6 +629,34 @@ def test_a_real_sigint_is_one_line_and_exit_130(tmp_path):
     assert re.fullmatch(r"floe: interrupted at step \d+; --resume continues from step \d+", err.strip()), err
 
 
+def test_a_sigint_while_the_rollout_thread_waits_on_a_hung_reward_exits_at_once(tmp_path):
+    """--async-level 1, a reward that never returns from its second call, --call-timeout 600: Ctrl-C
+    while the thread waits on it sets the run's stop event, the call is abandoned, and the run exits
+    with its one line in seconds, not after the call's timeout."""
+    out, hung = tmp_path / "run", tmp_path / "hung"
+    (tmp_path / "slow.py").write_text(
+        "import pathlib, time\nfrom tasks import similarity\ncalls = 0\n"
+        "def score(prompts, completions, target, **kwargs):\n    global calls\n    calls += 1\n"
+        f"    if calls >= 2:\n        pathlib.Path({str(hung)!r}).touch()\n        time.sleep(3600)\n"
+        "    return similarity(prompts, completions, target)\n")
+    p = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *SMALL, "--steps", "5", "--async-level", "1",
+                          "--reward", f"{tmp_path / 'slow.py'}:score", "--call-timeout", "600", "--out-dir", str(out)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default)
+    try:
+        deadline = time.monotonic() + 120
+        while not hung.exists() and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.2)
+        assert hung.exists(), "the reward was never called a second time"
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        err = p.communicate(timeout=60)[1]
+        took = time.monotonic() - t0
+    finally:
+        p.kill()
+    assert p.returncode == 130 and re.fullmatch(r"floe: interrupted at step \d+; .*", err.strip()), err
+    assert took < 30, f"the exit waited {took:.0f} s on the hung reward"
+
+
 def test_a_run_that_stopped_before_its_first_step_is_started_over(tmp_path, monkeypatch, capsys):
     """A failure at step 1 (here a prompt that cannot fit) leaves config.json and an empty metrics.jsonl:
     --resume says how to start over, and the same command again starts it over, saying so."""
