@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, on one H200 in under 8 minutes: the gpu-marked tests (CUDA against the
 # CPU reference, compiled against eager), then the benchmarks, then a short end-to-end
-# run of the default job on the GPU, and last LoRA on vLLM in whatever time is left. Run from the repo root:
+# run of the default job on the GPU, and last LoRA on vLLM and LoRA's memory table in whatever time is left. Run from the repo root:
 #
 #   bash bench/gpu.sh            # results in $OUT (or /tmp/floe-gpu)
 #
@@ -54,8 +54,15 @@ elif [ "$left" -lt 30 ]; then
   echo "(${left}s left of the 8 minutes: skipped)" | tee "$OUT/lora.txt"
 else  # its own pytest process: one vLLM per process
   timeout "$left" bash -c "python3 -m pytest -q -s -m gpu tests/test_lora_vllm.py && python3 train.py --device cuda \
-    --engine vllm --lora-rank 8 --lr 5e-3 --loss icepop --icepop-beta 2.0 --steps 10 --eval-every 5 \
+    --engine vllm --lora-rank 8 --lr 3e-3 --loss icepop --icepop-beta 2.0 --steps 10 --eval-every 5 \
     --out-dir $OUT/run-lora" 2>&1 | grep -v '^  "' | tee "$OUT/lora.txt"
 fi
+echo "== bench/lora.py memory on the GPU (Qwen3-0.6B-shaped: full, LoRA r8, r64), in what is left"
+left=$((470 - SECONDS))
+if [ "$left" -lt 60 ]; then
+  echo "(${left}s left of the 8 minutes: skipped)" | tee "$OUT/lora-memory.txt"
+else
+  timeout "$left" python3 bench/lora.py memory --device cuda --out /tmp/floe-lora-memory 2>&1 | tee "$OUT/lora-memory.txt"
+fi
 # worst case, every timeout reached: 130 + 30 + 65 + 30 + 60 + 60 + 30 + 30 + 45 = 480 s of commands, plus
-# start-up; typical runs finish well inside them. The LoRA step takes only what is left of 470 s.
+# start-up; typical runs finish well inside them. The LoRA steps take only what is left of 470 s.

@@ -4,13 +4,16 @@ Three studies, each printing a markdown table (docs/lora.md keeps the measured o
 - `learn`: the default reverse-text job (train.py's defaults, 80 steps) with full fine-tuning and
   with `--lora-rank 8` at its own learning rate, over --seeds seeds each: the held-out reward at
   step 0 and at the end (mean ± std), LoRA's gap to full (paired by seed) and the wall time.
+  `--arms linears` adds full fine-tuning of the adapted layers alone (the embedding, its tied head
+  and the norms frozen, as LoRA leaves them): what the parameters LoRA never trains account for.
   Each run is `train.main` in this process, one after another (bench/experiment.py's run_one).
 - `memory`: a random model of a given shape (Qwen3-0.6B's by default) trained a few steps on the
   CPU, full and at each --ranks, each configuration in a fresh process of its own (its peak RSS
   is its own): the trainer's state counted from its tensors (weights, gradients, AdamW state),
   the colocated engine's copy, the process's peak RSS (which holds both), and what one push hands
   the engine (full: every tensor in the engine's dtype, as a remote push broadcasts; LoRA: the
-  adapter in fp32) with the time the built-in engine takes to load it.
+  adapter in fp32) with the time the built-in engine takes to load it. `--device cuda` (bench/gpu.sh)
+  trains on the GPU and reports its peak allocated memory (trainer and engine copy) instead of RSS.
 - `engine`: the two ways a bf16 engine can serve an adapter, on a trained one: merged (floe's
   TorchEngine: W + (alpha / r) B A rounded once to bf16, requantized per push) and on the fly
   (the bf16 base and the bf16 adapter, x W^T + s (x A^T) B^T with each matmul's output rounded,
@@ -25,15 +28,17 @@ Simplifications:
    in memory, which for full fine-tuning adds the AdamW state's size again at that moment).
 3. The on-the-fly engine exists here only, as a measurement: floe's engines merge.
 
-    python bench/lora.py learn --seeds 3 --lora-lr 5e-3          # 6 runs of the default job, ~1 min each on a quiet CPU
-    python bench/lora.py learn --seeds 1 --only lora --lora-lr 2e-3,5e-3,1e-2   # a learning-rate sweep
+    python bench/lora.py learn --seeds 3 --lora-lr 3e-3 --arms full,linears,lora   # 9 runs of the default job, ~1.5 min each
+    python bench/lora.py learn --seeds 1 --arms lora --lora-lr 1e-3,3e-3,5e-3,1e-2  # a learning-rate sweep
     python bench/lora.py memory                                   # Qwen3-0.6B-shaped: full, ranks 8 and 64 (~14 GiB for full)
+    python bench/lora.py memory --device cuda                     # the same on a GPU (bench/gpu.sh)
     python bench/lora.py engine --adapter runs/lora/lora-r8-lr0.005-s0/final
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -54,6 +59,7 @@ from torch import nn  # noqa: E402
 import data as D  # noqa: E402
 import lora  # noqa: E402
 import model as M  # noqa: E402
+import start  # noqa: E402
 import train  # noqa: E402
 from experiment import _mean_std, _ms, run_one, run_stats  # noqa: E402
 from precision import Rounded  # noqa: E402
@@ -69,23 +75,45 @@ def load() -> str:
 
 # ----------------------------------------------------------------------------- learn
 
+@contextlib.contextmanager
+def linears_only():
+    """Full fine-tuning of the layers LoRA adapts and nothing else (the embedding, its tied head and
+    the norms frozen): a diagnosis that exists here only, for what LoRA's frozen parameters hold."""
+    real = start.shard
+
+    def shard(model):
+        model.requires_grad_(False)
+        for name, layer in model.named_modules():
+            if isinstance(layer, nn.Linear) and name.split(".")[-1] in lora.TARGETS:
+                layer.requires_grad_(True)
+        real(model)
+
+    start.shard = shard
+    try:
+        yield
+    finally:
+        start.shard = real
+
+
 def learn(a) -> str:
-    runs = [("full", lr, []) for lr in a.full_lr.split(",")] + [
-        (f"lora-r{a.rank}", lr, ["--lora-rank", str(a.rank)]) for lr in a.lora_lr.split(",")]
-    runs = [r for r in runs if a.only in r[0]]
-    stats, t0, start = {}, time.perf_counter(), load()
+    arms = {"full": [("full", lr, []) for lr in a.full_lr.split(",")],
+            "linears": [("full-linears", lr, []) for lr in a.full_lr.split(",")],
+            "lora": [(f"lora-r{a.rank}", lr, ["--lora-rank", str(a.rank)]) for lr in a.lora_lr.split(",")]}
+    runs = [r for arm in a.arms.split(",") for r in arms[arm]]
+    stats, t0, begin = {}, time.perf_counter(), load()
     for name, lr, flags in runs:
         for seed in range(a.seeds):
             run_dir = Path(a.out) / f"{name}-lr{lr}-s{seed}"
             args = [*flags, "--lr", lr, "--seed", str(seed), "--steps", str(a.steps), "--out-dir", str(run_dir),
                     *shlex.split(a.extra)]
-            result = run_one(args, run_dir)
+            with linears_only() if name == "full-linears" else contextlib.nullcontext():
+                result = run_one(args, run_dir)
             r = run_stats("icepop", run_dir, result["wall_s"])
             stats.setdefault((name, lr), []).append(r)
             print(f"{run_dir.name}: eval reward {r['eval0']:.3f} -> {r['eval']:.3f}, {r['wall_s']:.0f} s", flush=True)
     full = next((v for (n, _), v in stats.items() if n == "full"), None)
     lines = [f"{a.steps} steps, seeds 0..{a.seeds - 1}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-             f"{start} at the start, {load()} at the end, {(time.perf_counter() - t0) / 60:.0f} min in all", "",
+             f"{begin} at the start, {load()} at the end, {(time.perf_counter() - t0) / 60:.0f} min in all", "",
              "| run | lr | reward @0 | reward, final | vs full (paired) | wall s/run |", "|" + " --- |" * 6]
     for (name, lr), rs in stats.items():
         g = None if full is None or rs is full else _mean_std([r["eval"] - f["eval"] for r, f in zip(rs, full)])
@@ -114,7 +142,7 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def measure_child(model_dir: str, rank: int, steps: int) -> None:
+def measure_child(model_dir: str, rank: int, steps: int, device: str = "cpu") -> None:
     """One configuration, in this (fresh) process: train `steps` steps, then count and time; a JSON line."""
     seen = {}
 
@@ -125,19 +153,22 @@ def measure_child(model_dir: str, rank: int, steps: int) -> None:
         engine = run.engine.model.state_dict()
         payload = (nbytes(lora.adapter_state(run.model).values()) if run.model.lora is not None
                    else sum(v.numel() for v in engine.values()) * torch.finfo(run.engine.dtype).bits // 8)
-        t0 = time.perf_counter()
+        pushes = []
         for v in range(3):
+            t0 = time.perf_counter()
             run.engine.load_weights(run.model, version=steps + v)
+            pushes.append(time.perf_counter() - t0)
         seen.update(params=sum(p.numel() for p in params), trained=sum(p.numel() for p in trained),
                     weights=nbytes(params), grads=nbytes(trained),
                     adam=nbytes(t for st in run.opt.state.values() for t in st.values() if t.dim()),
-                    engine=nbytes(engine.values()), push_bytes=payload, push_s=(time.perf_counter() - t0) / 3,
+                    engine=nbytes(engine.values()), push_bytes=payload, push_s=min(pushes),
                     step_s=statistics.fmean(r["time/step"] for r in run.log.rows if "time/step" in r))
 
     real, train.loop = train.loop, loop
     train.save_checkpoint = lambda *a, **k: None  # the steps' memory, not a checkpoint's (its bytes are built in memory)
     flags = ["--model", model_dir, "--steps", str(steps), "--eval-every", "0", "--prompts-per-step", "2",
-             "--group-size", "2", "--max-new-tokens", "8", "--micro-batch-tokens", "256", "--lr", "1e-4"]
+             "--group-size", "2", "--max-new-tokens", "8", "--micro-batch-tokens", "256", "--lr", "1e-4",
+             "--device", device, "--engine", "torch", "--compile", "off"]  # the built-in engine's copy is counted
     out = Path(model_dir).parent / f"run-r{rank}"
     if rank:
         flags += ["--lora-rank", str(rank)]
@@ -147,17 +178,20 @@ def measure_child(model_dir: str, rank: int, steps: int) -> None:
     train.main([*flags, "--out-dir", str(out)])
     sys.stdout = stdout
     seen["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if device == "cuda":  # the trainer and the colocated built-in engine share the one GPU
+        seen["peak_gpu"] = torch.cuda.max_memory_allocated()
     print(json.dumps(seen))
 
 
 def memory(a) -> str:
     d = shaped_model(Path(a.out) / "qwen3-0.6b-shaped", QWEN3_06B)
     gib = 2**30
-    lines = [f"Qwen3-0.6B-shaped random model ({a.steps} steps each, one process each; {load()})", "",
+    peak = "peak GPU memory allocated" if a.device == "cuda" else "peak RSS"
+    lines = [f"Qwen3-0.6B-shaped random model on {a.device} ({a.steps} steps each, one process each; {load()})", "",
              "| run | trained params | trainer state (weights + grads + AdamW) | bytes/param | engine copy "
-             "| peak RSS (engine included) | push payload | push time | step time |", "|" + " --- |" * 9]
+             f"| {peak} (engine included) | push payload | push time | step time |", "|" + " --- |" * 9]
     for rank in [int(r) for r in a.ranks.split(",")]:
-        r = subprocess.run([sys.executable, __file__, "_child", str(d), str(rank), str(a.steps)], capture_output=True,
+        r = subprocess.run([sys.executable, __file__, "_child", str(d), str(rank), str(a.steps), a.device], capture_output=True,
                            text=True, cwd=ROOT)
         if r.returncode:
             raise SystemExit(f"rank {rank}: exit {r.returncode} {r.stderr[-2000:]}")
@@ -165,7 +199,7 @@ def memory(a) -> str:
         state = m["weights"] + m["grads"] + m["adam"]
         lines.append(f"| {'full' if not rank else f'LoRA r{rank}'} | {m['trained'] / 1e6:.2f}M of {m['params'] / 1e6:.0f}M "
                      f"| {state / gib:.2f} GiB | {state / m['params']:.2f} | {m['engine'] / gib:.2f} GiB "
-                     f"| {m['peak_rss'] / gib:.2f} GiB | {m['push_bytes'] / 2**20:.1f} MiB | {m['push_s']:.2f} s "
+                     f"| {m.get('peak_gpu', m['peak_rss']) / gib:.2f} GiB | {m['push_bytes'] / 2**20:.1f} MiB | {m['push_s']:.2f} s (best of 3) "
                      f"| {m['step_s']:.1f} s |")
         print(lines[-1], flush=True)
     return "\n".join(lines)
@@ -250,10 +284,12 @@ def engine_bench(a) -> str:
                              ("on the fly", lambda: on_the_fly(model), push_on_the_fly)):
         engine = make()
         engine.stop_ids = torch.tensor(codec.stop_ids)
-        t0 = time.perf_counter()
+        pushes = []
         for v in range(5):
+            t0 = time.perf_counter()
             engine.load_weights(model, v) if push is None else push(engine, model)
-        t_push = (time.perf_counter() - t0) / 5
+            pushes.append(time.perf_counter() - t0)
+        t_push = min(pushes)
         times = []
         for _ in range(3):
             engine.gen.manual_seed(0)
@@ -261,7 +297,7 @@ def engine_bench(a) -> str:
             out = engine.generate(prompts, 16, s)
             times.append(time.perf_counter() - t0)
         kl = mismatch(engine, model, out, prompts)
-        lines.append(f"| {name} | {t_push * 1e3:.1f} ms | {min(times):.2f} s (best of 3) | {kl:.2e} |")
+        lines.append(f"| {name} | {t_push * 1e3:.1f} ms (best of 5) | {min(times):.2f} s (best of 3) | {kl:.2e} |")
         print(lines[-1], flush=True)
     return "\n".join(lines)
 
@@ -269,7 +305,7 @@ def engine_bench(a) -> str:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_child":
-        return measure_child(argv[1], int(argv[2]), int(argv[3]))
+        return measure_child(argv[1], int(argv[2]), int(argv[3]), argv[4])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="study", required=True)
     p = sub.add_parser("learn")
@@ -278,12 +314,14 @@ def main(argv=None):
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--full-lr", default="5e-4", help="full fine-tuning's --lr (train.py's rl default)")
     p.add_argument("--lora-lr", default="5e-3", help="LoRA's --lr; a comma-separated list sweeps")
-    p.add_argument("--only", default="", help="only the runs whose name holds this (full, lora)")
+    p.add_argument("--arms", default="full,lora", help="of full, lora and linears (full fine-tuning of the "
+                   "layers LoRA adapts alone: embedding, head and norms frozen), comma-separated")
     p.add_argument("--extra", default="", help="more train.py flags for every run")
     p.add_argument("--out", default="runs/lora")
     p = sub.add_parser("memory")
     p.add_argument("--ranks", default="0,8,64", help="0: full fine-tuning")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out", default="runs/lora-memory")
     p = sub.add_parser("engine")
     p.add_argument("--adapter", required=True, help="a LoRA run's step directory (its adapter, on its base)")

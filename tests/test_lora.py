@@ -191,3 +191,28 @@ def test_the_compiled_packed_forward_and_its_adapter_gradients_equal_eager():
     assert g0.keys() == g1.keys() and len(g0) == 2 * 7
     for n in g0:  # within fp32 rounding of the largest entry (the compiled kernels sum in their own order)
         assert g0[n].abs().max() > 1.0 and (g1[n] - g0[n]).abs().max() <= 1e-5 * g0[n].abs().max(), n
+
+
+def test_bench_linears_arm_trains_exactly_the_layers_lora_adapts():
+    """bench/lora.py's diagnosis arm (full fine-tuning with what LoRA leaves frozen frozen) must train
+    the weights of the adapted layers and nothing else, and give start.shard back afterwards."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import start
+
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    sys.path.insert(0, str(bench))
+    spec = importlib.util.spec_from_file_location("bench_lora", bench / "lora.py")
+    bench_lora = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_lora)
+    real = start.shard
+    model = M.load(bench.parent / "checkpoints" / "reverse-tiny")
+    with bench_lora.linears_only():
+        start.shard(model)
+    assert start.shard is real
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    adapters = M.load(bench.parent / "checkpoints" / "reverse-tiny")
+    lora.add(adapters, SPEC)
+    assert trained == {f"{name}.weight" for name in lora.adapted(adapters)} and len(trained) == 4 * 7
