@@ -42,7 +42,8 @@ import lora
 import model as M
 from parallel import Link, full
 from precision import DTYPES
-from rollout import Completion, Sampling, make_engine, serves_adapter
+from rollout import Completion, Sampling
+from vllm_engine import make_engine, serves_adapter
 
 GEN, PUSH, STOP, IDLE = 1, 2, 3, 4
 

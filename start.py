@@ -31,7 +31,8 @@ import lora
 import parallel as P
 from parallel import RANK, print0, shard
 from remote import RemoteEngine
-from rollout import Sampling, make_engine, serves_adapter, vllm_logprobs, vllm_lora_rank
+from rollout import Sampling
+from vllm_engine import make_engine, serves_adapter, vllm_logprobs, vllm_lora_rank
 from rundir import check_fresh, snapshot
 
 

@@ -45,7 +45,8 @@ import data as D  # noqa: E402
 import lora as L  # noqa: E402
 import model as M  # noqa: E402
 import tasks as T  # noqa: E402
-from rollout import Sampling, TorchEngine, VLLMEngine  # noqa: E402
+from rollout import Sampling, TorchEngine  # noqa: E402
+from vllm_engine import VLLMEngine  # noqa: E402
 
 
 def timed(engine, prompts, n, settings, repeats):

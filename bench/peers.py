@@ -368,7 +368,7 @@ def evaluate_dir(model_dir: Path, seed: int) -> float:
     """floe's own held-out eval of a HF directory (train.evaluate at floe's defaults, seed + 1 sampling)."""
     import model as M
     import train
-    from rollout import make_engine
+    from vllm_engine import make_engine
 
     cfg = C.Config(seed=seed, model=str(model_dir)).resolve(cuda_available=False)
     codec = D.TextCodec.load(model_dir)

@@ -35,9 +35,7 @@ Simplifications:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
-import io
 import json
 import os
 import random
@@ -131,7 +129,7 @@ def engines(a, model, vocab: int):
         return out, None
     import vllm
 
-    from rollout import VLLMEngine
+    from vllm_engine import VLLMEngine
 
     v = VLLMEngine(a.model, vocab, a.dtype, [], 0, a.vllm_memory, a.device, model.args.max_position_embeddings)
     plain = vllm.SamplingParams  # replaced once vLLM is imported whole (its own modules type-check against it)

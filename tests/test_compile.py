@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import attention as A
-import data as D
 import model as M
 from kernels import head
 from rollout import Sampling, TorchEngine

@@ -81,7 +81,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def vllm_engine(model_dir):
     """One vLLM per test process (it keeps process-wide state); tests that push put the weights back."""
-    from rollout import VLLMEngine
+    from vllm_engine import VLLMEngine
 
     return VLLMEngine(model_dir, 32, "fp32", STOPS, seed=0, memory=0.2)
 
@@ -300,7 +300,8 @@ PUSHES = """
 import json, sys
 sys.path.insert(0, {root!r})
 import model as M
-from rollout import Sampling, VLLMEngine
+from rollout import Sampling
+from vllm_engine import VLLMEngine
 
 def rss_mib():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
@@ -356,7 +357,7 @@ def test_train_with_the_vllm_engine(tmp_path):
 
 def test_what_vllm_is_asked_for_and_what_it_refuses():
     from config import ConfigError
-    from rollout import vllm_logprobs
+    from vllm_engine import vllm_logprobs
 
     assert vllm_logprobs(Sampling(), 151936) == 0  # no support wanted: the sampled token's logq only
     assert vllm_logprobs(Sampling(support=True, top_k=64, top_p=0.9), 151936) == 128  # room for ties at the k-th
@@ -397,7 +398,8 @@ sys.path.insert(0, {root!r})
 import torch
 import data as D
 import model as M
-from rollout import Sampling, VLLMEngine
+from rollout import Sampling
+from vllm_engine import VLLMEngine
 from tests.test_engines import _kept, _probs
 
 d = {dir!r}
@@ -444,7 +446,7 @@ def test_vllm_fp8_follows_pushes_and_stays_near_the_emulated_fp8_forward(model_d
     """--engine vllm --engine-dtype fp8 on a GPU: vLLM's online W8A8 (its scales are per tensor,
     the built-in emulation's per channel and per token, so the two agree loosely), and a push
     re-quantizes: a zero head gives uniform logq, and the weights pushed back are sampled again."""
-    from rollout import VLLMEngine
+    from vllm_engine import VLLMEngine
 
     e = VLLMEngine(model_dir, 32, "fp8", STOPS, seed=0, memory=0.2, device="cuda", sleep=False)
     zero = _model()
@@ -464,7 +466,7 @@ def test_vllm_fp8_follows_pushes_and_stays_near_the_emulated_fp8_forward(model_d
 def test_a_colocated_vllm_sleeps_once_a_step_is_over_never_between_its_turns():
     """VLLMEngine's sleep logic on a stand-in for vllm.LLM (sleeping needs a GPU): the turns of a
     step run awake, idle() sleeps once, the next push or call wakes it."""
-    from rollout import VLLMEngine
+    from vllm_engine import VLLMEngine
 
     calls = []
 

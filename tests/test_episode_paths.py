@@ -18,7 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest

@@ -30,7 +30,8 @@ sys.path.insert(0, {root!r})
 import torch
 import peft, transformers
 import data as D, lora as L, model as M
-from rollout import Sampling, VLLMEngine
+from rollout import Sampling
+from vllm_engine import VLLMEngine
 
 d, out = {dir!r}, {out!r}
 D.write_tokenizer(d)
@@ -118,7 +119,7 @@ def test_vllm_serves_the_adapter_as_a_merged_fp32_forward(tmp_path):
 
 
 def test_vllm_lora_ranks_round_up_to_what_vllm_accepts():
-    from rollout import vllm_lora_rank
+    from vllm_engine import vllm_lora_rank
 
     assert [vllm_lora_rank(r) for r in (1, 2, 4, 8, 9, 16, 300, 320, 321, 512)] == [
         1, 8, 8, 8, 16, 16, 320, 320, 512, 512]
@@ -209,17 +210,17 @@ def test_a_lora_push_sends_the_adapter_alone(tmp_path, engine, dtype):
 TRAIN = """
 import json, sys
 sys.path[:0] = [{root!r}]
-import rollout, train
+import train, vllm_engine
 
 pushes = {{"adapter": [], "full": 0}}
-load_adapter, reload = rollout.VLLMEngine.load_adapter, rollout._reload
+load_adapter, reload = vllm_engine.VLLMEngine.load_adapter, vllm_engine._reload
 def counted_adapter(self, tensors, version):
     pushes["adapter"].append(version)
     load_adapter(self, tensors, version)
 def counted_reload(worker, tensors):
     pushes["full"] += 1
     reload(worker, tensors)
-rollout.VLLMEngine.load_adapter, rollout._reload = counted_adapter, counted_reload
+vllm_engine.VLLMEngine.load_adapter, vllm_engine._reload = counted_adapter, counted_reload
 train.main({args!r})
 print("PUSHES", json.dumps(pushes))
 """
@@ -267,7 +268,7 @@ def test_vllm_lora_on_a_gpu_keeps_its_adapter_through_sleep(model_dir):
     the LoRA buffers among them, offloaded) and wakes for the next: its bf16 logq stays near the
     merged fp32 forward and far from the base's after a push, after a sleep with no push between
     (an eval, then the next rollout), and after a second push into a woken engine."""
-    from rollout import VLLMEngine
+    from vllm_engine import VLLMEngine
 
     spec = LoRASpec(8, 16.0)
     engine = VLLMEngine(model_dir, 32, "bf16", STOPS, seed=0, memory=0.2, device="cuda", sleep=True, lora=spec)

@@ -5,7 +5,6 @@ import hashlib
 import json
 import math
 import random
-import shutil
 import subprocess
 import sys
 from pathlib import Path
