@@ -1,4 +1,5 @@
-"""Episodes on every path floe runs: vLLM, --async-level 1, torchrun, torchrun with --inference-gpus.
+"""Episodes on every path floe runs: vLLM, --async-level 1, torchrun, torchrun with --inference-gpus,
+LoRA (merged into the built-in engine, or served by vLLM's LoRA path).
 
 Each path plays the built-in guess-letter game for a few steps and must train them with the
 one-process run's metrics keys; every model token of every episode it trained on must carry the
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import lora
 import model as M
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,6 +88,19 @@ def one_process(tmp_path_factory):
     return d
 
 
+def _version(d: Path, v: int) -> M.Transformer:
+    """The weights of version v: the base, a step's full weights, or (LoRA) the base with the step's
+    adapter applied on the fly (fp32, x W + s B A x: not the engines' merged copy)."""
+    step = d / "run" / f"step_{v:06d}"
+    if v == 0 or not (step / lora.CONFIG).is_file():
+        return M.load(BASE if v == 0 else step)
+    spec, tensors, _ = lora.read_adapter(step)
+    m = M.load(BASE)
+    lora.add(m, spec)
+    lora.load_adapter(m, tensors)
+    return m
+
+
 def _check_tokens(d: Path, version_of, tol: float) -> int:
     """Every model token's version and logq against the full fp32 forward of its version's weights."""
     models, checked = {}, 0
@@ -96,7 +111,7 @@ def _check_tokens(d: Path, version_of, tol: float) -> int:
         assert versions == {version_of(s["step"])}, (s["step"], versions)
         v = versions.pop()
         if v not in models:
-            models[v] = M.load(BASE if v == 0 else d / "run" / f"step_{v:06d}")
+            models[v] = _version(d, v)
         m = models[v]
         with torch.no_grad():
             h = m(torch.tensor(ids), torch.arange(len(ids)), torch.zeros(len(ids), dtype=torch.long))
@@ -113,10 +128,13 @@ PATHS = {  # name -> (extra flags, processes, the version that samples step s, l
     "vllm": (["--engine", "vllm"], 1, lambda s: s - 1, 1e-4),
     "torchrun": ([], 2, lambda s: s - 1, 1e-5),
     "inference_gpus": (["--inference-gpus", "1"], 3, lambda s: s - 1, 1e-5),
+    # LoRA (a larger lr, so each version's adapter moves the log-probs well past the tolerance: asserted)
+    "lora": (["--lora-rank", "4", "--lr", "2e-2"], 1, lambda s: s - 1, 1e-5),
+    "lora_vllm": (["--engine", "vllm", "--lora-rank", "4", "--lr", "2e-2"], 1, lambda s: s - 1, 1e-4),
 }
 
 
-@pytest.mark.parametrize("path", [p if p != "vllm" else pytest.param(p, marks=[pytest.mark.vllm, needs_vllm])
+@pytest.mark.parametrize("path", [p if "vllm" not in p else pytest.param(p, marks=[pytest.mark.vllm, needs_vllm])
                                   for p in PATHS])
 def test_each_path_trains_episodes_whose_every_token_is_its_versions_full_forward(one_process, tmp_path, path):
     extra, nproc, version_of, tol = PATHS[path]
@@ -129,6 +147,13 @@ def test_each_path_trains_episodes_whose_every_token_is_its_versions_full_forwar
     assert [x["step"] for x in rows] == [1, 2, 3] and all(x["episode/turns"] >= 1 for x in rows)
     assert any(x["episode/turns"] > 1 for x in rows)
     assert _check_tokens(tmp_path, version_of, tol) > 50
+    if "lora" in path:  # the adapters moved: version 2's forward is not version 0's
+        assert (tmp_path / "run" / "step_000002" / lora.CONFIG).is_file()
+        ids = torch.tensor(json.loads((tmp_path / "dump.jsonl").read_text().splitlines()[-1])["prompt"])
+        pos, seg = torch.arange(len(ids)), torch.zeros(len(ids), dtype=torch.long)
+        with torch.no_grad():
+            a, b = (m(ids, pos, seg) @ m.head_weight.T for m in (_version(tmp_path, 0), _version(tmp_path, 2)))
+        assert (a.log_softmax(-1) - b.log_softmax(-1)).abs().max() > 100 * tol
 
 
 def test_the_one_process_reference_is_exact_too(one_process):
