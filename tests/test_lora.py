@@ -216,3 +216,29 @@ def test_bench_linears_arm_trains_exactly_the_layers_lora_adapts():
     adapters = M.load(bench.parent / "checkpoints" / "reverse-tiny")
     lora.add(adapters, SPEC)
     assert trained == {f"{name}.weight" for name in lora.adapted(adapters)} and len(trained) == 4 * 7
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_lora_compiled_forward_gradients_and_push_equal_the_cpu():
+    """On a GPU (bench/gpu.sh): the adapted model compiled on CUDA (flex attention) gives the CPU eager
+    hidden states and adapter gradients, and a built-in engine push on CUDA holds the merged weights."""
+    cpu = _tiny_adapted()
+    gpu = copy.deepcopy(cpu).cuda()
+    tokens, positions, docs, probe = _packed()
+    runs = []
+    for m, fwd, dev in ((cpu, cpu, "cpu"), (gpu, torch.compile(gpu), "cuda")):
+        hidden = fwd(*(x.to(dev) for x in (tokens, positions, docs)))
+        (hidden @ m.head_weight.T * probe.to(dev)).sum().backward()
+        runs.append((hidden.detach().cpu(), {n: p.grad.cpu() for n, p in m.named_parameters() if p.requires_grad}))
+    (h0, g0), (h1, g1) = runs
+    torch.testing.assert_close(h1, h0, atol=1e-4, rtol=1e-4)
+    assert g0.keys() == g1.keys() and len(g0) == 2 * 7 * M.TINY["num_hidden_layers"]
+    for n in g0:
+        assert (g1[n] - g0[n]).abs().max() <= 1e-4 * g0[n].abs().max(), n
+    engine = TorchEngine(gpu, "fp32", [0])
+    engine.load_weights(gpu, version=1)
+    want = lora.merged(lora.base_state(cpu), lora.adapter_state(cpu), cpu.lora)
+    got = engine.model.state_dict()
+    for k, w in want.items():
+        torch.testing.assert_close(got[k].cpu(), w, atol=1e-5, rtol=1e-5)
