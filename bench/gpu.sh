@@ -6,7 +6,9 @@
 #   bash bench/gpu.sh            # results in $OUT (or /tmp/floe-gpu)
 #
 # The device image has torch, transformers, safetensors and tokenizers but not tyro: carry
-# pure-Python wheels in .whl/ (see .ci/gpu-wheels) and they are installed here first.
+# pure-Python wheels in .whl/ (see .ci/gpu-wheels) and they are installed here first. Its package
+# list (2026-11: torch 2.11, triton 3.6, peft, matplotlib) holds no vLLM, whose CUDA wheel is far over
+# the device tool's 64 MiB carry: there every vLLM block below skips or falls back to the built-in engine.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/floe-gpu}
