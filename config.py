@@ -82,7 +82,7 @@ class Config:
     micro_batch_tokens: int = 1024  # fixed token budget of one packed micro-batch
 
     # --- optimizer
-    lr: float = 0.0  # 0: the stage's default (rl 5e-4, sft 3e-3)
+    lr: float = 0.0  # 0: the default job's best: rl 5e-4, sft 3e-3, LoRA 3e-3 for both (docs/lora.md)
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global grad norm; 0: off
     epochs: int = 1  # optimizer passes over each rollout batch (>1: ppo/cispo/gspo's pi_old is a no-grad pass)
@@ -228,7 +228,7 @@ class Config:
         if device == "cuda" and not cuda_available:
             raise ConfigError("--device cuda: no CUDA device is available (use --device cpu)")
         compile_ = self.compile if self.compile != "auto" else ("on" if device == "cuda" else "off")
-        lr = self.lr or (5e-4 if self.stage == "rl" else 3e-3)
+        lr = self.lr or (3e-3 if self.stage == "sft" or self.lora_rank or self.adapter else 5e-4)
         return dataclasses.replace(self, device=device, compile=compile_, lr=lr, engine=self._engine(device),
                                    dist_timeout=self._wait_limit())
 
