@@ -13,7 +13,7 @@ writes the source's own config.json back. No transformers at run time.
 
 Simplifications:
 1. Training packs documents into one row (mask: same document and causal, or the document's
-   parent: a group's shared prompt, data.pack); decoding writes each row's new keys into a
+   parent: a group's shared prompt, packing.pack); decoding writes each row's new keys into a
    static cache at that row's own position (mask: key slot <= position), a boolean
    [B, 1, S, S_kv] mask fed to SDPA. The packed attention is `Rows` on the CPU (each
    document a row of its own queries against its parent's and its own keys, rows batched by

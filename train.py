@@ -67,6 +67,7 @@ import model as M
 import tasks as T
 from checkpoint import Logger, NothingToDo, load_training_state, note_changed_rewards, resumed_config, save_checkpoint
 from kernels import head
+from packing import my_share, pack
 import parallel as P
 from parallel import RANK, full, gather, print0, setup_distributed, sum_over_ranks
 from pipeline import AsyncRollouts, RolloutRNG
@@ -173,11 +174,11 @@ def prepare(cfg, samples, vocab_size, device):
     keep this rank's share of the micro-batches. Compiled or on CUDA every buffer is [T] (one
     shape, no recompiles); an eager CPU forward cuts each buffer's padding to a multiple of 64."""
     trim = 64 if cfg.compile != "on" and torch.device(device).type == "cpu" else None
-    mbs = [mb.to(device) for mb in D.pack(samples, cfg.micro_batch_tokens, trim=trim)]
+    mbs = [mb.to(device) for mb in pack(samples, cfg.micro_batch_tokens, trim=trim)]
     checks = evidence.validate(mbs, vocab_size, cfg) if cfg.stage == "rl" else {}
     if RANK:  # every rank checked the whole batch; rank 0 alone counts it
         checks = {k: (s * 0, c * 0) for k, (s, c) in checks.items()}
-    return D.my_share(mbs, RANK, P.world()), L.denominators(mbs), checks
+    return my_share(mbs, RANK, P.world()), L.denominators(mbs), checks
 
 
 def _head(cfg, model, fwd, mb):

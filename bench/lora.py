@@ -32,7 +32,7 @@ Simplifications:
     python bench/lora.py learn --seeds 1 --arms lora --lora-lr 1e-3,3e-3,5e-3,1e-2  # a learning-rate sweep
     python bench/lora.py memory                                   # Qwen3-0.6B-shaped: full, ranks 8 and 64 (~14 GiB for full)
     python bench/lora.py memory --device cuda                     # the same on a GPU (bench/gpu.sh)
-    python bench/lora.py engine --adapter runs/lora/lora-r8-lr0.005-s0/final
+    python bench/lora.py engine --adapter runs/lora/lora-r8-lr3e-3-s0/final
 """
 
 from __future__ import annotations
@@ -142,6 +142,16 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def best_of(n: int, fn) -> float:
+    """The fastest of n calls of fn, in seconds."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def measure_child(model_dir: str, rank: int, steps: int, device: str = "cpu") -> None:
     """One configuration, in this (fresh) process: train `steps` steps, then count and time; a JSON line."""
     seen = {}
@@ -153,15 +163,11 @@ def measure_child(model_dir: str, rank: int, steps: int, device: str = "cpu") ->
         engine = run.engine.model.state_dict()
         payload = (nbytes(lora.adapter_state(run.model).values()) if run.model.lora is not None
                    else sum(v.numel() for v in engine.values()) * torch.finfo(run.engine.dtype).bits // 8)
-        pushes = []
-        for v in range(3):
-            t0 = time.perf_counter()
-            run.engine.load_weights(run.model, version=steps + v)
-            pushes.append(time.perf_counter() - t0)
+        push_s = best_of(3, lambda: run.engine.load_weights(run.model, version=steps))
         seen.update(params=sum(p.numel() for p in params), trained=sum(p.numel() for p in trained),
                     weights=nbytes(params), grads=nbytes(trained),
                     adam=nbytes(t for st in run.opt.state.values() for t in st.values() if t.dim()),
-                    engine=nbytes(engine.values()), push_bytes=payload, push_s=min(pushes),
+                    engine=nbytes(engine.values()), push_bytes=payload, push_s=push_s,
                     step_s=statistics.fmean(r["time/step"] for r in run.log.rows if "time/step" in r))
 
     real, train.loop = train.loop, loop
@@ -284,12 +290,7 @@ def engine_bench(a) -> str:
                              ("on the fly", lambda: on_the_fly(model), push_on_the_fly)):
         engine = make()
         engine.stop_ids = torch.tensor(codec.stop_ids)
-        pushes = []
-        for v in range(5):
-            t0 = time.perf_counter()
-            engine.load_weights(model, v) if push is None else push(engine, model)
-            pushes.append(time.perf_counter() - t0)
-        t_push = min(pushes)
+        t_push = best_of(5, lambda: engine.load_weights(model, 0) if push is None else push(engine, model))
         times = []
         for _ in range(3):
             engine.gen.manual_seed(0)
@@ -313,7 +314,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--full-lr", default="5e-4", help="full fine-tuning's --lr (train.py's rl default)")
-    p.add_argument("--lora-lr", default="5e-3", help="LoRA's --lr; a comma-separated list sweeps")
+    p.add_argument("--lora-lr", default="3e-3", help="LoRA's --lr (train.py's LoRA default); a comma-separated list sweeps")
     p.add_argument("--arms", default="full,lora", help="of full, lora and linears (full fine-tuning of the "
                    "layers LoRA adapts alone: embedding, head and norms frozen), comma-separated")
     p.add_argument("--extra", default="", help="more train.py flags for every run")

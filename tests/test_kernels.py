@@ -10,6 +10,7 @@ import data as D
 import evidence as E
 import kernels
 import loss as L
+import packing
 from config import Config
 from data import TokenSupport
 from kernels import head
@@ -221,7 +222,7 @@ def _micro_batch(kind, V, gen, k=4):
                 else -float(torch.rand(1, generator=gen)) for j in range(len(completion))]
         samples.append(D.Sample(prompt, completion, logq, [0] * len(completion), "stop", sup,
                                 advantage=float(torch.randn(1, generator=gen))))
-    return D.pack(samples, 64)[0]
+    return packing.pack(samples, 64)[0]
 
 
 SEQ_MASK = dict(seq_mask="geometric", seq_mask_low=0.1, seq_mask_high=10.0)

@@ -87,7 +87,7 @@ def make_docs(kind: str, seed: int | None = None, shapes=((3, 5), (2, 4), (3, 0)
 
 
 def assemble(docs: list[Doc], T: int, with_support: bool = True) -> tuple[MicroBatch, torch.Tensor, torch.Tensor]:
-    """Pack docs into one [T] micro-batch the way data.pack lays it out; (mb, logits [T, V], old noise)."""
+    """Pack docs into one [T] micro-batch the way packing.pack lays it out; (mb, logits [T, V], old noise)."""
     ns = [d.labels.numel() for d in docs]
     pad = T - sum(ns)
     assert pad >= 0

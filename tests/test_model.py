@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import data as D
+import packing
 import tasks as T
 import model as M
 
@@ -309,7 +310,7 @@ def test_packing_keeps_every_token_and_attention_stays_in_its_document():
     ours = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
     M.init_weights(ours, std=0.1, seed=0)
     samples = _samples(codec, 9, seed=4)
-    mbs = D.pack(samples, 256)
+    mbs = packing.pack(samples, 256)
     assert len(mbs) > 1  # several buffers, each with several documents
     seen = []
     with torch.no_grad():

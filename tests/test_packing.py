@@ -1,4 +1,4 @@
-"""Shared-prompt packing (data.pack): one copy of a group's prompt per buffer, the same numbers as
+"""Shared-prompt packing (packing.pack): one copy of a group's prompt per buffer, the same numbers as
 one copy per sample; the unshared layout with the dense mask is the reference."""
 
 import functools
@@ -7,13 +7,13 @@ import pytest
 import torch
 
 import config as C
-import data as D
 import loss as L
 import model as M
+import packing
 import train
 from test_train import _samples, _setup
 
-PACK = D.pack
+PACK = packing.pack
 
 
 def _cfg(**kw):
@@ -25,7 +25,7 @@ def _step(monkeypatch, cfg, m, samples, share: bool, attention: str, device: str
     """Per-sample completion log-probs, the metrics and every gradient of one RL step. Unshared:
     every buffer [T]; shared: the buffers train.prepare asks for (trimmed on an eager CPU)."""
     trimmed = functools.partial(PACK, share_prompts=True)
-    monkeypatch.setattr(D, "pack", trimmed if share else lambda s, T, trim: PACK(s, T, share_prompts=False))
+    monkeypatch.setattr(train, "pack", trimmed if share else lambda s, T, trim: PACK(s, T, share_prompts=False))
     model = M.Transformer(m.args)
     model.attention = attention
     model.load_state_dict(m.state_dict())
@@ -85,7 +85,7 @@ def test_shared_layout_holds_each_prompt_once_and_every_completion():
     codec, m, task = _setup()
     cfg = _cfg()
     samples = _samples(cfg, m, codec, task)
-    (mb,) = D.pack(samples, 512)
+    (mb,) = packing.pack(samples, 512)
     prompts = {tuple(s.prompt.ids) for s in samples}
     used = sum(len(p) - 1 for p in prompts) + sum(len(s.completion) for s in samples)
     assert used < sum(len(s.ids) - 1 for s in samples) / 2  # the unshared layout's tokens
@@ -111,7 +111,7 @@ def test_a_group_larger_than_a_buffer_is_split_with_its_own_prompt_copies():
     P = len(samples[0].prompt.ids)
     T = P - 1 + len(samples[0].completion) + len(samples[1].completion)  # two completions per buffer at most
     T = max(T, max(len(s.ids) - 1 for s in samples))
-    mbs = D.pack(samples, T)
+    mbs = packing.pack(samples, T)
     assert len(mbs) >= 2
     assert sorted(i for mb in mbs for i in mb.samples) == list(range(len(samples)))
     for mb in mbs:

@@ -14,6 +14,7 @@ import torch
 
 import config as C
 import data as D
+import packing
 import tasks as T
 import model as M
 import train
@@ -46,7 +47,7 @@ def test_one_or_three_micro_batches_give_the_same_step(agg):
     cfg = C.Config(loss="icepop", icepop_alpha=0.8, icepop_beta=1.25, loss_agg=agg, prompts_per_step=4,
                    group_size=3, max_new_tokens=10)
     samples = _samples(cfg, m, codec, task)
-    prompts = {tuple(s.prompt.ids) for s in samples}  # packed once per group (data.pack)
+    prompts = {tuple(s.prompt.ids) for s in samples}  # packed once per group (packing.pack)
     total_tokens = sum(len(p) - 1 for p in prompts) + sum(len(s.completion) for s in samples)
     runs = []
     for T in (total_tokens + 64, total_tokens // 3 + 30):
@@ -55,7 +56,7 @@ def test_one_or_three_micro_batches_give_the_same_step(agg):
         cfg_t = C.dataclasses.replace(cfg, micro_batch_tokens=T)
         mbs, denom, _ = train.prepare(cfg_t, samples, 32, "cpu")
         metrics = train.backward_pass(cfg_t, model, model, mbs, denom, step=0)
-        n_mb = len(D.pack(samples, T))
+        n_mb = len(packing.pack(samples, T))
         grads = torch.cat([p.grad.flatten() for p in model.parameters()])
         runs.append((n_mb, import_reduce(metrics), grads))
     (n1, m1, g1), (n3, m3, g3) = runs
