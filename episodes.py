@@ -216,10 +216,11 @@ def play(pl: Play, rows: list[Prompt], group: int, seeds: list[int]) -> list[Epi
         if not live:
             break
         room = [pl.limit - len(e.ids) for e in live]
+        keep = turn + 1 < pl.max_turns  # the next turn extends these rows: the engine may keep their caches
         if turn == 0:  # a group's episodes share the prompt: prefill it once, n = group
-            outs = pl.engine.generate([e.ids for e in live[::group]], group, pl.sampling, room[::group])
+            outs = pl.engine.generate([e.ids for e in live[::group]], group, pl.sampling, room[::group], keep)
         else:
-            outs = pl.engine.generate([e.ids for e in live], 1, pl.sampling, room)
+            outs = pl.engine.generate([e.ids for e in live], 1, pl.sampling, room, keep)
         for e, c, r in zip(live, outs, room):
             e.add_turn(c, turn, pl.codec)
             if c.finish_reason == "length":  # truncated: by --max-new-tokens, or by the room left

@@ -4,9 +4,10 @@ call whose prompts extend them (a multi-turn episode's next turn) prefills only 
 The engine contract stays one stateless `generate` (rollout.py `Engine`): a prompt is an
 episode's whole ids so far, and a call's results do not depend on what was kept except through
 the order of floating-point sums (a kept key was computed by a decode step, not by a prefill).
-`TorchEngine` keeps every output row of its last call: its ids (prompt + completion) and its
-cache row, whose first len(ids) - 1 slots are valid (the last sampled token was never fed
-through the model). A later prompt that starts with those ids, token for token, gets the row's
+`TorchEngine` keeps every output row of its last call when the caller says a next call may
+extend them (`keep`: the episode loop's turns; a single-turn rollout and an eval pass False):
+its ids (prompt + completion) and its cache row, whose first len(ids) - 1 slots are valid (the
+last sampled token was never fed through the model). A later prompt that starts with those ids, token for token, gets the row's
 slots copied and only its suffix prefilled, at the row's own positions (model.forward_cached).
 
 Simplifications:

@@ -57,10 +57,10 @@ def wire_dtype(engine_dtype: str) -> torch.dtype:
 # ----------------------------------------------------------------------------- the wire format
 
 def _request(prompts: list[list[int]], n: int, s: Sampling, seed: int, version: int,
-             budgets: list[int] | None = None) -> list[torch.Tensor]:
-    """A call: its sampling, the prompts' lengths and ids, and each prompt's own budget of new
-    tokens (a turn of a multi-turn episode: the room its episode has left)."""
-    ints = [GEN, version, n, s.max_new_tokens, s.top_k, s.support, s.draws, seed]
+             budgets: list[int] | None = None, keep: bool = True) -> list[torch.Tensor]:
+    """A call: its sampling, the prompts' lengths and ids, each prompt's own budget of new tokens
+    (a turn of a multi-turn episode: the room its episode has left) and whether to keep the rows."""
+    ints = [GEN, version, n, s.max_new_tokens, s.top_k, s.support, s.draws, seed, keep]
     caps = budgets if budgets is not None else [s.max_new_tokens] * len(prompts)
     return [torch.tensor(ints), torch.tensor([s.temperature, s.top_p, s.noise], dtype=torch.float64),
             torch.tensor([len(p) for p in prompts]), torch.tensor([t for p in prompts for t in p], dtype=torch.int64),
@@ -68,11 +68,11 @@ def _request(prompts: list[list[int]], n: int, s: Sampling, seed: int, version: 
 
 
 def _read_request(msg: list[torch.Tensor]):
-    (_, version, n, max_new, top_k, support, draws, seed), (temperature, top_p, noise) = msg[0].tolist(), msg[1].tolist()
+    (_, version, n, max_new, top_k, support, draws, seed, keep), (temperature, top_p, noise) = msg[0].tolist(), msg[1].tolist()
     prompts = [p.tolist() for p in msg[3].split(msg[2].tolist())]
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new,
                         seed=seed, support=bool(support), draws=draws, noise=noise)
-    return prompts, n, sampling, version, msg[4].tolist()
+    return prompts, n, sampling, version, msg[4].tolist(), bool(keep)
 
 
 def _reply(done: list[Completion]) -> list[torch.Tensor]:
@@ -119,7 +119,7 @@ class RemoteEngine:
             self.link.send(_start(model_dir, self.spec), j)
 
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling,
-                 budgets: list[int] | None = None) -> list[Completion]:
+                 budgets: list[int] | None = None, keep: bool = True) -> list[Completion]:
         if not prompts:
             return []
         assert self.link is not None, "only trainer rank 0 samples under --inference-gpus"
@@ -127,7 +127,7 @@ class RemoteEngine:
         chunks = [c for c in np.array_split(np.arange(len(prompts)), self.link.size - 1) if len(c)]
         for j, c in enumerate(chunks, 1):  # every inference rank starts on its chunk before any reply is read
             caps = None if budgets is None else [budgets[i] for i in c]
-            self.link.send(_request([prompts[i] for i in c], n, sampling, seed + j - 1, self.version, caps), j)
+            self.link.send(_request([prompts[i] for i in c], n, sampling, seed + j - 1, self.version, caps, keep), j)
         replies = [self.link.recv(j) for j in range(1, len(chunks) + 1)]
         for r in replies:
             if r[0].dtype == torch.uint8:  # an inference rank could not serve the call (serve)
@@ -190,11 +190,11 @@ def serve(cfg, link: Link) -> None:
             _receive(link, model)
             engine.load_weights(model, version=int(msg[0][1]))
             continue
-        prompts, n, sampling, version, budgets = _read_request(msg)
+        prompts, n, sampling, version, budgets, keep = _read_request(msg)
         if version != engine.version:
             raise RuntimeError(f"inference rank {link.rank}: asked for version {version}, holds {engine.version}")
         try:
-            link.send(_reply(engine.generate(prompts, n, sampling, budgets)), 0)
+            link.send(_reply(engine.generate(prompts, n, sampling, budgets, keep)), 0)
         except D.RunError as e:  # the trainer stops with this one line (train.fail)
             link.send([torch.tensor(list(f"inference rank {link.rank}: {e}".encode()), dtype=torch.uint8)], 0)
 

@@ -18,9 +18,10 @@ Simplifications:
    masked tail, so shapes never change. On a CPU, where a host sync is free, decoding stops
    the moment every row has, and finished rows leave the batch (with their cache rows) once
    they are a quarter of it: 0.30 -> 0.18 s for 16 x 8 completions of random prompts, whose
-   lengths spread; little on reverse-text, whose rows end close together. Each call keeps its
-   rows' caches for the next (prefix.py): a prompt that extends one (a multi-turn episode's
-   next turn) prefills only its new tokens.
+   lengths spread; little on reverse-text, whose rows end close together. A call whose caller
+   says a next call will extend its rows (`keep`: an episode's turns) keeps their caches
+   (prefix.py): a prompt that extends one prefills only its new tokens. A single-turn rollout
+   or an eval keeps nothing, so it copies no cache rows it would only throw away.
 3. Sampling is the exponential-race form of categorical sampling
    (argmax(p / Exp(1)) is a draw from p), so it needs no host sync; on a GPU whether all
    rows have stopped is checked only every 8 tokens.
@@ -79,12 +80,13 @@ class Engine(Protocol):
     version: int
 
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling,
-                 budgets: list[int] | None = None) -> list[Completion]:
+                 budgets: list[int] | None = None, keep: bool = True) -> list[Completion]:
         """len(prompts) * n completions, prompt by prompt (a prompt's n are adjacent); `budgets`:
         each prompt's own cap on new tokens, at most sampling.max_new_tokens (a multi-turn episode's
-        room left); a completion cut by it ends with finish_reason "length". Stateless: what an
-        engine keeps between calls (a prefix cache) may change how fast a call is, never what it
-        samples from."""
+        room left); a completion cut by it ends with finish_reason "length". `keep`: the caller's
+        next call may extend these rows (an episode's next turn), so an engine may keep them; False
+        (a single-turn rollout, an eval) says none will. Stateless: what an engine keeps between
+        calls (a prefix cache) may change how fast a call is, never what it samples from."""
         ...
 
     def load_weights(self, model: Transformer, version: int) -> None:
@@ -249,14 +251,14 @@ class TorchEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling,
-                 budgets: list[int] | None = None) -> list[Completion]:
+                 budgets: list[int] | None = None, keep: bool = True) -> list[Completion]:
         G, dev = len(prompts), self.device
         caps = [min(b, sampling.max_new_tokens) for b in budgets] if budgets else [sampling.max_new_tokens] * G
         assert min(caps) >= 1, caps
         T_new = max(caps)
         cap = torch.tensor(caps, device=dev).repeat_interleave(n)  # (B,) each row's own budget
         logits, cache, pos = self._prefill(prompts, n, T_new)
-        store = cache if self.reuse else None  # every output row's cache, as it leaves the decode batch
+        store = cache if self.reuse and keep else None  # every output row's cache, as it leaves the decode batch
         gen = self.gen if sampling.seed is None else torch.Generator(device=dev).manual_seed(sampling.seed)
         rec = SupportRecorder(sampling, len(cap), dev) if sampling.support else None
         ids, logq = self._decode(logits, cache, pos, cap, sampling, gen, rec, store)

@@ -47,7 +47,6 @@ Simplifications:
 from __future__ import annotations
 
 import asyncio
-import copy
 import difflib
 import hashlib
 import inspect
@@ -164,8 +163,8 @@ class Reward:
         """One float per completion; NaN for each sample of a call that raised or timed out, and for
         None/NaN. The function gets copies: what it changes is not what floe trains on."""
         columns = {k: [p.columns.get(k) for p in prompts] for k in dict.fromkeys(k for p in prompts for k in p.columns)}
-        kwargs = copy.deepcopy({"prompts": [p.prompt for p in prompts], "completions": texts,
-                                "completion_ids": ids, **columns, **(extra or {})})
+        kwargs = usercode.copied({"prompts": [p.prompt for p in prompts], "completions": texts,
+                                  "completion_ids": ids, **columns, **(extra or {})})
         fn = self.fn
         if inspect.iscoroutinefunction(fn):  # an async reward (TRL takes them too) runs to completion here
             def fn(**kw):

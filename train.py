@@ -97,7 +97,7 @@ def rollout_phase(cfg, task, engine, rng, step, context: int):
                          f"+ --max-new-tokens {cfg.max_new_tokens} > {context}")
     drawn = my_prompts(cfg, drawn)
     prompts = [p for p in drawn if len(p.ids) + cfg.max_new_tokens <= context]
-    completions = engine.generate([p.ids for p in prompts], cfg.group_size, rl_sampling(cfg)) if prompts else []
+    completions = engine.generate([p.ids for p in prompts], cfg.group_size, rl_sampling(cfg), keep=False) if prompts else []
     owners = [prompts[i // cfg.group_size] for i in range(len(completions))]
     rewards = task.score(owners, [c.ids for c in completions], cfg.group_size)
     samples = [D.Sample(p, c.ids, c.logq, c.versions, c.finish_reason, c.support, reward=r)
@@ -265,7 +265,7 @@ def evaluate(cfg, task, engine, play: E.Play | None = None, n: int = 4) -> dict[
             return E.evaluate(cfg, task, play, n)
         prompts = task.eval_set
         sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, seed=cfg.seed + 1)
-        out = engine.generate([p.ids for p in prompts], n, sampling)
+        out = engine.generate([p.ids for p in prompts], n, sampling, keep=False)
         rewards = task.score([prompts[i // n] for i in range(len(out))], [c.ids for c in out], n)
         return T.eval_metrics(rewards, n)
     finally:

@@ -3,17 +3,21 @@ timeout, and never able to take the run down, hang it, or change floe's own data
 
 User code can hang, raise, exit or lie. Every call goes through `call` (one) or `call_all` (a
 batch at once):
-1. Each call runs on a daemon thread of its own and is waited for at most `timeout` seconds
-   (less when the run shuts down meanwhile: `stop`).
+1. Each call runs on a daemon worker thread of its own, the calls of a batch all at once, and is
+   waited for at most `timeout` seconds (less when the run shuts down meanwhile: `stop`).
    A call that does not return by then is abandoned: the run goes on without it, and a daemon
    thread never keeps the process from exiting. (A worker process could also be killed, but it
    would have to pickle every environment and lose the user's in-process state; Python cannot
    kill a thread, so an abandoned call may still run in the background until the run ends.)
+   Workers are kept for later calls (`_Workers`): starting a thread waits for it to be
+   scheduled, which a step's dozens of reward and environment calls would pay every step. A
+   worker takes a new call only once its last one returned, so a hung call holds its worker
+   and no other call waits behind it.
 2. Whatever the call raises, `SystemExit` and `KeyboardInterrupt` included, is that code's error:
    it comes back as a `Result` with the exception's one-line description, never as floe's own
    exit. `os._exit` ends the process from any thread and cannot be caught in-process.
-3. The caller hands copies (`copy.deepcopy`) of anything floe keeps, so user code that mutates
-   its arguments changes nothing floe trains on.
+3. The caller hands copies (`copied`) of anything floe keeps, so user code that mutates its
+   arguments changes nothing floe trains on.
 
 Loading (`load`): `path/to/file.py:name` or `module:name`. A file is imported like any module:
 its top-level code runs at start-up (and again on `--resume`); a `SystemExit` there is reported
@@ -24,8 +28,10 @@ This module is layer 0: the standard library alone.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -58,32 +64,84 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def call_all(calls: list[Callable[[], Any]], timeout: float, stop: threading.Event | None = None) -> list[Result]:
-    """Run every zero-argument callable on its own daemon thread, all at once, and wait for each
-    until `timeout` seconds after the start, or until `stop` is set (the run is shutting down);
-    a call still running then is abandoned."""
-    results = [Result(timed_out=True) for _ in calls]
+class _Call:
+    """One call handed to a worker: `done` is set when `result` holds what it returned or raised."""
 
-    def run(i: int, fn: Callable[[], Any]) -> None:
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn, self.result, self.done = fn, Result(timed_out=True), threading.Event()
+
+    def run(self) -> None:
         try:
-            results[i] = Result(value=fn())
+            self.result = Result(value=self.fn())
         except BaseException as e:  # SystemExit and KeyboardInterrupt too: the user's code's error
-            results[i] = Result(error=describe(e))
+            self.result = Result(error=describe(e))
+        finally:
+            self.done.set()
 
-    threads = [threading.Thread(target=run, args=(i, fn), daemon=True, name=f"floe-user-{i}")
-               for i, fn in enumerate(calls)]
-    for t in threads:
-        t.start()
+
+class _Workers:
+    """Daemon threads that run calls, kept between batches. A call goes to an idle worker, or to
+    a new one when none is idle (a worker still inside an abandoned call is not idle)."""
+
+    def __init__(self):
+        self.jobs: queue.SimpleQueue[_Call] = queue.SimpleQueue()
+        self.lock, self.idle, self.started = threading.Lock(), 0, 0
+
+    def submit(self, c: _Call) -> None:
+        with self.lock:
+            if self.idle:
+                self.idle -= 1
+            else:
+                self.started += 1
+                threading.Thread(target=self._work, daemon=True, name=f"floe-user-{self.started}").start()
+        self.jobs.put(c)
+
+    def _work(self) -> None:
+        while True:
+            self.jobs.get().run()
+            with self.lock:
+                self.idle += 1
+
+
+_WORKERS = _Workers()
+
+
+def call_all(calls: list[Callable[[], Any]], timeout: float, stop: threading.Event | None = None) -> list[Result]:
+    """Run every zero-argument callable on a daemon worker thread of its own, all at once, and
+    wait for each until `timeout` seconds after the start, or until `stop` is set (the run is
+    shutting down); a call still running then is abandoned (timed out)."""
+    pending = [_Call(fn) for fn in calls]
+    for c in pending:
+        _WORKERS.submit(c)
     deadline = time.monotonic() + timeout
-    for t in threads:
-        while t.is_alive() and not (stop is not None and stop.is_set()):
+    for c in pending:
+        while not c.done.is_set() and not (stop is not None and stop.is_set()):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            t.join(left if stop is None else min(left, 0.05))
-    # a thread still alive keeps its default Result (timed out) even if it finishes later: the
-    # list it would write into is a copy nobody reads
-    return [r if not t.is_alive() else Result(timed_out=True) for r, t in zip(list(results), threads)]
+            c.done.wait(left if stop is None else min(left, 0.05))
+    # a call still running keeps its timed-out Result even if it finishes later: nobody reads it then
+    return [c.result if c.done.is_set() else Result(timed_out=True) for c in pending]
+
+
+ATOMS = (str, int, float, bool, bytes, type(None))
+
+
+def copied(x: Any) -> Any:
+    """What `copy.deepcopy` gives, for the arguments floe hands user code: lists, tuples and dicts
+    are rebuilt, strings and numbers shared (they cannot change), anything else deep-copied. A
+    step's reward calls copy every completion's ids and conversation, where deepcopy's per-object
+    bookkeeping is the larger cost."""
+    t = type(x)
+    if t in ATOMS:
+        return x
+    if t is list:
+        return list(x) if all(type(v) in ATOMS for v in x) else [copied(v) for v in x]
+    if t is dict:
+        return {k: copied(v) for k, v in x.items()}
+    if t is tuple:
+        return tuple(copied(v) for v in x)
+    return copy.deepcopy(x)
 
 
 def call(fn: Callable[[], Any], timeout: float) -> Result:

@@ -133,7 +133,7 @@ class VLLMEngine:
         self.version = version
 
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling,
-                 budgets: list[int] | None = None) -> list[Completion]:
+                 budgets: list[int] | None = None, keep: bool = True) -> list[Completion]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

@@ -106,7 +106,7 @@ class Scripted:
     def __init__(self, turns: list[list[list[int]]], stops: list[int]):
         self.turns, self.stops, self.fed = list(turns), stops, []
 
-    def generate(self, prompts, n, sampling, budgets=None):
+    def generate(self, prompts, n, sampling, budgets=None, keep=True):
         self.fed.append([list(p) for p in prompts])
         out = []
         for ids in self.turns.pop(0):

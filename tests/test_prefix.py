@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import model as M
+import rollout
+import train
 from rollout import Sampling, TorchEngine
 
 STOPS = [2, 0]
@@ -163,3 +165,47 @@ def test_a_bf16_engine_continues_as_close_to_the_fp32_forward_as_it_re_prefills(
         gaps.append(sum(gap) / len(gap))
     kept, again = gaps
     assert again > 1e-5 and again / 1.5 < kept < again * 1.5, gaps
+
+
+def test_a_single_turn_call_keeps_no_rows_and_an_episodes_next_turn_still_reuses_them():
+    """keep=False (what a single-turn rollout and an eval pass) keeps nothing: the next call
+    prefills its whole prompts. keep=True (the default, and an episode's turn) keeps the rows: the
+    next turn prefills only its new tokens. The draws are the same either way, and the same as an
+    engine that never keeps."""
+    model = _model()
+    (a, pa), (b, pb), (c, _) = _engine(model), _engine(model), _engine(model, reuse=False)
+    x, y, z = a.generate(PROMPTS, 4, S, keep=False), b.generate(PROMPTS, 4, S), c.generate(PROMPTS, 4, S)
+    assert a.kept is None and b.kept is not None
+    assert [o.ids for o in x] == [o.ids for o in y] == [o.ids for o in z]
+    assert [o.logq for o in x] == [o.logq for o in y] == [o.logq for o in z]
+    prompts = _continue(PROMPTS, 4, x)
+    pa.clear(), pb.clear()
+    x2, y2 = a.generate(prompts, 1, S, keep=False), b.generate(prompts, 1, S, keep=True)
+    assert pa[0] == (len(prompts), max(map(len, prompts)))  # whole prompts: nothing was kept
+    assert pb[0] == (len(prompts), len(REPLY) + 1)  # only the reply and the last sampled token
+    assert a.kept is None and b.kept is not None
+    assert [o.ids for o in x2] == [o.ids for o in y2]
+    for p, o in zip(prompts, y2):
+        _check(model, p, o, S)
+
+
+def test_a_single_turn_job_passes_keep_false_and_an_episode_job_keeps_until_its_last_turn(tmp_path, monkeypatch):
+    """The callers say it: train's rollout and eval never ask the engine to keep rows; the episode
+    loop asks on every turn that another turn may follow (--max-turns)."""
+    calls = []
+    generate = rollout.TorchEngine.generate
+
+    def recording(self, prompts, n, sampling, budgets=None, keep=True):
+        out = generate(self, prompts, n, sampling, budgets, keep)
+        calls.append((keep, self.kept is not None))
+        return out
+    monkeypatch.setattr(rollout.TorchEngine, "generate", recording)
+    train.main(["--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-prompts", "4",
+                "--out-dir", str(tmp_path / "one")])
+    assert len(calls) == 3 and calls == [(False, False)] * 3  # eval at 0, the step, eval at the end
+    calls.clear()
+    train.main(["--task", "jsonl:examples/guess.jsonl", "--env", "guess-letter", "--model", "checkpoints/guess-tiny",
+                "--max-new-tokens", "4", "--max-turns", "3", "--steps", "1", "--prompts-per-step", "2",
+                "--group-size", "2", "--eval-every", "0", "--out-dir", str(tmp_path / "episodes")])
+    assert [k for k, _ in calls] == [True, True, False][: len(calls)] and len(calls) >= 2, calls
+    assert all(kept == keep for keep, kept in calls), calls

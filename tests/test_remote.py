@@ -25,7 +25,7 @@ cfg = C.Config(model=src, engine="torch", inference_gpus=2, engine_dtype={dtype!
 link = P.setup_distributed("cpu", 2)
 if P.serving(2):
     plain = TorchEngine.generate
-    def generate(self, prompts, n, sampling, budgets=None):  # a call the engine refuses (as vLLM refuses a short kept set)
+    def generate(self, prompts, n, sampling, budgets=None, keep=True):  # a call the engine refuses (as vLLM refuses a short kept set)
         if prompts == [[31]]:
             raise D.RunError("the engine refused this call")
         return plain(self, prompts, n, sampling, budgets)

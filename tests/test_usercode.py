@@ -117,3 +117,33 @@ def test_a_set_stop_event_ends_the_wait_before_the_timeout():
     res = usercode.call_all([lambda: time.sleep(3600), lambda: 7], 60.0, stop)
     assert time.perf_counter() - t0 < 5
     assert res[0].timed_out and res[1].value == 7
+
+
+def test_a_hung_call_holds_its_worker_and_later_calls_never_wait_behind_it():
+    """Workers are kept between batches, but one still inside an abandoned call takes no new call."""
+    import threading
+    import time
+
+    release = threading.Event()
+    first = usercode.call_all([release.wait, lambda: 1], 0.2)
+    assert first[0].timed_out and first[1].value == 1
+    t0 = time.perf_counter()
+    again = usercode.call_all([lambda: 2, lambda: 3, lambda: 4], 5.0)
+    assert [r.value for r in again] == [2, 3, 4] and time.perf_counter() - t0 < 2
+    release.set()
+
+
+def test_copied_arguments_share_nothing_user_code_could_change():
+    """`copied` equals deepcopy's result, and no list, dict or other mutable object is shared."""
+    import copy
+
+    class Box:
+        def __init__(self):
+            self.items = [1]
+
+    x = {"ids": [[1, 2], [3]], "t": ("a", [1.5]), "messages": [[{"role": "user", "content": "hi"}]], "box": Box(), "n": None}
+    y = usercode.copied(x)
+    assert y.keys() == x.keys() and y["ids"] == copy.deepcopy(x)["ids"] and y["messages"] == x["messages"]
+    y["ids"][0].append(9), y["t"][1].append(9), y["messages"][0][0].update(role="x"), y["box"].items.append(9)
+    assert x["ids"] == [[1, 2], [3]] and x["t"] == ("a", [1.5]) and x["messages"][0][0]["role"] == "user"
+    assert x["box"].items == [1]
