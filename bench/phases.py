@@ -3,7 +3,8 @@ a table per phase and a table of the top operators.
 
 Under the profiler a step runs slower than alone (each operator is recorded): read the shares,
 and time whole runs with bench/e2e.py. Each phase is a `record_function` range wrapped around train.py's own functions from outside
-(nothing in train.py knows about it), so the same script profiles an older checkout too: run it
+(nothing in train.py knows about it), so the same script profiles an older checkout too (every
+phase it wraps must show up in the profile, or it stops and names the missing ones): run it
 from that checkout's root (`cd old && python /path/to/bench/phases.py`). Start-up, eval and the
 first step (warm-up) are left out of the tables.
 
@@ -68,6 +69,9 @@ def tables(prof, steps: int, wall_ms: float) -> str:
     """Phases: inclusive time of each range; operators: self time; shares of the step's wall time."""
     events = prof.key_averages()
     phase = {e.key[6:]: e.cpu_time_total / 1e3 / steps for e in events if e.key.startswith("phase/")}
+    if missing := [p for p in PHASES if p not in phase]:  # a function moved or is no longer called: say so
+        raise SystemExit(f"bench/phases.py: no time was recorded for the phase(s) {', '.join(missing)}; "
+                         "the functions instrument() wraps are not the ones the step calls")
     total = wall_ms / steps
     lines = ["| phase | ms per step | share |", "| --- | --- | --- |"]
     for name in PHASES:
