@@ -30,8 +30,8 @@ Simplifications:
 3. The held-out reward is sampled by the run's own engine (train.py's eval): the fp8 rows
    evaluate through the fp8 engine; the noise rows evaluate noise-free (only rollouts get it).
 4. On a CPU without fp16 matmul units the fp16 trainer is several times slower than fp32
-   (autocast pays conversions; docs/experiments.md "The mismatch study" has its wall time), and
-   it is most of the study's time; on a GPU it is the fast one.
+   (autocast pays conversions; docs/experiments.md "2026-12-01: the mismatch study" has its
+   wall time), and it is most of the study's time; on a GPU it is the fast one.
 
     python bench/experiment.py                       # the whole grid: 51 runs of 60 steps, ~37 min on 2 CPU cores
     python bench/experiment.py --model /path/to/Qwen3-0.6B --device cuda --extra "--max-new-tokens 256"
