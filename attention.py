@@ -29,8 +29,8 @@ _compiled_flex = None
 class Rows:
     """The packed forward's attention as a few dense batches, one row per document: its own tokens
     as queries, its parent's tokens and its own as keys (CPU). Work grows with the documents'
-    lengths, not the buffer's: on the default job 6.5x fewer scores than a dense [T, T] mask over the
-    same buffers (README "Speed")."""
+    lengths, not the buffer's: on the default job far fewer scores than a dense [T, T] mask over the
+    same buffers (docs/experiments.md "2026-12-01: the CPU step, before and after four changes")."""
 
     buckets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (query idx, key idx, mask) per length class
     back: torch.Tensor  # (T,) each token's place among the buckets' flattened query slots

@@ -53,7 +53,7 @@ class Config:
     steps: int = 80  # optimizer steps (rl: one rollout batch each)
     seed: int = 0  # seeds prompts, sampling and init
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
-    compile: Literal["auto", "on", "off"] = "auto"  # torch.compile of the trainer forward; auto: on for cuda, off on cpu (measured faster, README)
+    compile: Literal["auto", "on", "off"] = "auto"  # torch.compile of the trainer forward; auto: on for cuda, off on cpu (a wash there, docs/experiments.md)
     save_every: int = 0  # steps between checkpoints (step_NNNNNN/, all kept); 0: only at the end
     eval_every: int = 10  # steps between held-out evals (also at step 0 and the end); 0: no eval
     eval_prompts: int = 64  # held-out prompts per eval, 4 samples each at the training sampling settings

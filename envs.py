@@ -22,8 +22,8 @@ Every episode of a group starts from the same row and the same seed (a draw of t
 RNG, so a resumed run repeats it): `reset` must give them the same first prompt. Each call runs
 with a timeout (--call-timeout) on a thread of its own (usercode.py), on copies of floe's data.
 
-Built in: `--env guess-letter` (`GuessLetter`), the environment the README's multi-turn job
-trains on, and its control `--env guess-letter-blind`; `write_rows` makes its jsonl file,
+Built in: `--env guess-letter` (`GuessLetter`), the environment bench/agents.py and
+docs/agents.md's multi-turn job train on, and its control `--env guess-letter-blind`; `write_rows` makes its jsonl file,
 reference episodes for the SFT warm-up included.
 
     python envs.py examples/guess.jsonl          # the rows of the built-in environment

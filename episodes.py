@@ -26,8 +26,8 @@ Simplifications:
    step. Each turn's prompts are the episodes' whole ids: the contract stays one stateless
    `generate`, and the engines keep the prefix themselves (the built-in engine its last call's
    cache rows, prefix.py; vLLM its prefix cache), until `idle()` after the step's last turn.
-   Measured (docs/agents.md, bench/turns.py): a 4-turn episode costs 0.70x a single turn of
-   the same total tokens on the built-in engine with the rows kept, 1.48x re-prefilled.
+   bench/turns.py measures what keeping the rows saves (docs/experiments.md "2026-12-02: the cost
+   of a turn"): an episode against a single turn of the same total tokens, rows kept or not.
 2. Every call into the environment goes through usercode.py: a thread of its own with
    --call-timeout, all of a turn's episodes at once, on copies of floe's data.
 3. Faults take the whole group out (`skipped/env_error`): an environment that raised or timed

@@ -135,7 +135,7 @@ def head(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     if grad and N * V > KEEP_ELEMENTS:  # recompute each chunk's logits in the backward
         def fn(*args):
             return checkpoint(_chunk, *args, use_reentrant=False)
-    else:  # small (a tiny vocabulary): autograd keeps them, 2x faster on the default CPU job
+    else:  # small (a tiny vocabulary): autograd keeps them, faster on the default CPU job (bench/phases.py)
         fn = _chunk
     return tuple(_chunks(hidden, weight, labels, support, temperature, chunk, fn))
 

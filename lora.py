@@ -14,10 +14,12 @@ Simplifications:
    alpha for every layer. PEFT's init: A Kaiming-uniform, B zero, so step 0 is the base model.
 2. The base stays in fp32, like full fine-tuning's weights (a bf16 base would halve its memory
    but make the trainer's forward differ from the fp32 parity references; not offered yet).
-3. The engines get merged weights, W + (alpha / r) B A, computed in fp32 from the untouched
-   base on every push (rollout.TorchEngine), so what samples is a plain model.
+3. The built-in engine gets merged weights, W + (alpha / r) B A, computed in fp32 from the
+   untouched base on every push (rollout.TorchEngine), so what samples is a plain model. vLLM
+   serves the adapter itself, and only the adapter moves on a push (vllm_engine.VLLMEngine), or
+   takes merged weights with --lora-merged.
 
-    python train.py --lora-rank 8 --lr 5e-3            # the reverse-text job with rank-8 adapters
+    python train.py --lora-rank 8                       # the reverse-text job with rank-8 adapters (lr 3e-3)
     python -m pytest -q tests/test_lora.py              # against peft, transformers and autograd
 """
 

@@ -1,7 +1,7 @@
 """The RL loss: one policy-gradient estimator with seven weightings, sequence and KL masks, score
 centering, a sampler KL, global normalization and metrics (the evidence it reads is checked
 first, in evidence.py).
-docs/design.md "The loss" writes it out in full and README.md "The loss" tabulates the corrections;
+docs/design.md "The loss" writes it out in full, with the table of corrections;
 tests/test_loss.py checks every path against a dense fp64 reference written from the formula:
 
     loss_t = -A_t * ( w(a)*log p(a) - sum_{v in S_t} sg[u_v*w(v)]*log p(v) ) + beta_t*KL_t
@@ -332,7 +332,7 @@ def _clipped_term(logp: Tensor, logq: Tensor, adv: Tensor, old: Tensor, mb: Micr
     gspo's rho is its sequence's: exp(mean of log p/pi_old over the tokens M keeps), with grad."""
     lo, hi = math.log1p(-cfg.clip_low), math.log1p(cfg.clip_high)
     # Which tokens M keeps is decided in log space, never from M > 0 after exp: with --icepop-alpha 0
-    # a kept k = e^-200 underflows to 0 in fp32 but stays in gspo's mean and ppo's M*rho (issue 24).
+    # a kept k = e^-200 underflows to 0 in fp32 but stays in gspo's mean and ppo's M*rho.
     on, log_m = keep, torch.zeros_like(logp)  # keep: False where a sequence or KL mask removes the token
     if cfg.icepop:
         _, low, high = _weight(old, logq, "icepop", cfg)
@@ -355,7 +355,7 @@ def _clipped_term(logp: Tensor, logq: Tensor, adv: Tensor, old: Tensor, mb: Micr
         clipped = ((adv > 0) & (log_rho > hi)) | ((adv < 0) & (log_rho < lo))
         live = ~clipped & on
         # M*rho as one exp: no exp of a masked ratio, even in backward, and a kept M that underflows
-        # alone cannot zero its product with a large rho (fp32 and fp64 agree, issue 24)
+        # alone cannot zero its product with a large rho (fp32 and fp64 agree)
         m_rho = torch.where(live, log_m + log_rho, -math.inf).exp()
         term = -adv * torch.where(clipped, m * clipped_rho, m_rho)
     metrics["ppo/clip_fraction"] = _stat(clipped.to(logp.dtype), mask)

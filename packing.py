@@ -8,7 +8,8 @@ Simplifications:
    prompt but its last token once, as its own document, then per sample a document of
    [last prompt token] + completion, whose `parents` entry names the prompt's document, so it
    attends to the prompt and to itself (a tree, not a block-diagonal mask). Exact, and on the
-   default job 3.7x fewer tokens (README "Speed").
+   default job several times fewer tokens (docs/experiments.md "2026-12-01: the CPU step,
+   before and after four changes").
 
     python -m pytest -q tests/test_packing.py   # against the unshared packing and a dense reference
 """
@@ -29,7 +30,7 @@ def pack(samples: list[Sample], micro_batch_tokens: int, share_prompts: bool = T
 
     Buffers are all [T] (fixed shapes: what torch.compile and flex attention want), or with
     `trim` each ends at the first multiple of `trim` past its last document: eager, the padding
-    would be computed like any token (on the default job a last buffer is often ~80% padding)."""
+    would be computed like any token (the default job's last buffer is often mostly padding)."""
     T = micro_batch_tokens
     for i, s in enumerate(samples):
         if len(s.ids) - 1 > T:  # the last token is only ever a label

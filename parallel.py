@@ -7,7 +7,7 @@ the default process group's size (1 process: RANK 0, world() 1, and every functi
 the identity). Nothing here is set at run time: setup_distributed returns the `Link`. gloo on the CPU (the tests), NCCL on GPUs. This is the bottom layer: it
 imports torch and the standard library alone, so every floe module may use it.
 
-    python -m pytest -q tests/test_distributed.py     # 2 gloo ranks against 1 process
+    python -m pytest -q tests/test_distributed.py     # 2 gloo ranks checked against one process
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ class Link:
         """The link's end, on each of its ranks once the run ended: a barrier, so no rank lets go of
         its end while a peer may still use it, then its groups are shut down and let go. Nothing else
         holds them, so their destructors run here and join their worker threads while the
-        interpreter is alive (issue 24: a gloo worker left running at exit can abort the process)."""
+        interpreter is alive (a gloo worker left running at exit can abort the process: `leave`)."""
         self.host.barrier().wait()
         for group in [self.host] if self.fast is self.host else [self.fast, self.host]:
             group.shutdown()  # NCCL: ends its communicator and watchdog; gloo: the destructor does it
@@ -245,7 +245,7 @@ def leave(main: Callable[[], object]) -> NoReturn:
     returns (the run's files closed, wandb finished by Logger.close); what is skipped is the
     clean-up of module globals and caches and the atexit hooks.
 
-    Why (issue 24): destroy_process_group drops the default group from torch.distributed, but torch's
+    Why: destroy_process_group drops the default group from torch.distributed, but torch's
     DTensor caches (sharding propagation, the redistribute planner) still hold it under FSDP2, so its
     gloo worker threads outlive the interpreter. A worker that drops the last reference to a tensor
     once finalization began asks for the GIL, is made to exit, and the unwinding aborts the process:

@@ -55,11 +55,11 @@ class AsyncRollouts:
     5. A checkpoint saves the RNG states right after the step's own batch was made (`rng_after`).
        A resume at step k refills the pipeline from the checkpoint's weights: batches k+1..k+a draw
        the same prompts and samples, but from version k instead of k-a..k-1. The resumed run is
-       valid, and for a >= 1 not bit-identical to the uninterrupted one (a = 0: exact, as before).
+       valid, and for a >= 1 not bit-identical to the uninterrupted one (a = 0: exact).
     6. On CUDA the thread samples on its own stream, after the weights pushed on the default one.
        `threads` > 0 sets torch's intra-op threads, for each side, while the thread runs (restored
        at close): train.py gives each half the cores on a CPU, where two full OpenMP teams would
-       oversubscribe them (measured on 2 busy cores: 4-5 s per default step against 11-19 s).
+       oversubscribe them (docs/experiments.md "2026-11-30: --async-level 1 on 2 CPU cores").
        An explicit set_num_threads changes how later CPU matmuls split in that process, so a
        later run in the same process may differ from a fresh one in the last bits.
     7. An exception on the thread reaches the trainer at its next `get` or `publish`.

@@ -31,9 +31,9 @@ class Rounded(nn.Module):
     A bf16 matmul multiplies bf16 inputs, accumulates in fp32 and stores bf16; products of two
     bf16 values are exact in fp32, so this is the same arithmetic up to the summation order. What
     it leaves in fp32 (norms, RoPE, attention, the residual stream) a bf16 engine would round too,
-    so the mismatch is smaller: against the fp32 trainer, on the shipped model's own text, KL
-    6.2e-5 emulated and 2.2e-4 native (tests/test_rollout.py), at a quarter of the time on a
-    2-core AVX2 CPU (0.41 s against 1.6 s for the default 32 x 16 rollout)."""
+    so the mismatch is smaller (tests/test_rollout.py holds it below the native dtype's and within
+    a factor of it), and on a CPU without bf16 units it takes a fraction of the native time
+    (docs/experiments.md "2026-12-01: the CPU step, before and after four changes")."""
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype):
         super().__init__()

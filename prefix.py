@@ -17,7 +17,7 @@ Simplifications:
    earlier request) is the general form.
 2. The rows are dropped when the weights change (`load_weights`: keys computed by older
    weights are not the new weights' keys) and when the caller says the rollout is over
-   (`idle`); TorchEngine.reuse = False turns keeping off (re-prefill every prompt, as before).
+   (`idle`); TorchEngine.reuse = False turns keeping off (re-prefill every prompt).
 3. Each prompt takes the one kept row that covers the most of it; prompts with no match
    prefill from the start in the same right-padded batch (a batch is as long as its longest
    suffix).

@@ -9,17 +9,19 @@ Simplifications:
 1. `TorchEngine` keeps its own copy of the model in `--engine-dtype` (bf16 by default)
    while the trainer keeps fp32 master weights: the same training-inference mismatch a
    real inference engine has, visible even on a CPU. `load_weights` casts in place. On a
-   CPU a bf16/fp16 copy computes in fp32 with bf16/fp16 storage, and an fp8 one as W8A8
-   (precision.py: `Rounded`, `Fp8Linear`): most CPUs have no bf16 matmul units, and there
-   the native path was 5x slower (README).
+   CPU a bf16/fp16 copy is stored in fp32, holding values rounded to bf16/fp16, and computes
+   in fp32, rounding each linear layer's input and output (precision.py `Rounded`); an fp8 one
+   computes as W8A8 (`Fp8Linear`). Most CPUs have no bf16 matmul units, and there the native
+   path is several times slower (docs/experiments.md "2026-12-01: the CPU step, before and
+   after four changes").
 2. Decoding is gpt-fast's shape: prompts are prefilled once (right-padded, one batch),
    the static KV cache is copied n times for the group, and one compiled-friendly step
    decodes every row at its own position. On a GPU finished rows keep decoding into a
    masked tail, so shapes never change. On a CPU, where a host sync is free, decoding stops
    the moment every row has, and finished rows leave the batch (with their cache rows) once
-   they are a quarter of it: 0.30 -> 0.18 s for 16 x 8 completions of random prompts, whose
-   lengths spread; little on reverse-text, whose rows end close together. A call whose caller
-   says a next call will extend its rows (`keep`: an episode's turns) keeps their caches
+   they are a quarter of it: that saves most where lengths spread (random prompts), little on
+   reverse-text, whose rows end close together (the same log entry). A call whose caller says
+   a next call will extend its rows (`keep`: an episode's turns) keeps their caches
    (prefix.py): a prompt that extends one prefills only its new tokens. A single-turn rollout
    or an eval keeps nothing, so it copies no cache rows it would only throw away.
 3. Sampling is the exponential-race form of categorical sampling

@@ -14,8 +14,8 @@ Simplifications:
    (loss.denominators), so any split into micro-batches gives the same gradient.
 3. Metrics stay on the device as (sum, count) pairs and are read once per step.
 4. torch.compile wraps the trainer forward only (static [T] shapes); on the CPU it is
-   off by default: for the tiny 80-step job it is a wash (docs/experiments.md), and
-   off needs no C++ toolchain.
+   off by default: for the tiny 80-step job it is a wash (docs/experiments.md "2026-11-30:
+   torch.compile on the CPU"), and off needs no C++ toolchain.
 5. Under torchrun the trainer is FSDP2 (`shard`) and every rank runs its own engine (seed +
    rank; a full copy refreshed one gathered tensor at a time) on its share of the prompts,
    so rollouts scale with the ranks instead of waiting on rank 0. The ranks then swap
@@ -39,7 +39,7 @@ Simplifications:
     torchrun --nproc_per_node 2 train.py --loss icepop --steps 6     # two CPU processes (gloo)
     torchrun --nproc_per_node 8 train.py --model /path/to/Qwen3-8B   # 8 GPUs (NCCL)
     torchrun --nproc_per_node 3 train.py --inference-gpus 1 --steps 6 # 2 CPU trainers + 1 sampler
-    python train.py --stage sft --model scratch --steps 100 --prompts-per-step 64 --micro-batch-tokens 2048  # the tiny model (README)
+    python train.py --stage sft --model scratch --steps 100 --prompts-per-step 64 --micro-batch-tokens 2048  # the tiny model (docs/models.md)
 """
 
 from __future__ import annotations
@@ -419,7 +419,7 @@ class Run:
     src: Path  # the model directory the engine loaded; checkpoints copy its tokenizer
     scale: LossScale  # --train-dtype fp16's dynamic loss scale (1.0 otherwise)
     play: E.Play | None = None  # --env: the environment, engine and limits episodes are played with
-    stop: threading.Event | None = None  # set at shutdown (pipeline.py decision 8): user code is abandoned
+    stop: threading.Event | None = None  # set at shutdown (AsyncRollouts.close): user code is abandoned
     step: int = 0  # the step in progress (a Ctrl-C's line names it)
 
 
@@ -455,7 +455,7 @@ def loop(run: Run, start: int) -> None:
                                  f"None/NaN (skipped/reward_error {m.get('skipped/reward_error', 0):.2f}, skipped/"
                                  f"too_long {m.get('skipped/too_long', 0):.2f}); nothing trained since step {step - 3}")
             if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-                # the RNGs as the next batch finds them (with a thread: as this one's left them, AsyncRollouts 5)
+                # the RNGs as the next batch finds them (with a thread: as this one's left them, AsyncRollouts.rng_after)
                 st = RolloutRNG(run.rng, run.engine.gen) if ahead is None else ahead.rng_after(step)
                 run.log.sync()  # the rows on disk before the checkpoint that covers them
                 with P.collective(f"the checkpoint of step {step}", cfg.dist_timeout):
@@ -475,8 +475,8 @@ def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[di
     else:
         samples, stats, t_rollout = ahead.get(step)
     t1 = time.time()
+    # 4. gather, pack into micro-batches, check the sampler's evidence, count the loss's denominators
     batch = gather(samples)  # every rank's samples: the global batch
-    # 4. pack into micro-batches, check the sampler's evidence, count the loss's denominators
     mbs, denom, checks = prepare(cfg, batch, model.args.vocab_size, cfg.device)
     L.accumulate(stats, checks)
     clipped = cfg.stage == "rl" and L.trained(cfg).clipped
@@ -528,6 +528,6 @@ def finish(cfg: C.Config, log: Logger) -> dict:
 
 if __name__ == "__main__":
     if P.LAUNCHED > 1:
-        P.leave(main)  # no interpreter finalization under torchrun (parallel.leave, issue 24)
+        P.leave(main)  # no interpreter finalization under torchrun (parallel.leave says why)
     else:
         main()

@@ -3,13 +3,13 @@ against its control.
 
 `--env guess-letter` says "later"/"earlier" after each wrong guess; `--env guess-letter-blind`
 says "no", which tells nothing of where the secret is (envs.py). Both start from
-checkpoints/guess-tiny (a short multi-turn SFT warm-up on bisection episodes, README "Agents")
+checkpoints/guess-tiny (a short multi-turn SFT warm-up on bisection episodes, docs/models.md)
 and train with the same flags. Printed: the held-out reward (the share of games won, 4 games
 per held-out row) at step 0 and at the end, mean ± std over seeds, turns per episode, and the
 wall time per run. Runs go one after another in this process (on 2 cores parallel runs would
 only slow each other and corrupt the wall times).
 
-    python bench/agents.py                            # 2 environments x 3 seeds (the README's figures)
+    python bench/agents.py                            # 2 environments x 3 seeds (docs/experiments.md)
     python bench/agents.py --seeds 1 --steps 2 --out /tmp/agents   # smoke test
 """
 

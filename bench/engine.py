@@ -11,8 +11,8 @@ centered loss like --loss icepop asks for: K = 16 draws per token from the built
 the whole distribution per token from vLLM on a small vocabulary; with --top-k both
 report the kept set). tok/s counts completion tokens (the stop token included) over the
 median wall time of --repeats (7) calls, the two rows' calls taking turns after one
-warm-up call each (a call lasts until its longest sample stops, so single calls vary by
-up to ~1.5x). Engine start-up (vLLM loads the directory and reserves its KV cache) is
+warm-up call each (a call lasts until its longest sample stops, so single calls vary
+widely). Engine start-up (vLLM loads the directory and reserves its KV cache) is
 printed separately, not in the rate.
 
 With --lora-rank r the model gets rank-r adapters on every linear layer (B drawn, so they

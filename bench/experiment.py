@@ -2,7 +2,7 @@
 
 Each setting fixes where the sampler's probabilities come from, and each is trained with
 --loss reinforce (no correction), tis (truncated importance weights, --tis-cap 2) and
-icepop (--icepop-beta 2.0, as in the README's main command), over --seeds seeds:
+icepop (--icepop-beta 2.0, as in the README's main job), over --seeds seeds:
 - --engine-dtype bf16 and fp8 (the built-in engine's W8A8 emulation), each synchronous
   and two steps stale (--async-level 2, colocated);
 - --engine-noise s (the controlled knob: i.i.d. logit noise in the rollouts, not a real
@@ -14,7 +14,7 @@ icepop (--icepop-beta 2.0, as in the README's main command), over --seeds seeds:
 Each run is `train.main([...])` in this process, one after another, in
 `<out>/<setting>-<loss>-s<seed>/` (its log beside it, in `<setting>-<loss>-s<seed>.log`: a run
 directory holds only its run, rundir.py). At the end
-`<out>/results.md` (written to docs/experiment.md by default) holds one table row per
+`<out>/results.md` (copied to docs/mismatch-study.md by default) holds one table row per
 setting and loss: mismatch KL (k3 on the sampled tokens, mean over steps and seeds), the
 loss's own masked or clipped fraction, the held-out reward at step 0 and at the end (mean ±
 std over seeds), the gap to reinforce in the same setting (paired by seed: mean ± std of
@@ -29,12 +29,13 @@ Simplifications:
    interrupted study picks up at the run it stopped in (that run starts over).
 3. The held-out reward is sampled by the run's own engine (train.py's eval): the fp8 rows
    evaluate through the fp8 engine; the noise rows evaluate noise-free (only rollouts get it).
-4. On a CPU the fp16 trainer runs ~6x slower than fp32 (no fp16 matmul units: autocast pays
-   conversions), which is most of the study's time; on a GPU it is the fast one.
+4. On a CPU without fp16 matmul units the fp16 trainer is several times slower than fp32
+   (autocast pays conversions; docs/experiments.md "2026-12-01: the mismatch study" has its
+   wall time), and it is most of the study's time; on a GPU it is the fast one.
 
     python bench/experiment.py                       # the whole grid: 51 runs of 60 steps, ~37 min on 2 CPU cores
     python bench/experiment.py --model /path/to/Qwen3-0.6B --device cuda --extra "--max-new-tokens 256"
-    python bench/experiment.py --seeds 1 --steps 2 --only bf16 --out /tmp/exp --png /tmp/exp.png \\
+    python bench/experiment.py --seeds 1 --steps 2 --only bf16 --out runs/exp-smoke --md "" --png runs/exp-smoke.png \\
         --extra "--prompts-per-step 2 --group-size 2 --eval-prompts 4 --max-new-tokens 8"   # smoke test
 """
 
@@ -205,8 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default=None, help="train.py --device for every run (cuda: the GPU run)")
     ap.add_argument("--only", default="", help="run only the settings whose name contains this")
     ap.add_argument("--out", default="runs/experiment", help="run directories and results.md")
-    ap.add_argument("--md", default="docs/experiment.md", help="a copy of results.md ('' for none)")
-    ap.add_argument("--png", default="docs/experiment.png", help="the summary figure")
+    ap.add_argument("--md", default="docs/mismatch-study.md", help="a copy of results.md ('' for none)")
+    ap.add_argument("--png", default="docs/mismatch-study.png", help="the summary figure")
     ap.add_argument("--extra", default="", help='more train.py flags for every run, e.g. "--max-new-tokens 16"')
     a = ap.parse_args(argv)
     if a.seeds < 1 or a.steps < 1:

@@ -10,7 +10,7 @@ Rows (the loss on top is a random linear combination of the outputs, like the RL
   in bench/support.py; logp, entropy and support_logp;
 - "linear_cross_entropy": torch.nn.functional.linear_cross_entropy(reduction="none"), chunked:
   LinearCrossEntropyOptions() on CUDA (torch's tuned "auto"); on the CPU batch_chunk_size =
-  kernels.TILE_ELEMENTS // V tokens, the reference's own chunk ("auto" took 4-7 s per step
+  kernels.TILE_ELEMENTS // V tokens, the reference's own chunk ("auto" was many times slower
   at the CPU shape here, varying from run to run); logp only; "n/a" where torch lacks it (< 2.13);
 - "materialized logits": hidden @ W.T, then float().log_softmax(-1) and a gather; logp only;
 - CUDA only, "..., torch.mm bwd GEMMs": the same two dense rows with head(...,

@@ -1,6 +1,6 @@
 """LoRA against full fine-tuning: what it learns, what it holds in memory, what a push moves.
 
-Three studies, each printing a markdown table (docs/lora.md keeps the measured ones):
+Three studies, each printing a markdown table (docs/experiments.md keeps the measured ones):
 - `learn`: the default reverse-text job (train.py's defaults, 80 steps) with full fine-tuning and
   with `--lora-rank 8` at its own learning rate, over --seeds seeds each: the held-out reward at
   step 0 and at the end (mean ± std), LoRA's gap to full (paired by seed) and the wall time.

@@ -2,12 +2,13 @@
 rollout and train parts, peak memory, and (with --learn) the held-out reward each reaches in
 the same wall time.
 
-    python bench/peers.py --trl-python /work/trlenv/bin/python                 # timing: ~5-10 min on 2 quiet cores
-    python bench/peers.py --trl-python /work/trlenv/bin/python --learn --out docs/peers.md   # + learning: ~20 min more
+    python bench/peers.py --trl-python VENV/bin/python                 # timing: ~5-10 min on 2 quiet cores
+    python bench/peers.py --trl-python VENV/bin/python --learn --out runs/peers.md   # + learning: ~20 min more
     python bench/peers.py --trl-python VENV/bin/python --shapes 4x4 --steps 2 --rounds 1   # smoke test: ~30 s
 
-(The times are estimates from smoke runs on shared cores: floe ~1.5 s a step at 32 x 16 in a
-quiet stretch, TRL several times that, plus ~15 s of start-up per TRL run.)
+(The times are estimates from smoke runs on shared cores, most of them TRL's steps and its
+start-up per run; the measured figures: docs/experiments.md "2026-12-01: floe beside TRL's
+GRPOTrainer on the same CPU work".)
 
 TRL is an optional bench dependency: `--trl-python` (default: this interpreter) must import
 trl (tested with 1.16.0: `pip install trl==1.16.0` in a venv made with

@@ -1,7 +1,7 @@
 """The end of a split run (`--inference-gpus 1`, 3 torchrun processes) in a loop, beside busy
-processes: how often a launch exits non-zero. Issue 24: once, on a loaded machine, trainer rank 1
-died with SIGABRT ("terminate called without an active exception", a C++ thread destroyed while
-still joinable) as the processes tore down their groups.
+processes: how often a launch exits non-zero. Once, on a loaded machine, trainer rank 1 of a
+finished split run died with SIGABRT ("terminate called without an active exception", a C++ thread
+destroyed while still joinable) as the processes tore down their groups (parallel.leave says why).
 
 Three kinds of launch, from the checkout in the current directory (so an older one can be looped
 too: `cd old && python /path/to/bench/teardown.py`):
@@ -12,7 +12,7 @@ too: `cd old && python /path/to/bench/teardown.py`):
   inference rank just returns). Seconds a launch;
 - leak: one process, no torchrun: a gloo group kept past exit (as torch's caches keep FSDP2's
   default group), 50 all-reduces, then the checkout's exit (parallel.leave, or a plain return).
-  The cheapest reproduction: 1 run in 80 aborted (rc 134) beside one busy process before the fix.
+  The cheapest reproduction (docs/experiments.md "2026-12-01: split-run exits in a loop").
 
     python bench/teardown.py                         # 20 train launches, 1 busy process
     python bench/teardown.py --kind bare --runs 100 --busy 2

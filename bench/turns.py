@@ -1,7 +1,7 @@
 """What a turn costs: a K-turn episode against a single turn of the same total tokens, and the
 share of a step spent in environment calls.
 
-Table 1, the engines. A step of 16 groups x 8 episodes (the README's multi-turn job) from one
+Table 1, the engines. A step of 16 groups x 8 episodes (bench/agents.py's multi-turn job) from one
 first prompt (the built-in game's), every episode exactly K turns of g sampled tokens with a
 reply of r tokens after each turn but the last: the calls `episodes.play` makes (the first turn
 one prompt per group, n = 8; each later turn every episode's whole ids so far, n = 1), without

@@ -1,7 +1,8 @@
 """The environment docs/agents.md shows: guess a sum's answer, told "higher" or "lower" after each
 miss; the reward falls with the tries. Rows: examples/sums.jsonl (its `answer` column).
 
-    python train.py --task jsonl:examples/sums.jsonl --env examples/countdown.py:Countdown --model checkpoints/arith-tiny
+    python train.py --task jsonl:examples/sums.jsonl --env examples/countdown.py:Countdown --model checkpoints/arith-tiny \\
+        --steps 20 --lr 2e-4 --max-new-tokens 4 --eval-prompts 128      # the README's run
 """
 
 

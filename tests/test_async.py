@@ -121,7 +121,7 @@ def test_async_level_0_is_the_synchronous_loop(tmp_path):
     args = [*SMALL, "--steps", "3", "--eval-every", "0", "--out-dir", str(tmp_path)]
     train.main([*args, "--async-level", "0"])
     rows = _rows(tmp_path)
-    assert not any("staleness/mean" in r or "kl/age0" in r for r in rows)  # the rows as before
+    assert not any("staleness/mean" in r or "kl/age0" in r for r in rows)  # the rows of a run before --async-level existed
     cfg = C.parse([*args[:-1], str(tmp_path / "by-hand")]).resolve(False)  # the loop before --async-level, by hand
     s = start.check_start(cfg)
     model, task = s.model, s.task

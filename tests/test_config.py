@@ -37,8 +37,9 @@ def test_defaults_are_valid_and_resolve():
                                      (["--adapter", "some/adapter"], 3e-3), (["--stage", "sft", "--lora-rank", "8"], 3e-3),
                                      (["--lora-rank", "8", "--lr", "1e-4"], 1e-4)])
 def test_the_default_learning_rate_is_the_default_jobs_best_and_lora_gets_its_own(args, lr):
-    """LoRA's default lr is its own (on the default job rank 8 ends 0.634 at 3e-3 against 0.577 at full
-    fine-tuning's 5e-4, docs/lora.md), --adapter included (it sets the rank after resolve); --lr wins."""
+    """LoRA's default lr is its own (the default job's best for rank 8 in a sweep, docs/experiments.md
+    "2026-12-02: LoRA against full fine-tuning, and its learning rate"), --adapter included (it sets
+    the rank after resolve); --lr wins."""
     assert C.parse(args).resolve(cuda_available=False).lr == lr
 
 

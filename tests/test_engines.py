@@ -155,7 +155,7 @@ def test_kept_set_and_q_equal_a_full_forward(engine, top_k, top_p):
             assert c.ids[t] in kept
             z = sum(row[v] for v in kept)
             for v, q in zip(sup.ids[a:b].tolist(), sup.logq[a:b].tolist()):
-                assert abs(math.exp(q) - row[v] / z) < _tols(engine)[0]  # q itself: 1e-5 (issue 4's letter)
+                assert abs(math.exp(q) - row[v] / z) < _tols(engine)[0]  # q itself, in probability space: 1e-5
                 assert abs(q - math.log(row[v] / z)) < _tols(engine)[1]
             rows += 1
     assert rows > 10

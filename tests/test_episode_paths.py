@@ -205,7 +205,7 @@ train.main(sys.argv[1:])
 def test_a_sigkill_mid_episode_then_resume(tmp_path, extra):
     """Synchronous: the resumed run's rows are the uninterrupted run's. --async-level 1: every step
     once, in order, the last checkpoint whole (a resume refills the pipeline from the checkpoint's
-    weights, so its batches are valid but not the uninterrupted ones: pipeline.py, decision 5)."""
+    weights, so its batches are valid but not the uninterrupted ones: AsyncRollouts.rng_after)."""
     flags = [*GAME, "--steps", "4", *extra]
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-c", KILLER.format(root=str(ROOT)), *flags, "--out-dir", str(out)],

@@ -690,7 +690,7 @@ def test_long_sequence_with_one_ratio_of_e50():
 @pytest.mark.parametrize("depth", [200.0, 800.0])  # k = e^-200 underflows fp32 (e^-104), e^-800 fp64 too (e^-745)
 @pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["fp32", "fp64"])
 def test_gspo_keeps_a_token_whose_weight_underflows_in_the_mean(dtype, depth):
-    """Issue 24: --icepop-alpha 0 keeps k = pi_old/q however small, so the token stays in s's mean
+    """--icepop-alpha 0 keeps k = pi_old/q however small, so the token stays in s's mean
     (decided in log space, not from M > 0 after exp). One sample, log q = [-1, -1], A = 1, epochs 1,
     log p = [-1, -1 - depth]: s = 1 and dL/dlog p = -A*(M_1 + M_2)/(|y| * N) = -0.25 on both tokens."""
     mb, logp = docs_batch([[-1.0, -1.0 - depth]], [[-1.0, -1.0]], [1.0], dtype=dtype)
@@ -704,7 +704,7 @@ def test_gspo_keeps_a_token_whose_weight_underflows_in_the_mean(dtype, depth):
 @pytest.mark.parametrize("depth", [200.0, 800.0])
 @pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["fp32", "fp64"])
 def test_ppo_weight_that_underflows_meets_a_large_ratio(dtype, depth):
-    """Issue 24's pattern in ppo: M = k = e^-depth kept (alpha 0), rho = p/pi_old = e^depth, A = -1
+    """The same underflow in ppo: M = k = e^-depth kept (alpha 0), rho = p/pi_old = e^depth, A = -1
     (the unclipped side): the term -M*rho*A = 1 and its gradient 1, however either factor rounds alone."""
     mb, logp = docs_batch([[-1.0]], [[-1.0]], [-1.0], dtype=dtype)
     old = logp.detach() - depth

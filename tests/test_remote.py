@@ -149,7 +149,7 @@ P.leave(main)
 
 
 def test_teardown_closes_the_link_on_every_rank_and_leaves_without_finalization(tmp_path):
-    """Issue 24 (a SIGABRT as a split run ended): parallel.teardown closes the link on its ranks
+    """A SIGABRT as a split run ended (parallel.leave says why): parallel.teardown closes the link on its ranks
     (a barrier, then its groups let go, their worker threads joined) and destroys the trainers'
     group; parallel.leave ends each process before Python's finalization, where a gloo worker
     still held by torch's caches could abort it. Every rank gets there, and no atexit hook runs."""

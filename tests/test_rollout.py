@@ -39,9 +39,8 @@ def _kl(ref: torch.Tensor, other: torch.Tensor) -> float:
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_emulated_low_precision_mismatches_like_the_native_dtype(dtype):
     """On a CPU the bf16/fp16 engine computes in fp32 on rounded values (precision.Rounded). Its
-    mismatch against the fp32 trainer must stay below the native dtype's (it rounds fewer places:
-    measured about 1/4 of it on this model's own text) and within 10x of it: not zero (nothing
-    was rounded), not larger (the wrong thing was)."""
+    mismatch against the fp32 trainer must stay below the native dtype's (it rounds fewer places)
+    and at least a tenth of it: not zero (nothing was rounded), not larger (the wrong thing was)."""
     model = M.load("checkpoints/reverse-tiny")
     engine = TorchEngine(model, dtype, [2], seed=0)
     assert engine.emulated
@@ -112,8 +111,7 @@ def test_fp8_linear_is_a_w8a8_matmul_with_bf16_outputs():
 
 def test_fp8_engine_mismatch_is_larger_than_bf16s():
     """On the shipped model's own text the fp8 engine (W8A8, the head included) is farther from the
-    fp32 trainer than the bf16 engine is (measured: KL 1.0e-3 against 7.7e-5) and still a close
-    copy of it."""
+    fp32 trainer than the bf16 engine is, and still a close copy of it."""
     model = M.load("checkpoints/reverse-tiny")
     prompts = [[1, 23, 21, 7, 20, 31, 20, 7, 24, 7, 20, 21, 7, 30, 29, 5, 3, 22, 29, 6, 17, 9, 2, 31]]
     out = TorchEngine(model, "fp32", [2], seed=0).generate(prompts, 8, Sampling(max_new_tokens=16))
