@@ -45,6 +45,7 @@ Simplifications:
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import random
@@ -384,6 +385,9 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
             s.env, s.codec, engine, rl_sampling(cfg), min(s.model.args.max_position_embeddings, cfg.micro_batch_tokens + 1),
             cfg.max_turns, cfg.call_timeout, s.task.template_kwargs, stop=stop)
         run = Run(cfg, s.task, s.model, fwd, opt, engine, rng, log, s.out, src, scale, play, stop)
+        # start-up's objects (torch, the tokenizer, the model: hundreds of thousands) leave the cyclic
+        # collector's reach, so a full collection during a step scans only what the steps made
+        gc.freeze()
         loop(run, start)
     except D.RunError as e:
         fail(e, 1)  # what was logged and saved so far stays
@@ -392,6 +396,7 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
             raise
         raise Interrupted(run.step) from None
     finally:
+        gc.unfreeze()  # the interpreter finalizes them at exit as usual
         if log is not None:
             log.close()
         if isinstance(engine, RemoteEngine):

@@ -292,3 +292,19 @@ def test_an_fp16_overflow_skips_the_step_and_halves_the_scale_a_nan_loss_stops()
     grown = train.LossScale(4.0, dynamic=True, growth=2)
     grown.update(True), grown.update(True)
     assert grown.value == 8.0 and grown.good == 0
+
+
+def test_the_steps_run_with_start_up_objects_frozen_and_the_run_unfreezes_them(tmp_path, monkeypatch):
+    """gc.freeze before the loop (a full collection mid-step then scans only what the steps made),
+    gc.unfreeze when the run ends, so the interpreter finalizes everything at exit as usual."""
+    import gc
+
+    frozen, step = [], train.rl_step
+
+    def spy(run, i, ahead=None):
+        frozen.append(gc.get_freeze_count())
+        return step(run, i, ahead)
+    monkeypatch.setattr(train, "rl_step", spy)
+    train.main(["--steps", "2", "--out-dir", str(tmp_path / "run"), *SMALL])
+    assert len(frozen) == 2 and min(frozen) > 10_000, frozen
+    assert gc.get_freeze_count() == 0
