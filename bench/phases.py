@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 
 import train  # noqa: E402
 
-PHASES = ["rollout", "pack+validate", "forward", "head", "loss", "backward", "optimizer", "push"]
+PHASES = ["rollout", "  generate", "  user code", "pack+validate", "forward", "head", "loss", "backward", "optimizer", "push"]
 
 
 def _timed(name: str, fn):
@@ -41,20 +41,36 @@ def _timed(name: str, fn):
     return wrapper
 
 
-def instrument(prof) -> None:
-    """Wrap the step's functions in named ranges; the step boundary advances the profiler."""
+def instrument(prof) -> set[str]:
+    """Wrap the step's functions in named ranges (those this checkout has); the step boundary
+    advances the profiler. Returns the phases it wrapped, each of which the profile must show."""
+    import importlib
+
     import loss as L
     import model as M
-    import rollout
 
-    train.rollout_phase = _timed("rollout", train.rollout_phase)
-    train.prepare = _timed("pack+validate", train.prepare)
-    train.head = _timed("head", train.head)
-    L.rl_loss = _timed("loss", L.rl_loss)
-    M.Transformer.forward = _timed("forward", M.Transformer.forward)
-    torch.Tensor.backward = _timed("backward", torch.Tensor.backward)
-    train.optimizer_step = _timed("optimizer", train.optimizer_step)
-    rollout.TorchEngine.load_weights = _timed("push", rollout.TorchEngine.load_weights)
+    engines = importlib.import_module("engines" if os.path.exists("engines.py") else "rollout")
+    wraps = {  # phase: the (owner, attribute) places it wraps, each one this checkout has
+        "rollout": [(train, "rollout_phase"), (train, "episode_phase")],  # one of the two runs, by the job
+        "  generate": [(engines.TorchEngine, "generate")],  # the engine's calls, inside the rollout
+        "  user code": [(importlib.import_module("usercode"), "call_all")] if os.path.exists("usercode.py") else [],
+        "pack+validate": [(train, "prepare")],
+        "head": [(train, "head")],
+        "loss": [(L, "rl_loss")],
+        "forward": [(M.Transformer, "forward")],
+        "backward": [(torch.Tensor, "backward")],
+        "optimizer": [(train, "optimizer_step")],
+        "push": [(engines.TorchEngine, "load_weights")],
+    }
+    done = set()
+    for phase, places in wraps.items():
+        for owner, attr in places:
+            if hasattr(owner, attr):
+                setattr(owner, attr, _timed(phase, getattr(owner, attr)))
+                done.add(phase)
+        if places and phase not in done:  # a function moved: follow it here, or the table loses the phase
+            names = ", ".join(f"{getattr(o, '__name__', o)}.{a}" for o, a in places)
+            raise SystemExit(f"bench/phases.py: phase {phase.strip()!r}: none of {names} exists in this checkout")
     log_row = train.Logger.row
 
     def row(self, step, m):  # one metrics row per step: profile from the end of the warm-up step on
@@ -63,13 +79,14 @@ def instrument(prof) -> None:
             prof.start()
             prof.t0 = time.perf_counter()
     train.Logger.row = row
+    return done
 
 
-def tables(prof, steps: int, wall_ms: float) -> str:
+def tables(prof, steps: int, wall_ms: float, wrapped: set[str]) -> str:
     """Phases: inclusive time of each range; operators: self time; shares of the step's wall time."""
     events = prof.key_averages()
     phase = {e.key[6:]: e.cpu_time_total / 1e3 / steps for e in events if e.key.startswith("phase/")}
-    if missing := [p for p in PHASES if p not in phase]:  # a function moved or is no longer called: say so
+    if missing := [p.strip() for p in wrapped if p not in phase]:  # a function moved or is no longer called
         raise SystemExit(f"bench/phases.py: no time was recorded for the phase(s) {', '.join(missing)}; "
                          "the functions instrument() wraps are not the ones the step calls")
     total = wall_ms / steps
@@ -96,12 +113,12 @@ def main() -> None:
     out = tempfile.mkdtemp(prefix="floe-profile-")
     shutil.rmtree(out)
     prof = profile(activities=[ProfilerActivity.CPU])
-    instrument(prof)
+    wrapped = instrument(prof)
     train.main(["--steps", str(a.steps + 1), "--eval-every", "0", "--out-dir", out, *a.train_args])
     wall = (time.perf_counter() - prof.t0) * 1e3  # the last checkpoint and the summary too: a few ms
     prof.stop()
     shutil.rmtree(out, ignore_errors=True)
-    print(tables(prof, a.steps, wall))
+    print(tables(prof, a.steps, wall, wrapped))
 
 
 if __name__ == "__main__":
