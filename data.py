@@ -231,6 +231,12 @@ class Prompt:
     reference: str | None = None  # the reference completion (--stage sft); None where the task has none
 
 
+def is_messages(x) -> bool:
+    """A list of chat messages: dicts with a string `role` and a string `content` (empty: none)."""
+    return isinstance(x, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                       and isinstance(m.get("content"), str) for m in x)
+
+
 def truncated(top_p: float, top_k: int) -> bool:
     """Whether sampling keeps only a top-p/top-k set: its support rows are that set (replayed),
     else K draws from the whole distribution."""

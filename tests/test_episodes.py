@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -333,9 +334,50 @@ class Long(Replies):
         return [{"role": "user", "content": "x" * 300}], False
 
 
+class FirstNumbers(Replies):
+    def reset(self, row, seed):
+        return [1, 2, 3]
+
+
+class FirstNoContent(Replies):
+    def reset(self, row, seed):
+        return [{"role": "user"}]
+
+
+class FirstNoRole(Replies):
+    def reset(self, row, seed):
+        return [{"content": "guess"}]
+
+
+class DoneNo(Replies):
+    def step(self, text, ids):
+        return [], "no"  # bool("no") is True
+
+
+class NumpyReward(Replies):
+    def step(self, text, ids):
+        return [], np.True_
+
+    def reward(self):
+        return np.float32(0.5)
+
+
+class StringReward(Replies):
+    def step(self, text, ids):
+        return [], True
+
+    def reward(self):
+        return "1.0"
+
+
 @pytest.mark.parametrize("env,end,why", [(Boom, "error", "KeyError"), (Exits, "error", "SystemExit(3)"),
                                          (Hangs, "timeout", "timed out"), (NotAList, "bad_reply", "not a list of"),
-                                         (Unknown, "bad_reply", "not in the tokenizer")])
+                                         (Unknown, "bad_reply", "not in the tokenizer"),
+                                         (FirstNumbers, "bad_reply", "reset returned [1, 2, 3], not a prompt"),
+                                         (FirstNoContent, "bad_reply", "reset returned [{'role': 'user'}], not a prompt"),
+                                         (FirstNoRole, "bad_reply", "not a prompt (None, a string, or a list of"),
+                                         (DoneNo, "bad_reply", "step's done is str 'no' is not a bool"),
+                                         (StringReward, "error", "reward returned str '1.0' is not a number")])
 def test_an_environment_fault_takes_its_group_out_with_its_cause(env, end, why):
     codec = D.TextCodec.tiny(D.LETTERS)
     stop = codec.stop_ids[0]
@@ -346,6 +388,16 @@ def test_an_environment_fault_takes_its_group_out_with_its_cause(env, end, why):
     pl = E.Play(E.EnvSpec("x", env, None, True), codec, engine, Sampling(), 99, 3, 1.0, {})
     assert E.finish(pl, task, eps, 2) == [] and why in pl.last_error
     assert E.stats(eps, 3)["skipped/env_error"] == (2.0, 2.0)
+
+
+def test_an_environment_reward_of_any_real_type_and_a_numpy_done_are_taken():
+    """np.float32, np.int64, a 0-d tensor and a bool are numbers (bool as 0 or 1); np.bool_ is a bool."""
+    codec = D.TextCodec.tiny(D.LETTERS)
+    stop = codec.stop_ids[0]
+    for value, want in ((np.float32(0.5), 0.5), (np.int64(1), 1.0), (torch.tensor(0.25), 0.25), (True, 1.0)):
+        env = type("E", (NumpyReward,), {"reward": lambda self, v=value: v})
+        eps, _ = _play(codec, Scripted([[[5, stop], [6, stop]]], codec.stop_ids), {}, env=env, group=2)
+        assert [(e.end, e.reward) for e in eps] == [("done", want)] * 2
 
 
 def test_a_reply_that_overflows_the_budget_ends_the_episode_before_it():
