@@ -14,6 +14,7 @@ rewrites the kept rows through a temporary file), the log line, and wandb when a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -209,8 +210,9 @@ def check_resumable(cfg: C.Config, out: Path) -> tuple[Path, list[dict], M.Trans
                             f"{f'at step {max(done)}' if done else 'before its first step'}): {R.start_over(out)}")
     if saved is None:
         raise C.ConfigError(f"--resume: {out / 'config.json'} is missing or unreadable: the run's flags are unknown")
-    defaults = json.loads(C.Config().to_json())
-    for k, v in json.loads(cfg.to_json()).items():  # a flag newer than the run's record stands at its default
+    defaults, now = json.loads(C.Config().to_json()), json.loads(cfg.to_json())
+    # the flags other defaults derive from first (--lr's default is LoRA's with --lora-rank): name the cause
+    for k, v in sorted(now.items(), key=lambda kv: kv[0] not in ("stage", "lora_rank", "adapter")):
         if k not in FREE + UNUSED and saved.get(k, defaults[k]) != v:
             raise C.ConfigError(f"--resume: --{k.replace('_', '-')} is {v!r} but the run in {out} used {saved.get(k)!r}")
     base = lora_base(cfg, saved, out) if cfg.lora_rank else None
@@ -252,6 +254,12 @@ def lora_base(cfg: C.Config, saved: dict, out: Path) -> tuple[M.Transformer, D.T
     if (now := lora.weights_sha256(path)) != rec["sha256"]:
         raise C.ConfigError(f"--resume: the base model in {path} changed since the run started (the sha256 of its "
                             f"weights was {rec['sha256'][:12]}, now {now[:12]}); its adapters were trained on the old one")
+    args = dataclasses.asdict(model.args)  # a record older than this key: the weights alone are compared
+    if changed := [k for k in args if isinstance(rec.get("config"), dict) and rec["config"].get(k) != args[k]]:
+        k = changed[0]
+        raise C.ConfigError(f"--resume: the base model in {path} changed since the run started (its config.json's {k} "
+                            f"was {json.dumps(rec['config'].get(k))}, now {json.dumps(args[k])}); its adapters were "
+                            "trained on the old one")
     lora.add(model, lora.spec_of(cfg))
     return model, codec, path
 
