@@ -229,6 +229,7 @@ class Prompt:
     prompt: str | list[dict]  # as the task gave it (a string or chat messages): what a reward function receives
     columns: dict = field(default_factory=dict)  # the row's other columns (answer, target, ...), for the reward
     reference: str | None = None  # the reference completion (--stage sft); None where the task has none
+    where: str = ""  # a file's row as FILE:LINE, for a line that refuses it
 
 
 def is_messages(x) -> bool:

@@ -389,8 +389,9 @@ def reference(codec: TextCodec, prompt: Prompt, turns: list[dict], template_kwar
     """A reference episode for --stage sft (a row's `episode` column: the messages after the
     prompt, assistant turns among them) under the token rule: each assistant turn is its text's
     ids and the first stop id (trained), each other message the ids `reply_ids` gives (context)."""
-    if not isinstance(turns, list) or not turns or not all(isinstance(m, dict) for m in turns):
-        raise ValueError("an `episode` is a list of messages")
+    if not is_messages(turns) or not turns:
+        raise ValueError("an `episode` is a list of {'role': str, 'content': str} messages, each turn's content "
+                         f"its text: {str(turns)[:80]}")
     if turns[0].get("role") != "assistant":
         raise ValueError("an `episode` must start with an assistant turn (the prompt is the row's `prompt`)")
     completion, mask, stop, pending = [], [], codec.stop_ids[0], []
@@ -401,6 +402,6 @@ def reference(codec: TextCodec, prompt: Prompt, turns: list[dict], template_kwar
         if pending:  # the replies since the last assistant turn, as a played episode would have them
             ids = reply_ids(codec, pending, stop, template_kwargs)
             completion, mask, pending = completion + ids, mask + [False] * len(ids), []
-        ids = codec.encode(str(m.get("content", ""))) + [stop]
+        ids = codec.encode(m["content"]) + [stop]
         completion, mask = completion + ids, mask + [True] * len(ids)
     return Sample(prompt, completion, [0.0] * len(completion), [0] * len(completion), "stop", mask=mask)

@@ -77,7 +77,7 @@ def check_start(cfg: C.Config) -> Start:
                 try:
                     E.reference(codec, p, p.columns["episode"], task.template_kwargs)
                 except (ValueError, AttributeError, TypeError) as e:
-                    raise C.ConfigError(f"{cfg.task}: a row's `episode` is not a multi-turn reference ({e})") from None
+                    raise C.ConfigError(f"{p.where or cfg.task}: `episode` is not a multi-turn reference ({e})") from None
     torch.manual_seed(cfg.seed)
     model = model.to(cfg.device) if cfg.resume else load_model(cfg, src, codec)
     if not cfg.resume and cfg.lora_rank:

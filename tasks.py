@@ -248,8 +248,8 @@ class Task:
         self.codec, self.rewards, self.template_kwargs = codec, rewards, template_kwargs or {}
         self.eval_set: list[Prompt] = []
 
-    def prompt(self, raw, columns: dict, reference: str | None = None) -> Prompt:
-        return Prompt(self.codec.render(raw, **self.template_kwargs), raw, columns, reference)
+    def prompt(self, raw, columns: dict, reference: str | None = None, where: str = "") -> Prompt:
+        return Prompt(self.codec.render(raw, **self.template_kwargs), raw, columns, reference, where)
 
     def sample(self, n: int, rng: random.Random) -> list[Prompt]:
         raise NotImplementedError
@@ -414,7 +414,7 @@ class JsonlTask(Task):
         self.check_row(row, where, self.needs)
         reference = row.get("completion")
         try:
-            return self.prompt(raw, row, None if reference is None else str(reference))
+            return self.prompt(raw, row, None if reference is None else str(reference), where)
         except ValueError as e:  # no chat template, a character the tokenizer lacks
             raise ConfigError(f"{where}: {e}") from None
 

@@ -472,6 +472,25 @@ def test_a_bad_env_is_refused_before_the_first_byte(tmp_path, capsys, spec, word
     assert e.value.code == 2 and words in capsys.readouterr().err and not out.exists()
 
 
+@pytest.mark.parametrize("turn", [{"role": "assistant"}, {"role": "user"}, {"content": "later"}])
+def test_an_sft_episode_with_a_turn_lacking_its_content_is_refused_at_its_line(tmp_path, capsys, turn):
+    """An assistant turn or a reply without `content` (or `role`) would train an empty turn: the start refuses
+    the row by its line, before the first byte."""
+    rows = (ROOT / "examples" / "guess.jsonl").read_text().splitlines()[:80]
+    bad = __import__("json").loads(rows[40])
+    bad["episode"] = [{"role": "assistant", "content": "h"}, turn, {"role": "assistant", "content": "d"}]
+    rows[40] = __import__("json").dumps(bad)
+    f = tmp_path / "rows.jsonl"
+    f.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        train.main([*FLAGS, "--task", f"jsonl:{f}", "--env", "guess-letter", "--stage", "sft", "--eval-prompts", "8",
+                    "--eval-file", "examples/guess.jsonl", "--out-dir", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and not out.exists()
+    assert f"{f}:41: `episode` is not a multi-turn reference" in err[0] and "'content': str} messages" in err[0], err[0]
+
+
 def test_an_environment_run_trains_and_logs_its_episode_metrics(tmp_path):
     s = train.main([*FLAGS, "--env", "guess-letter", "--eval-every", "2", "--eval-prompts", "4",
                     "--out-dir", str(tmp_path / "run")])
