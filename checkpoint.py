@@ -216,13 +216,17 @@ def check_resumable(cfg: C.Config, out: Path) -> tuple[Path, list[dict], M.Trans
         if k not in FREE + UNUSED and saved.get(k, defaults[k]) != v:
             raise C.ConfigError(f"--resume: --{k.replace('_', '-')} is {v!r} but the run in {out} used {saved.get(k)!r}")
     base = lora_base(cfg, saved, out) if cfg.lora_rank else None
-    rows = read_rows(out)
-    path, model, codec, why = _newest_whole(found, {r["step"] for r in rows}, out, None if base is None else base[:2])
+    rows, gone = read_rows(out), not (out / "metrics.jsonl").exists()
+    have = None if gone else {r["step"] for r in rows}  # no file at all: no row is asked for
+    path, model, codec, why = _newest_whole(found, have, out, None if base is None else base[:2])
     if path is None:
         raise C.ConfigError(f"--resume: every checkpoint in {out} is damaged or lacks its metrics rows (the newest: "
                             f"{why}); delete that directory to start over, or give another --out-dir")
     if path != found[0]:
         P.print0(f"warning: resuming from {path.name}, the newest checkpoint that reads whole")
+    if gone:
+        P.print0(f"warning: {out / 'metrics.jsonl'} is gone: resuming from {path.name} without the history before "
+                 "it (the new file starts at the next step)")
     world = json.loads((path / STATE / "state.json").read_text()).get("world_size", 1)
     if world != P.world():
         raise C.ConfigError(f"--resume: the run in {out} ran on {world} trainer processes, this one on {P.world()} "
@@ -264,8 +268,8 @@ def lora_base(cfg: C.Config, saved: dict, out: Path) -> tuple[M.Transformer, D.T
     return model, codec, path
 
 
-def _newest_whole(found: list[Path], have: set[int], out: Path, base: tuple | None = None):
-    """(path, model, codec, None) for the first of `found` that reads whole with its rows in `have`,
+def _newest_whole(found: list[Path], have: set[int] | None, out: Path, base: tuple | None = None):
+    """(path, model, codec, None) for the first of `found` that reads whole with its rows in `have` (None: any),
     warning for each one passed over; (None, None, None, why the newest failed) when none does."""
     first = None
     for p in found:
@@ -274,7 +278,7 @@ def _newest_whole(found: list[Path], have: set[int], out: Path, base: tuple | No
         except Exception as e:  # as in `damage`
             why = f"{p} is damaged ({type(e).__name__}: {e})"
         else:
-            lost = sorted(set(range(1, int(p.name[5:]) + 1)) - have)
+            lost = [] if have is None else sorted(set(range(1, int(p.name[5:]) + 1)) - have)
             if not lost:
                 return p, model, codec, None
             which = f"the row of step {lost[0]}" if len(lost) == 1 else f"the rows of steps {lost[0]}..{lost[-1]}"
@@ -286,10 +290,11 @@ def _newest_whole(found: list[Path], have: set[int], out: Path, base: tuple | No
 
 def read_rows(out: Path) -> list[dict]:
     """metrics.jsonl's rows. A torn last row (a kill or a full disk mid-write: not JSON) is dropped
-    with a warning; any other line that is not a row (a JSON object with an integer step) is an error."""
+    with a warning; any other line that is not a row (a JSON object with an integer step), or a row
+    out of step order or repeated, is an error."""
     path = out / "metrics.jsonl"
     lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
-    rows = []
+    rows, last = [], -1
     for i, line in enumerate(lines):
         try:
             row = json.loads(line)
@@ -301,7 +306,11 @@ def read_rows(out: Path) -> list[dict]:
         if R.row_step(row) is None:
             raise C.ConfigError(f"--resume: {path}:{i + 1} is not a metrics row (a JSON object with an integer "
                                 f"step): {line[:60]}")
+        if row["step"] <= last:  # floe writes each step once, in order: the file was edited or pasted together
+            raise C.ConfigError(f"--resume: {path}:{i + 1} is step {row['step']} after step {last} (rows are in step "
+                                "order, one per step)")
         rows.append(row)
+        last = row["step"]
     return rows
 
 
