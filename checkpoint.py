@@ -378,7 +378,8 @@ class Logger:
         eta = (time.time() - self.t0) / (step - self.start) * (self.cfg.steps - step)
         masked = max((v for k, v in m.items() if k.endswith("/masked_fraction")), default=0.0)  # any mask's
         reward = f"{m['reward']:.3f}" if "reward" in m else "-"
-        P.print0(f"step {step}/{self.cfg.steps} | reward {reward} | loss {m.get('loss', math.nan):+.4f} "
+        loss = "skipped (nothing to train)" if m.get("skipped/empty_step") else f"loss {m.get('loss', math.nan):+.4f}"
+        P.print0(f"step {step}/{self.cfg.steps} | reward {reward} | {loss} "
                f"| masked {masked:.4f} | mismatch kl {m.get('mismatch/kl', 0.0):.2e} | {tokens / dt:,.0f} tok/s "
                f"| eta {eta:.0f}s" + (f" | loss scale {m['loss_scale']:.0f}" if "loss_scale" in m else ""))
         if self.cfg.async_level and self.cfg.stage == "rl":  # the overlap: wall time below the phases' sum

@@ -350,7 +350,8 @@ def stats(eps: list[Episode], max_turns: int) -> dict[str, tuple[float, float]]:
     out = {"episode/turns": (float(sum(e.n_turns for e in played)), float(len(played))),
            "episode/model_tokens": (float(sum(sum(e.mask) for e in played)), float(len(played))),
            "episode/env_tokens": (float(sum(len(e.mask) - sum(e.mask) for e in played)), float(len(played))),
-           "skipped/env_error": (float(sum(e.end in FAULTS + ("dropped",) for e in eps)), n)}
+           "skipped/env_error": (float(sum(e.end in FAULTS + ("dropped",) for e in eps)), n),
+           "skipped/too_long": (float(sum(not e.n_turns and e.end == "budget" for e in eps)), n)}  # no room for a turn
     out.update({f"episode/end/{k}": (float(sum(e.end == k for e in eps)), n) for k in ENDS})
     for k in range(1, max_turns + 1):
         scored = [e.reward for e in played if e.n_turns == k and math.isfinite(e.reward)]

@@ -454,6 +454,40 @@ def test_a_run_whose_episodes_all_fail_stops_in_one_line(tmp_path, capsys):
     assert len(err) == 1 and "every episode failed 3 steps in a row" in err[0] and "reset raised RuntimeError: no database" in err[0]
 
 
+def test_a_first_prompt_longer_than_the_context_is_named_as_the_cause(tmp_path, capsys):
+    """reset's prompt leaves no room for a turn in any group: counted in skipped/too_long, and the run
+    that trained nothing names the prompt's length, not the rewards."""
+    f = _env_file(tmp_path, """
+        from envs import GuessLetter
+        class Wordy(GuessLetter):
+            def reset(self, row, seed):
+                super().reset(row, seed)
+                return "a" * 5000
+    """)
+    with pytest.raises(SystemExit) as e:
+        train.main([*FLAGS, "--env", f"{f}:Wordy", "--out-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1 and "every prompt is longer than the context" in err[0], err
+    rows = [__import__("json").loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped/too_long"] for r in rows] == [1.0, 1.0]
+
+
+def test_threads_an_environment_leaves_running_do_not_keep_the_process_alive(tmp_path):
+    f = _env_file(tmp_path, """
+        import threading, time
+        from envs import GuessLetter
+        class Leaky(GuessLetter):
+            def step(self, text, ids):
+                threading.Thread(target=time.sleep, args=(3600,), name="leaky", daemon=False).start()
+                return super().step(text, ids)
+    """)
+    r = subprocess.run([sys.executable, "train.py", *FLAGS, "--steps", "1", "--env", f"{f}:Leaky",
+                        "--out-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and (tmp_path / "run" / "final").exists(), r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    assert lines[-2].startswith("summary ") and lines[-1].startswith("note: user code left") and "(leaky" in lines[-1]
+
+
 @pytest.mark.parametrize("spec,words", [("nowhere.py:Env", "no such file"), ("envs:Missing", "has no class 'Missing'"),
                                         ("envs:LETTERS", "is not a class"), ("data:Prompt", "Prompt.step is not a method"),
                                         ("{f}:NoReward", "has no reward() and no --reward"), ("{f}:Exits", "SystemExit(0)")])
