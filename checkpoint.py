@@ -219,9 +219,11 @@ def check_resumable(cfg: C.Config, out: Path) -> tuple[Path, list[dict], M.Trans
     rows, gone = read_rows(out), not (out / "metrics.jsonl").exists()
     have = None if gone else {r["step"] for r in rows}  # no file at all: no row is asked for
     path, model, codec, why = _newest_whole(found, have, out, None if base is None else base[:2])
-    if path is None:
+    if path is None:  # a whole checkpoint that lacks only rows can go on without the history (as when the file is gone)
+        way = "" if why[1] is None else (f"delete {out / 'metrics.jsonl'} to resume from {why[1].name} without the "
+                                         "history before it, or ")
         raise C.ConfigError(f"--resume: every checkpoint in {out} is damaged or lacks its metrics rows (the newest: "
-                            f"{why}); delete that directory to start over, or give another --out-dir")
+                            f"{why[0]}); {way}delete that directory to start over, or give another --out-dir")
     if path != found[0]:
         P.print0(f"warning: resuming from {path.name}, the newest checkpoint that reads whole")
     if gone:
@@ -270,8 +272,9 @@ def lora_base(cfg: C.Config, saved: dict, out: Path) -> tuple[M.Transformer, D.T
 
 def _newest_whole(found: list[Path], have: set[int] | None, out: Path, base: tuple | None = None):
     """(path, model, codec, None) for the first of `found` that reads whole with its rows in `have` (None: any),
-    warning for each one passed over; (None, None, None, why the newest failed) when none does."""
-    first = None
+    warning for each one passed over; when none does, (None, None, None, (why the newest failed, the newest
+    that read whole but lacked rows, or None))."""
+    first = rowless = None
     for p in found:
         try:
             model, codec = whole(p, base)
@@ -282,10 +285,10 @@ def _newest_whole(found: list[Path], have: set[int] | None, out: Path, base: tup
             if not lost:
                 return p, model, codec, None
             which = f"the row of step {lost[0]}" if len(lost) == 1 else f"the rows of steps {lost[0]}..{lost[-1]}"
-            why = f"{out / 'metrics.jsonl'} lacks {which}, which {p.name} covers"
+            why, rowless = f"{out / 'metrics.jsonl'} lacks {which}, which {p.name} covers", rowless or p
         P.print0(f"warning: {why}; trying the one before it")
         first = first or why
-    return None, None, None, first
+    return None, None, None, (first, rowless)
 
 
 def read_rows(out: Path) -> list[dict]:

@@ -143,8 +143,11 @@ def main_then_leave(main: Callable[[], Any]) -> None:
             raise
         traceback.print_exc()
         code = 1
+    deadline = time.monotonic() + 2.0  # a thread winding down on its own is let finish
+    for t in strays():
+        t.join(max(0.0, deadline - time.monotonic()))
     if left := strays():
-        print(f"note: user code left {len(left)} thread(s) running ({', '.join(t.name for t in left[:3])}); "
+        print(f"note: {len(left)} thread(s) that user code started are still running ({', '.join(t.name for t in left[:3])}); "
               "floe exits without waiting for them", flush=True)
         if isinstance(code, str):
             print(code, file=sys.stderr)

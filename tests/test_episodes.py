@@ -485,7 +485,7 @@ def test_threads_an_environment_leaves_running_do_not_keep_the_process_alive(tmp
                         "--out-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0 and (tmp_path / "run" / "final").exists(), r.stderr[-2000:]
     lines = r.stdout.strip().splitlines()
-    assert lines[-2].startswith("summary ") and lines[-1].startswith("note: user code left") and "(leaky" in lines[-1]
+    assert lines[-2].startswith("summary ") and "thread(s) that user code started are still running" in lines[-1] and "(leaky" in lines[-1]
 
 
 @pytest.mark.parametrize("spec,words", [("nowhere.py:Env", "no such file"), ("envs:Missing", "has no class 'Missing'"),

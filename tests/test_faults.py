@@ -712,6 +712,15 @@ def test_a_deleted_metrics_file_resumes_from_the_newest_checkpoint_saying_the_hi
     assert _strip(_rows(out)) == clean3[2:] and (out / "step_000001").is_dir()
 
 
+def test_a_history_that_lacks_every_checkpoints_rows_names_the_way_on_that_keeps_them(finished, tmp_path, capsys):
+    out = _copy(finished, tmp_path)
+    (out / "metrics.jsonl").write_text("")
+    before = _tree(out)
+    one_line(_main(capsys, "--steps", "3", "--resume", "--out-dir", str(out)), 2, "lacks its metrics rows",
+             f"delete {out / 'metrics.jsonl'} to resume from step_000002 without the history before it, or delete")
+    assert _tree(out) == before
+
+
 DIES = """
 import os, threading
 calls, lock = [0], threading.Lock()
