@@ -18,7 +18,7 @@ batch at once):
    numpy's scalars and 0-d arrays or tensors included, bool as 0 or 1) or a yes/no (`flag`: a
    bool, numpy's too); anything else is refused, naming its type.
 5. A thread user code started and left running (not a daemon) would keep Python from exiting
-   after the run's last line: `main` says so once and leaves without waiting for it.
+   after the run's last line: `main_then_leave` says so once and leaves without waiting for it.
 
 Loading (`load`): `path/to/file.py:name` or `module:name`. A file is imported like any module:
 its top-level code runs at start-up (and again on `--resume`); a `SystemExit` there is reported
