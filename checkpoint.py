@@ -14,6 +14,7 @@ rewrites the kept rows through a temporary file), the log line, and wandb when a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -209,18 +210,25 @@ def check_resumable(cfg: C.Config, out: Path) -> tuple[Path, list[dict], M.Trans
                             f"{f'at step {max(done)}' if done else 'before its first step'}): {R.start_over(out)}")
     if saved is None:
         raise C.ConfigError(f"--resume: {out / 'config.json'} is missing or unreadable: the run's flags are unknown")
-    defaults = json.loads(C.Config().to_json())
-    for k, v in json.loads(cfg.to_json()).items():  # a flag newer than the run's record stands at its default
+    defaults, now = json.loads(C.Config().to_json()), json.loads(cfg.to_json())
+    # the flags other defaults derive from first (--lr's default is LoRA's with --lora-rank): name the cause
+    for k, v in sorted(now.items(), key=lambda kv: kv[0] not in ("stage", "lora_rank", "adapter")):
         if k not in FREE + UNUSED and saved.get(k, defaults[k]) != v:
             raise C.ConfigError(f"--resume: --{k.replace('_', '-')} is {v!r} but the run in {out} used {saved.get(k)!r}")
     base = lora_base(cfg, saved, out) if cfg.lora_rank else None
-    rows = read_rows(out)
-    path, model, codec, why = _newest_whole(found, {r["step"] for r in rows}, out, None if base is None else base[:2])
-    if path is None:
+    rows, gone = read_rows(out), not (out / "metrics.jsonl").exists()
+    have = None if gone else {r["step"] for r in rows}  # no file at all: no row is asked for
+    path, model, codec, why = _newest_whole(found, have, out, None if base is None else base[:2])
+    if path is None:  # a whole checkpoint that lacks only rows can go on without the history (as when the file is gone)
+        way = "" if why[1] is None else (f"delete {out / 'metrics.jsonl'} to resume from {why[1].name} without the "
+                                         "history before it, or ")
         raise C.ConfigError(f"--resume: every checkpoint in {out} is damaged or lacks its metrics rows (the newest: "
-                            f"{why}); delete that directory to start over, or give another --out-dir")
+                            f"{why[0]}); {way}delete that directory to start over, or give another --out-dir")
     if path != found[0]:
         P.print0(f"warning: resuming from {path.name}, the newest checkpoint that reads whole")
+    if gone:
+        P.print0(f"warning: {out / 'metrics.jsonl'} is gone: resuming from {path.name} without the history before "
+                 "it (the new file starts at the next step)")
     world = json.loads((path / STATE / "state.json").read_text()).get("world_size", 1)
     if world != P.world():
         raise C.ConfigError(f"--resume: the run in {out} ran on {world} trainer processes, this one on {P.world()} "
@@ -252,36 +260,44 @@ def lora_base(cfg: C.Config, saved: dict, out: Path) -> tuple[M.Transformer, D.T
     if (now := lora.weights_sha256(path)) != rec["sha256"]:
         raise C.ConfigError(f"--resume: the base model in {path} changed since the run started (the sha256 of its "
                             f"weights was {rec['sha256'][:12]}, now {now[:12]}); its adapters were trained on the old one")
+    args = dataclasses.asdict(model.args)  # a record older than this key: the weights alone are compared
+    if changed := [k for k in args if isinstance(rec.get("config"), dict) and rec["config"].get(k) != args[k]]:
+        k = changed[0]
+        raise C.ConfigError(f"--resume: the base model in {path} changed since the run started (its config.json's {k} "
+                            f"was {json.dumps(rec['config'].get(k))}, now {json.dumps(args[k])}); its adapters were "
+                            "trained on the old one")
     lora.add(model, lora.spec_of(cfg))
     return model, codec, path
 
 
-def _newest_whole(found: list[Path], have: set[int], out: Path, base: tuple | None = None):
-    """(path, model, codec, None) for the first of `found` that reads whole with its rows in `have`,
-    warning for each one passed over; (None, None, None, why the newest failed) when none does."""
-    first = None
+def _newest_whole(found: list[Path], have: set[int] | None, out: Path, base: tuple | None = None):
+    """(path, model, codec, None) for the first of `found` that reads whole with its rows in `have` (None: any),
+    warning for each one passed over; when none does, (None, None, None, (why the newest failed, the newest
+    that read whole but lacked rows, or None))."""
+    first = rowless = None
     for p in found:
         try:
             model, codec = whole(p, base)
         except Exception as e:  # as in `damage`
             why = f"{p} is damaged ({type(e).__name__}: {e})"
         else:
-            lost = sorted(set(range(1, int(p.name[5:]) + 1)) - have)
+            lost = [] if have is None else sorted(set(range(1, int(p.name[5:]) + 1)) - have)
             if not lost:
                 return p, model, codec, None
             which = f"the row of step {lost[0]}" if len(lost) == 1 else f"the rows of steps {lost[0]}..{lost[-1]}"
-            why = f"{out / 'metrics.jsonl'} lacks {which}, which {p.name} covers"
+            why, rowless = f"{out / 'metrics.jsonl'} lacks {which}, which {p.name} covers", rowless or p
         P.print0(f"warning: {why}; trying the one before it")
         first = first or why
-    return None, None, None, first
+    return None, None, None, (first, rowless)
 
 
 def read_rows(out: Path) -> list[dict]:
     """metrics.jsonl's rows. A torn last row (a kill or a full disk mid-write: not JSON) is dropped
-    with a warning; any other line that is not a row (a JSON object with an integer step) is an error."""
+    with a warning; any other line that is not a row (a JSON object with an integer step), or a row
+    out of step order or repeated, is an error."""
     path = out / "metrics.jsonl"
     lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
-    rows = []
+    rows, last = [], -1
     for i, line in enumerate(lines):
         try:
             row = json.loads(line)
@@ -293,7 +309,11 @@ def read_rows(out: Path) -> list[dict]:
         if R.row_step(row) is None:
             raise C.ConfigError(f"--resume: {path}:{i + 1} is not a metrics row (a JSON object with an integer "
                                 f"step): {line[:60]}")
+        if row["step"] <= last:  # floe writes each step once, in order: the file was edited or pasted together
+            raise C.ConfigError(f"--resume: {path}:{i + 1} is step {row['step']} after step {last} (rows are in step "
+                                "order, one per step)")
         rows.append(row)
+        last = row["step"]
     return rows
 
 
@@ -361,7 +381,8 @@ class Logger:
         eta = (time.time() - self.t0) / (step - self.start) * (self.cfg.steps - step)
         masked = max((v for k, v in m.items() if k.endswith("/masked_fraction")), default=0.0)  # any mask's
         reward = f"{m['reward']:.3f}" if "reward" in m else "-"
-        P.print0(f"step {step}/{self.cfg.steps} | reward {reward} | loss {m.get('loss', math.nan):+.4f} "
+        loss = "skipped (nothing to train)" if m.get("skipped/empty_step") else f"loss {m.get('loss', math.nan):+.4f}"
+        P.print0(f"step {step}/{self.cfg.steps} | reward {reward} | {loss} "
                f"| masked {masked:.4f} | mismatch kl {m.get('mismatch/kl', 0.0):.2e} | {tokens / dt:,.0f} tok/s "
                f"| eta {eta:.0f}s" + (f" | loss scale {m['loss_scale']:.0f}" if "loss_scale" in m else ""))
         if self.cfg.async_level and self.cfg.stage == "rl":  # the overlap: wall time below the phases' sum

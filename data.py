@@ -116,7 +116,7 @@ class TextCodec:
     @staticmethod
     def load(model_dir: str | Path) -> TextCodec:
         """tokenizer.json; stop ids from generation_config.json's eos_token_id, else the tokenizer's
-        eos token; the chat template from tokenizer_config.json, else chat_template.jinja."""
+        eos token; the chat template from chat_template.jinja, else tokenizer_config.json (transformers' order)."""
         d = Path(model_dir)
         path = d / "tokenizer.json"
         if not path.is_file():
@@ -132,7 +132,7 @@ class TextCodec:
         template, source = tc.get("chat_template"), d / "tokenizer_config.json"
         if isinstance(template, list):  # named templates: transformers takes "default"
             template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
-        if template is None and (d / "chat_template.jinja").is_file():
+        if (d / "chat_template.jinja").is_file():  # transformers reads it over tokenizer_config.json's, as vLLM then does
             template, source = (d / "chat_template.jinja").read_text(), d / "chat_template.jinja"
         if template is not None and not isinstance(template, str):
             raise ValueError(f"{source}: chat_template must be a string (or a list of named ones), got {type(template).__name__}")
@@ -229,6 +229,13 @@ class Prompt:
     prompt: str | list[dict]  # as the task gave it (a string or chat messages): what a reward function receives
     columns: dict = field(default_factory=dict)  # the row's other columns (answer, target, ...), for the reward
     reference: str | None = None  # the reference completion (--stage sft); None where the task has none
+    where: str = ""  # a file's row as FILE:LINE, for a line that refuses it
+
+
+def is_messages(x) -> bool:
+    """A list of chat messages: dicts with a string `role` and a string `content` (empty: none)."""
+    return isinstance(x, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                       and isinstance(m.get("content"), str) for m in x)
 
 
 def truncated(top_p: float, top_k: int) -> bool:

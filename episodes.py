@@ -58,9 +58,9 @@ import torch
 import envs
 import usercode
 from config import Config, ConfigError
-from data import Prompt, RunError, Sample, TextCodec, TokenSupport
+from data import Prompt, RunError, Sample, TextCodec, TokenSupport, is_messages
 from rollout import Completion, Sampling
-from tasks import Task, eval_metrics
+from tasks import Task, eval_metrics, score_groups
 
 ENDS = ("done", "max_turns", "length", "budget", "timeout", "error", "bad_reply", "dropped")
 FAULTS = ("timeout", "error", "bad_reply")  # the ends that take their group out
@@ -112,11 +112,20 @@ def _reply(value) -> tuple[list[dict], bool]:
     if not (isinstance(value, tuple) and len(value) == 2):
         raise ValueError(f"step returned {type(value).__name__}, not a (messages, done) pair")
     messages, done = value
-    if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages):
+    if not is_messages(messages):
         raise ValueError(f"step's reply is not a list of {{'role': str, 'content': str}} messages: {str(messages)[:80]}")
-    return messages, bool(done)
+    try:
+        return messages, usercode.flag(done)
+    except TypeError as e:
+        raise ValueError(f"step's done is {e} (True or False)") from None
+
+
+def _first(value):
+    """reset's return value checked: None (the row's prompt), a string, or a non-empty list of messages."""
+    if value is None or isinstance(value, str) or (is_messages(value) and value):
+        return value
+    raise ValueError(f"reset returned {str(value)[:80]}, not a prompt (None, a string, or a list of "
+                     "{'role': str, 'content': str} messages)")
 
 
 # ----------------------------------------------------------------------------- the token rule
@@ -249,9 +258,7 @@ def _start_all(pl: Play, rows: list[Prompt], group: int, seeds: list[int]) -> li
             continue
         e.env, first = res.value
         try:
-            if first is not None:
-                if not isinstance(first, (str, list)):
-                    raise ValueError(f"reset returned {type(first).__name__}, not a prompt (a string or messages)")
+            if _first(first) is not None:
                 e.prompt = Prompt(pl.codec.render(first, **pl.template_kwargs), first, row.columns, row.reference)
         except ValueError as err:  # unknown characters, a template that cannot render it
             e.end, e.why = "bad_reply", f"reset's prompt: {err}"
@@ -306,9 +313,13 @@ def _rewards(pl: Play, eps: list[Episode]) -> None:
         try:
             if not res.ok:
                 raise ValueError("reward timed out" if res.timed_out else f"reward raised {res.error}")
-            if isinstance(res.value, bool) or not isinstance(res.value, (int, float)) or not math.isfinite(res.value):
-                raise ValueError(f"reward returned {res.value!r}, not a finite number")
-            e.reward = float(res.value)
+            try:
+                value = usercode.number(res.value)
+            except TypeError as err:
+                raise ValueError(f"reward returned {err}") from None
+            if not math.isfinite(value):
+                raise ValueError(f"reward returned {value!r}, not a finite number")
+            e.reward = value
         except ValueError as err:
             e.end, e.why = ("timeout" if res.timed_out else "error"), str(err)
 
@@ -323,15 +334,12 @@ def _drop_failed_groups(eps: list[Episode], group: int) -> None:
 def score(task: Task, eps: list[Episode], group: int) -> None:
     """--reward functions over whole episodes, added to the environment's reward: `completions` is
     the final model turn's text, `completion_ids` its ids, `messages` the whole conversation."""
-    for g in range(0, len(eps), group):
-        part = [e for e in eps[g:g + group] if e.end not in FAULTS + ("dropped",)]
-        if not part:
-            continue
-        texts = [task.codec.decode(e.last) for e in part]
-        for r in task.rewards:
-            values = r([e.prompt for e in part], texts, [list(e.last) for e in part], {"messages": [e.messages for e in part]})
-            for e, v in zip(part, values):
-                e.reward += r.weight * v
+    parts = [p for g in range(0, len(eps), group) if (p := [e for e in eps[g:g + group] if e.end not in FAULTS + ("dropped",)])]
+    groups = [([e.prompt for e in p], [task.codec.decode(e.last) for e in p], [list(e.last) for e in p],
+               {"messages": [e.messages for e in p]}) for p in parts]
+    for part, total in zip(parts, score_groups(task.rewards, groups)):
+        for e, v in zip(part, total):
+            e.reward += v
 
 
 # ----------------------------------------------------------------------------- a step's batch, and eval
@@ -343,7 +351,8 @@ def stats(eps: list[Episode], max_turns: int) -> dict[str, tuple[float, float]]:
     out = {"episode/turns": (float(sum(e.n_turns for e in played)), float(len(played))),
            "episode/model_tokens": (float(sum(sum(e.mask) for e in played)), float(len(played))),
            "episode/env_tokens": (float(sum(len(e.mask) - sum(e.mask) for e in played)), float(len(played))),
-           "skipped/env_error": (float(sum(e.end in FAULTS + ("dropped",) for e in eps)), n)}
+           "skipped/env_error": (float(sum(e.end in FAULTS + ("dropped",) for e in eps)), n),
+           "skipped/too_long": (float(sum(not e.n_turns and e.end == "budget" for e in eps)), n)}  # no room for a turn
     out.update({f"episode/end/{k}": (float(sum(e.end == k for e in eps)), n) for k in ENDS})
     for k in range(1, max_turns + 1):
         scored = [e.reward for e in played if e.n_turns == k and math.isfinite(e.reward)]
@@ -382,8 +391,9 @@ def reference(codec: TextCodec, prompt: Prompt, turns: list[dict], template_kwar
     """A reference episode for --stage sft (a row's `episode` column: the messages after the
     prompt, assistant turns among them) under the token rule: each assistant turn is its text's
     ids and the first stop id (trained), each other message the ids `reply_ids` gives (context)."""
-    if not isinstance(turns, list) or not turns or not all(isinstance(m, dict) for m in turns):
-        raise ValueError("an `episode` is a list of messages")
+    if not is_messages(turns) or not turns:
+        raise ValueError("an `episode` is a list of {'role': str, 'content': str} messages, each turn's content "
+                         f"its text: {str(turns)[:80]}")
     if turns[0].get("role") != "assistant":
         raise ValueError("an `episode` must start with an assistant turn (the prompt is the row's `prompt`)")
     completion, mask, stop, pending = [], [], codec.stop_ids[0], []
@@ -394,6 +404,6 @@ def reference(codec: TextCodec, prompt: Prompt, turns: list[dict], template_kwar
         if pending:  # the replies since the last assistant turn, as a played episode would have them
             ids = reply_ids(codec, pending, stop, template_kwargs)
             completion, mask, pending = completion + ids, mask + [False] * len(ids), []
-        ids = codec.encode(str(m.get("content", ""))) + [stop]
+        ids = codec.encode(m["content"]) + [stop]
         completion, mask = completion + ids, mask + [True] * len(ids)
     return Sample(prompt, completion, [0.0] * len(completion), [0] * len(completion), "stop", mask=mask)

@@ -25,6 +25,7 @@ Simplifications:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -93,10 +94,15 @@ def read_adapter(adapter_dir: str | Path) -> tuple[LoRASpec, dict[str, torch.Ten
     """A PEFT adapter directory -> (spec, tensors by PEFT name, its base). ValueError naming what is
     not a plain LoRA floe can train on."""
     d = Path(adapter_dir)
+    for name in (CONFIG, WEIGHTS):  # a FIFO would block the read forever
+        if (d / name).exists() and not (d / name).is_file():
+            raise ValueError(f"{d / name}: not a regular file")
     try:
         cfg = json.loads((d / CONFIG).read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"{d}: no readable {CONFIG} ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{d / CONFIG}: not a JSON object (PEFT's adapter config)")
     if cfg.get("peft_type") != "LORA":
         raise ValueError(f"{d / CONFIG}: peft_type {cfg.get('peft_type')!r}, not LORA")
     for key in ("use_dora", "use_rslora", "fan_in_fan_out"):
@@ -107,8 +113,18 @@ def read_adapter(adapter_dir: str | Path) -> tuple[LoRASpec, dict[str, torch.Ten
     targets = cfg.get("target_modules")
     if isinstance(targets, str) or not targets:
         raise ValueError(f"{d / CONFIG}: target_modules must be a list of module names, not {targets!r}")
-    spec = LoRASpec(int(cfg["r"]), float(cfg["lora_alpha"]), tuple(sorted(targets)))
-    return spec, load_file(str(d / WEIGHTS)), str(cfg.get("base_model_name_or_path") or "")
+    rank, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if type(rank) is not int or rank < 1:
+        raise ValueError(f"{d / CONFIG}: r must be the adapter's rank, an integer >= 1, got {json.dumps(rank)}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
+        raise ValueError(f"{d / CONFIG}: lora_alpha must be a number > 0, got {json.dumps(alpha)}")
+    if not all(isinstance(t, str) for t in targets):
+        raise ValueError(f"{d / CONFIG}: target_modules must be a list of module names, not {targets!r}")
+    try:
+        tensors = load_file(str(d / WEIGHTS))
+    except Exception as e:  # missing, truncated or not safetensors: safetensors raises its own types
+        raise ValueError(f"{d / WEIGHTS}: unreadable safetensors file ({' '.join(str(e).split())})") from None
+    return LoRASpec(rank, float(alpha), tuple(sorted(targets))), tensors, str(cfg.get("base_model_name_or_path") or "")
 
 
 def module_of(key: str) -> str:
@@ -170,11 +186,11 @@ def add(model: nn.Module, spec: LoRASpec) -> None:
         raise ValueError(f"--lora-targets {stray[0]} matches no linear layer of the model (its layers: {', '.join(kinds)}; "
                          "the embedding and the LM head stay frozen)")
     chosen = {n: m for n, m in layers.items() if n.rsplit(".", 1)[-1] in spec.targets}
-    for name, m in chosen.items():
-        width = min(m.weight.shape)
-        if spec.rank > width:  # B A would have rank <= width anyway: the extra rows train nothing new
-            raise ValueError(f"--lora-rank {spec.rank} is larger than {name}'s width {width} "
-                             f"(weight {tuple(m.weight.shape)}); use a rank <= {width}")
+    name, m = min(chosen.items(), key=lambda nm: min(nm[1].weight.shape))  # the narrowest bounds the rank
+    width = min(m.weight.shape)
+    if spec.rank > width:  # B A would have rank <= width anyway: the extra rows train nothing new
+        raise ValueError(f"--lora-rank {spec.rank} is larger than {name}'s width {width} (weight "
+                         f"{tuple(m.weight.shape)}), the narrowest adapted layer; use a rank <= {width}")
     model.requires_grad_(False)
     for name, m in chosen.items():
         parent, _, child = name.rpartition(".")
@@ -244,11 +260,13 @@ def strip(model: nn.Module) -> None:
 
 
 def base_record(model: nn.Module, src: Path) -> dict:
-    """A LoRA run's record of its base for config.json (`lora_base`: the directory and the sha256 of its
-    weights), which --resume reloads and checks; {} for full fine-tuning."""
+    """A LoRA run's record of its base for config.json (`lora_base`: the directory, the sha256 of its
+    weights and the model its config.json describes, `model.args`), which --resume reloads and checks;
+    {} for full fine-tuning."""
     if model.lora is None:
         return {}
-    return {"lora_base": {"path": str(Path(src).resolve()), "sha256": weights_sha256(src)}}
+    return {"lora_base": {"path": str(Path(src).resolve()), "sha256": weights_sha256(src),
+                          "config": dataclasses.asdict(model.args)}}
 
 
 def weights_sha256(model_dir: str | Path) -> str:
@@ -256,6 +274,8 @@ def weights_sha256(model_dir: str | Path) -> str:
     record of its base, checked again on --resume."""
     h = hashlib.sha256()
     for f in sorted(Path(model_dir).glob("*.safetensors")):
+        if not f.is_file():  # a FIFO would block the read forever
+            raise ValueError(f"{f}: not a regular file")
         h.update(f.name.encode() + b"\0")
         with open(f, "rb") as fh:
             while chunk := fh.read(1 << 24):

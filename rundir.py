@@ -5,9 +5,10 @@ One directory holds one run. A new run needs a new or empty directory, or one wh
 stopped before its first step (`check_fresh`: it is started over, saying so); a directory
 that is not floe's (a model directory above all) is never written into. Rank 0 holds the
 directory for the whole run (`claimed`: an flock on `.lock`, which the kernel drops when
-the process dies), and every file it writes under a temporary name is created new
-(`create_new`: a stale one, or a symlink planted there, is unlinked, never followed) and
-renamed into place only while that name still holds the file it wrote (`publish`).
+the process dies; a lock still holding its id tells the next run it was never released), and
+every file it writes under a temporary name is created new (`create_new`: a stale one, or a
+symlink planted there, is unlinked, never followed) and renamed into place only while that
+name still holds the file it wrote (`publish`).
 checkpoint.py holds the checkpoints and resume; docs/faults.md lists each case and its line.
 
     python -m pytest -q tests/test_faults.py
@@ -180,9 +181,22 @@ class RunLock:
                                     "to end, or give another --out-dir") from None
             if _same_file(fd, self.path):
                 self.fd = fd
+                self._mark(out)
                 return
             os.close(fd)  # released and removed by the run that held it: take the new one
         raise C.ConfigError(f"--out-dir {out}: {self.path} keeps changing (runs starting and ending in it?)")
+
+    def _mark(self, out: Path) -> None:
+        """Write this process's id into the lock. A lock that holds one when taken was left by a run that
+        ended without its release (a kill, user code's os._exit): its own last line never came, so say it."""
+        if os.pread(self.fd, 64, 0):
+            done = trained_steps(out)
+            print(f"note: the last run in {out} ended without its summary "
+                  f"{f'at step {max(done)}' if done else 'before its first step'} (killed, or user code called "
+                  "os._exit, which nothing in the process can report)", flush=True)
+        with contextlib.suppress(OSError):  # a full disk: the lock holds all the same
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
 
     def release(self) -> None:
         if self.fd is not None:

@@ -77,7 +77,7 @@ def check_start(cfg: C.Config) -> Start:
                 try:
                     E.reference(codec, p, p.columns["episode"], task.template_kwargs)
                 except (ValueError, AttributeError, TypeError) as e:
-                    raise C.ConfigError(f"{cfg.task}: a row's `episode` is not a multi-turn reference ({e})") from None
+                    raise C.ConfigError(f"{p.where or cfg.task}: `episode` is not a multi-turn reference ({e})") from None
     torch.manual_seed(cfg.seed)
     model = model.to(cfg.device) if cfg.resume else load_model(cfg, src, codec)
     if not cfg.resume and cfg.lora_rank:
@@ -124,14 +124,21 @@ def add_adapters(cfg: C.Config, model: M.Transformer, src: Path | None) -> None:
     lora.add(model, lora.spec_of(cfg))
     if not cfg.adapter:
         return
+    if src is None:
+        raise ValueError(f"--adapter {cfg.adapter} needs the base it was trained on as --model (--model scratch is a "
+                         "new random model)")
     spec, tensors, base = lora.read_adapter(cfg.adapter)
     try:
         lora.check_adapter(model, tensors, lora.WEIGHTS)
     except ValueError as e:
         raise ValueError(f"--adapter {cfg.adapter} does not fit --model {cfg.model}: {e}") from None
     named = Path(base)  # a local directory (floe writes the absolute path) is compared; a hub id cannot be
-    if src is not None and base and (named / "config.json").is_file() and named.resolve() != src.resolve():
-        if lora.weights_sha256(named) != lora.weights_sha256(src):
+    if base and (named / "config.json").is_file() and named.resolve() != src.resolve():
+        try:
+            theirs = lora.weights_sha256(named)
+        except ValueError as e:
+            raise ValueError(f"--adapter {cfg.adapter}: its base {base}: {e}") from None
+        if theirs != lora.weights_sha256(src):
             raise ValueError(f"--adapter {cfg.adapter} was trained on {base}, whose weights differ from --model "
                              f"{cfg.model}'s; give that base as --model")
     lora.load_adapter(model, tensors)

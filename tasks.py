@@ -31,8 +31,10 @@ holding a list aligned with the completions; it returns one float per completion
 Simplifications:
 1. A reward function is called once per prompt group (its `--group-size` completions), so a
    call that raises skips one group, not the step; the failure is printed and counted
-   (`skipped/reward_error`). A None or NaN skips that sample; a wrong-length return stops the
-   run with one line naming the function (it is a bug, not an outage).
+   (`skipped/reward_error`). A None or NaN skips that sample; a wrong-length return, or a value
+   that is not a real number (usercode.number), stops the run with one line naming the function.
+   A step's calls run at once, each on its own thread (`score_groups`): a hung reward costs a step
+   one --call-timeout, not one per group, and a function may run in several threads together.
 2. Generated tasks hold out their eval set by value (training rejects those texts), so the
    split needs no bookkeeping; a file is split by row.
 3. Everything is checked when the task is built, before the run writes anything: the file's
@@ -158,37 +160,53 @@ class Reward:
         return [p.name for p in params if p.default is p.empty and p.name not in CALL_ARGS
                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
-    def __call__(self, prompts: list[Prompt], texts: list[str], ids: list[list[int]],
-                 extra: dict[str, list] | None = None) -> list[float]:
-        """One float per completion; NaN for each sample of a call that raised or timed out, and for
-        None/NaN. The function gets copies: what it changes is not what floe trains on."""
+    def call(self, prompts: list[Prompt], texts: list[str], ids: list[list[int]],
+             extra: dict[str, list] | None = None) -> Callable[[], object]:
+        """One group's call, ready for usercode.call_all; the function gets copies: what it changes is
+        not what floe trains on."""
         columns = {k: [p.columns.get(k) for p in prompts] for k in dict.fromkeys(k for p in prompts for k in p.columns)}
         kwargs = usercode.copied({"prompts": [p.prompt for p in prompts], "completions": texts,
                                   "completion_ids": ids, **columns, **(extra or {})})
-        fn = self.fn
-        if inspect.iscoroutinefunction(fn):  # an async reward (TRL takes them too) runs to completion here
-            def fn(**kw):
-                return asyncio.run(self.fn(**kw))
-        res = usercode.call_all([lambda: fn(**kwargs)], self.timeout, self.stop)[0]
+        if inspect.iscoroutinefunction(self.fn):  # an async reward (TRL takes them too) runs to completion there
+            return lambda: asyncio.run(self.fn(**kwargs))
+        return lambda: self.fn(**kwargs)
+
+    def values(self, res: usercode.Result, n: int) -> list[float]:
+        """One float per completion from a call's result; NaN for each sample of a call that raised or
+        timed out, and for None/NaN. A value that is not a number stops the run (usercode.number)."""
         if not res.ok and self.stop is not None and self.stop.is_set():
-            return [math.nan] * len(texts)  # the run is shutting down: the batch is never trained on
+            return [math.nan] * n  # the run is shutting down: the batch is never trained on
         if not res.ok:  # a user's function: an outage skips its samples, loudly
             why = f"took longer than --call-timeout {self.timeout:g}s" if res.timed_out else f"raised {res.error}"
-            print(f"warning: reward {self.name} {why} ({len(texts)} samples skipped, counted in "
-                  "skipped/reward_error)", flush=True)
-            return [math.nan] * len(texts)
+            print(f"warning: reward {self.name} {why} ({n} samples skipped, counted in skipped/reward_error)", flush=True)
+            return [math.nan] * n
         out = res.value
         if not isinstance(out, (list, tuple)) and not (hasattr(out, "__len__") and hasattr(out, "__iter__")):
             raise RunError(f"reward {self.name} returned {type(out).__name__} {str(out)[:40]!r}, not a list "
                            "(it must return one float per completion)")
         out = list(out)
-        if len(out) != len(texts):
-            raise RunError(f"reward {self.name} returned {len(out)} values for {len(texts)} completions "
+        if len(out) != n:
+            raise RunError(f"reward {self.name} returned {len(out)} values for {n} completions "
                            "(it must return one float per completion)")
         try:
-            return [math.nan if v is None else float(v) for v in out]
-        except (TypeError, ValueError):
-            raise RunError(f"reward {self.name} returned a value that is not a number: {out[:4]}...") from None
+            return [math.nan if v is None else usercode.number(v) for v in out]
+        except TypeError as e:
+            raise RunError(f"reward {self.name} returned {e} for a completion (a real number, or None to skip it)") from None
+
+def score_groups(rewards: list[Reward], groups: list[tuple]) -> list[list[float]]:
+    """Each group's weighted reward sum per completion; `groups` holds each one's (prompts, texts, ids, extra).
+    Every function's call on every group runs at once (usercode.call_all), so a step whose rewards hang
+    waits one --call-timeout, not one per group; each call keeps its own thread, copies and result."""
+    calls = [r.call(*g) for g in groups for r in rewards]
+    results = iter(usercode.call_all(calls, max((r.timeout for r in rewards), default=0.0),
+                                     rewards[0].stop if rewards else None))
+    out = []
+    for g in groups:
+        total = [0.0] * len(g[1])
+        for r in rewards:
+            total = [t + r.weight * v for t, v in zip(total, r.values(next(results), len(g[1])))]
+        out.append(total)
+    return out
 
 
 def load_reward(spec: str, weight: float = 1.0, timeout: float = 60.0) -> Reward:
@@ -229,8 +247,8 @@ class Task:
         self.codec, self.rewards, self.template_kwargs = codec, rewards, template_kwargs or {}
         self.eval_set: list[Prompt] = []
 
-    def prompt(self, raw, columns: dict, reference: str | None = None) -> Prompt:
-        return Prompt(self.codec.render(raw, **self.template_kwargs), raw, columns, reference)
+    def prompt(self, raw, columns: dict, reference: str | None = None, where: str = "") -> Prompt:
+        return Prompt(self.codec.render(raw, **self.template_kwargs), raw, columns, reference, where)
 
     def sample(self, n: int, rng: random.Random) -> list[Prompt]:
         raise NotImplementedError
@@ -242,14 +260,11 @@ class Task:
     def score(self, prompts: list[Prompt], completions: list[list[int]], group: int) -> list[float]:
         """The weighted sum of the rewards per completion (prompts: one per completion); NaN: skipped."""
         texts = [self.codec.decode(c) for c in completions]
-        total = [0.0] * len(texts)
-        for a in range(0, len(texts), group):
-            sl = slice(a, a + group)
-            messages = [conversation(p.prompt) + [{"role": "assistant", "content": t}] for p, t in zip(prompts[sl], texts[sl])]
-            for r in self.rewards:
-                values = r(prompts[sl], texts[sl], completions[sl], {"messages": messages})
-                total[sl] = [t + r.weight * v for t, v in zip(total[sl], values)]
-        return total
+        groups = [(prompts[a:a + group], texts[a:a + group], completions[a:a + group],
+                   {"messages": [conversation(p.prompt) + [{"role": "assistant", "content": t}]
+                                 for p, t in zip(prompts[a:a + group], texts[a:a + group])]})
+                  for a in range(0, len(texts), group)]
+        return [v for total in score_groups(self.rewards, groups) for v in total]
 
     def fit_eval_set(self, max_new_tokens: int, context: int, needed: bool = True) -> None:
         """Leave out held-out prompts whose completion budget does not fit the context, and say so."""
@@ -398,7 +413,7 @@ class JsonlTask(Task):
         self.check_row(row, where, self.needs)
         reference = row.get("completion")
         try:
-            return self.prompt(raw, row, None if reference is None else str(reference))
+            return self.prompt(raw, row, None if reference is None else str(reference), where)
         except ValueError as e:  # no chat template, a character the tokenizer lacks
             raise ConfigError(f"{where}: {e}") from None
 

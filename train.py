@@ -66,6 +66,7 @@ import lora
 import loss as L
 import model as M
 import tasks as T
+import usercode
 from checkpoint import Logger, NothingToDo, load_training_state, note_changed_rewards, resumed_config, save_checkpoint
 from kernels import head
 from packing import my_share, pack
@@ -256,6 +257,18 @@ def nonfinite_cause(batch: list, m: dict) -> str:
     return "a non-finite gradient norm"
 
 
+def idle_cause(batch: list, m: dict) -> str:
+    """Why a step trained nothing (no sample, or a non-finite update), for the lines that stop a run."""
+    if batch:
+        return f"skipped for {nonfinite_cause(batch, m)}"
+    counts = f"skipped/reward_error {m.get('skipped/reward_error', 0):.2f}, skipped/too_long {m.get('skipped/too_long', 0):.2f}"
+    if m.get("skipped/too_long") == 1.0:
+        return f"every prompt is longer than the context ({counts})"
+    if m.get("skipped/env_error") == 1.0:
+        return "every episode failed (skipped/env_error 1.00; see the warnings above)"
+    return f"every reward call raised or returned None/NaN ({counts})"
+
+
 @torch.no_grad()
 def evaluate(cfg, task, engine, play: E.Play | None = None, n: int = 4) -> dict[str, float]:
     """Mean reward of n samples per held-out prompt, drawn as in training from a fixed seed (and
@@ -441,6 +454,7 @@ def loop(run: Run, start: int) -> None:
         ahead = AsyncRollouts(lambda step: make_batch(run, step), run.engine, run.rng, cfg.async_level, start,
                               cfg.steps, threads, run.stop)
     skipped = empty = failed = 0  # non-finite steps in a row, empty ones, ones whose episodes all failed
+    trained = False  # whether a step of this run took an optimizer step
     with ahead or contextlib.nullcontext():
         for step in range(start + 1, cfg.steps + 1):
             run.step = step
@@ -456,9 +470,12 @@ def loop(run: Run, start: int) -> None:
                 raise D.RunError(f"--env {run.play.spec.name}: every episode failed 3 steps in a row (the last: {last})")
             empty = empty + 1 if m.get("skipped/empty_step") else 0
             if empty == 3:  # a run of such steps would end "done" with its start weights
-                raise D.RunError(f"3 steps in a row had no sample to train on: every reward call raised or returned "
-                                 f"None/NaN (skipped/reward_error {m.get('skipped/reward_error', 0):.2f}, skipped/"
-                                 f"too_long {m.get('skipped/too_long', 0):.2f}); nothing trained since step {step - 3}")
+                raise D.RunError(f"3 steps in a row had no sample to train on: {idle_cause(batch, m)}; nothing trained "
+                                 f"since step {step - 3}")
+            trained = trained or bool(batch) and not m.get("skipped/nonfinite_step") and not m.get("skipped/overflow")
+            if step == cfg.steps and not trained:  # whatever the step count: a run that trained nothing fails
+                raise D.RunError(f"no step of this run trained (steps {start + 1}..{step}; the last: "
+                                 f"{idle_cause(batch, m)}); its weights are the ones it started from")
             if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                 # the RNGs as the next batch finds them (with a thread: as this one's left them, AsyncRollouts.rng_after)
                 st = RolloutRNG(run.rng, run.engine.gen) if ahead is None else ahead.rng_after(step)
@@ -535,4 +552,4 @@ if __name__ == "__main__":
     if P.LAUNCHED > 1:
         P.leave(main)  # no interpreter finalization under torchrun (parallel.leave says why)
     else:
-        main()
+        usercode.main_then_leave(main)  # threads user code left running do not keep the process alive

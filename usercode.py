@@ -18,6 +18,11 @@ batch at once):
    exit. `os._exit` ends the process from any thread and cannot be caught in-process.
 3. The caller hands copies (`copied`) of anything floe keeps, so user code that mutates its
    arguments changes nothing floe trains on.
+4. What comes back is checked by one rule wherever it is a number (`number`: any real number,
+   numpy's scalars and 0-d arrays or tensors included, bool as 0 or 1) or a yes/no (`flag`: a
+   bool, numpy's too); anything else is refused, naming its type.
+5. A thread user code started and left running (not a daemon) would keep Python from exiting
+   after the run's last line: `main_then_leave` says so once and leaves without waiting for it.
 
 Loading (`load`): `path/to/file.py:name` or `module:name`. A file is imported like any module:
 its top-level code runs at start-up (and again on `--resume`); a `SystemExit` there is reported
@@ -31,9 +36,13 @@ from __future__ import annotations
 import copy
 import importlib
 import importlib.util
+import numbers
+import os
 import queue
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -146,6 +155,64 @@ def copied(x: Any) -> Any:
 
 def call(fn: Callable[[], Any], timeout: float) -> Result:
     return call_all([fn], timeout)[0]
+
+
+def _scalar(value: Any) -> Any:
+    """A 0-d numpy array or torch tensor (or a numpy scalar) as the Python value it holds."""
+    if not isinstance(value, (numbers.Real, str)) and getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        return value.item()
+    return value
+
+
+def number(value: Any) -> float:
+    """User code's number as a float: any real number (int, float, Fraction, numpy's scalars; bool as 0
+    or 1) or a 0-d array or tensor holding one. TypeError naming what it got otherwise."""
+    value = _scalar(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(f"{type(value).__name__} {str(value)[:40]!r} is not a number")
+
+
+def flag(value: Any) -> bool:
+    """User code's yes/no: a bool (numpy's, or a 0-d tensor of one). TypeError naming what it got otherwise
+    (bool("no") would be True)."""
+    value = _scalar(value)
+    if isinstance(value, bool):
+        return value
+    raise TypeError(f"{type(value).__name__} {str(value)[:40]!r} is not a bool")
+
+
+def strays() -> list[threading.Thread]:
+    """Threads still running that Python's exit would wait for (not daemons): user code's."""
+    return [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+
+
+def main_then_leave(main: Callable[[], Any]) -> None:
+    """Run `main` to its end; if threads user code started are still running then, say so once and end
+    the process with main's exit status without waiting for them (flushed, then os._exit: Python's own
+    exit would join them forever). With none left, exit as usual."""
+    try:
+        main()
+        code: Any = 0
+    except SystemExit as e:
+        code = e.code
+    except BaseException:
+        if not strays():
+            raise
+        traceback.print_exc()
+        code = 1
+    deadline = time.monotonic() + 2.0  # a thread winding down on its own is let finish
+    for t in strays():
+        t.join(max(0.0, deadline - time.monotonic()))
+    if left := strays():
+        print(f"note: {len(left)} thread(s) that user code started are still running ({', '.join(t.name for t in left[:3])}); "
+              "floe exits without waiting for them", flush=True)
+        if isinstance(code, str):
+            print(code, file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else int(code is not None))
+    raise SystemExit(code)
 
 
 def load(spec: str, flag: str, builtin: dict[str, Any] | None = None, kind: str = "function") -> tuple[Any, Path | None]:

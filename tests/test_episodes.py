@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -333,9 +334,50 @@ class Long(Replies):
         return [{"role": "user", "content": "x" * 300}], False
 
 
+class FirstNumbers(Replies):
+    def reset(self, row, seed):
+        return [1, 2, 3]
+
+
+class FirstNoContent(Replies):
+    def reset(self, row, seed):
+        return [{"role": "user"}]
+
+
+class FirstNoRole(Replies):
+    def reset(self, row, seed):
+        return [{"content": "guess"}]
+
+
+class DoneNo(Replies):
+    def step(self, text, ids):
+        return [], "no"  # bool("no") is True
+
+
+class NumpyReward(Replies):
+    def step(self, text, ids):
+        return [], np.True_
+
+    def reward(self):
+        return np.float32(0.5)
+
+
+class StringReward(Replies):
+    def step(self, text, ids):
+        return [], True
+
+    def reward(self):
+        return "1.0"
+
+
 @pytest.mark.parametrize("env,end,why", [(Boom, "error", "KeyError"), (Exits, "error", "SystemExit(3)"),
                                          (Hangs, "timeout", "timed out"), (NotAList, "bad_reply", "not a list of"),
-                                         (Unknown, "bad_reply", "not in the tokenizer")])
+                                         (Unknown, "bad_reply", "not in the tokenizer"),
+                                         (FirstNumbers, "bad_reply", "reset returned [1, 2, 3], not a prompt"),
+                                         (FirstNoContent, "bad_reply", "reset returned [{'role': 'user'}], not a prompt"),
+                                         (FirstNoRole, "bad_reply", "not a prompt (None, a string, or a list of"),
+                                         (DoneNo, "bad_reply", "step's done is str 'no' is not a bool"),
+                                         (StringReward, "error", "reward returned str '1.0' is not a number")])
 def test_an_environment_fault_takes_its_group_out_with_its_cause(env, end, why):
     codec = D.TextCodec.tiny(D.LETTERS)
     stop = codec.stop_ids[0]
@@ -346,6 +388,16 @@ def test_an_environment_fault_takes_its_group_out_with_its_cause(env, end, why):
     pl = E.Play(E.EnvSpec("x", env, None, True), codec, engine, Sampling(), 99, 3, 1.0, {})
     assert E.finish(pl, task, eps, 2) == [] and why in pl.last_error
     assert E.stats(eps, 3)["skipped/env_error"] == (2.0, 2.0)
+
+
+def test_an_environment_reward_of_any_real_type_and_a_numpy_done_are_taken():
+    """np.float32, np.int64, a 0-d tensor and a bool are numbers (bool as 0 or 1); np.bool_ is a bool."""
+    codec = D.TextCodec.tiny(D.LETTERS)
+    stop = codec.stop_ids[0]
+    for value, want in ((np.float32(0.5), 0.5), (np.int64(1), 1.0), (torch.tensor(0.25), 0.25), (True, 1.0)):
+        env = type("E", (NumpyReward,), {"reward": lambda self, v=value: v})
+        eps, _ = _play(codec, Scripted([[[5, stop], [6, stop]]], codec.stop_ids), {}, env=env, group=2)
+        assert [(e.end, e.reward) for e in eps] == [("done", want)] * 2
 
 
 def test_a_reply_that_overflows_the_budget_ends_the_episode_before_it():
@@ -402,6 +454,40 @@ def test_a_run_whose_episodes_all_fail_stops_in_one_line(tmp_path, capsys):
     assert len(err) == 1 and "every episode failed 3 steps in a row" in err[0] and "reset raised RuntimeError: no database" in err[0]
 
 
+def test_a_first_prompt_longer_than_the_context_is_named_as_the_cause(tmp_path, capsys):
+    """reset's prompt leaves no room for a turn in any group: counted in skipped/too_long, and the run
+    that trained nothing names the prompt's length, not the rewards."""
+    f = _env_file(tmp_path, """
+        from envs import GuessLetter
+        class Wordy(GuessLetter):
+            def reset(self, row, seed):
+                super().reset(row, seed)
+                return "a" * 5000
+    """)
+    with pytest.raises(SystemExit) as e:
+        train.main([*FLAGS, "--env", f"{f}:Wordy", "--out-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1 and "every prompt is longer than the context" in err[0], err
+    rows = [__import__("json").loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped/too_long"] for r in rows] == [1.0, 1.0]
+
+
+def test_threads_an_environment_leaves_running_do_not_keep_the_process_alive(tmp_path):
+    f = _env_file(tmp_path, """
+        import threading, time
+        from envs import GuessLetter
+        class Leaky(GuessLetter):
+            def step(self, text, ids):
+                threading.Thread(target=time.sleep, args=(3600,), name="leaky", daemon=False).start()
+                return super().step(text, ids)
+    """)
+    r = subprocess.run([sys.executable, "train.py", *FLAGS, "--steps", "1", "--env", f"{f}:Leaky",
+                        "--out-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and (tmp_path / "run" / "final").exists(), r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    assert lines[-2].startswith("summary ") and "thread(s) that user code started are still running" in lines[-1] and "(leaky" in lines[-1]
+
+
 @pytest.mark.parametrize("spec,words", [("nowhere.py:Env", "no such file"), ("envs:Missing", "has no class 'Missing'"),
                                         ("envs:LETTERS", "is not a class"), ("data:Prompt", "Prompt.step is not a method"),
                                         ("{f}:NoReward", "has no reward() and no --reward"), ("{f}:Exits", "SystemExit(0)")])
@@ -418,6 +504,25 @@ def test_a_bad_env_is_refused_before_the_first_byte(tmp_path, capsys, spec, word
     with pytest.raises(SystemExit) as e:
         train.main([*FLAGS, "--env", spec, "--out-dir", str(out)])
     assert e.value.code == 2 and words in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("turn", [{"role": "assistant"}, {"role": "user"}, {"content": "later"}])
+def test_an_sft_episode_with_a_turn_lacking_its_content_is_refused_at_its_line(tmp_path, capsys, turn):
+    """An assistant turn or a reply without `content` (or `role`) would train an empty turn: the start refuses
+    the row by its line, before the first byte."""
+    rows = (ROOT / "examples" / "guess.jsonl").read_text().splitlines()[:80]
+    bad = __import__("json").loads(rows[40])
+    bad["episode"] = [{"role": "assistant", "content": "h"}, turn, {"role": "assistant", "content": "d"}]
+    rows[40] = __import__("json").dumps(bad)
+    f = tmp_path / "rows.jsonl"
+    f.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        train.main([*FLAGS, "--task", f"jsonl:{f}", "--env", "guess-letter", "--stage", "sft", "--eval-prompts", "8",
+                    "--eval-file", "examples/guess.jsonl", "--out-dir", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and not out.exists()
+    assert f"{f}:41: `episode` is not a multi-turn reference" in err[0] and "'content': str} messages" in err[0], err[0]
 
 
 def test_an_environment_run_trains_and_logs_its_episode_metrics(tmp_path):

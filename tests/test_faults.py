@@ -683,3 +683,66 @@ def test_a_run_that_stopped_before_its_first_checkpoint_says_how_to_start_over(t
         one_line(_main(capsys, "--steps", "3", "--out-dir", str(out), *more), 2, "stopped at step 1",
                  f"delete {out} to start over")
     assert _tree(out) == before
+
+
+# ----------------------------------------------------------------------------- a history edited, lost, or cut short
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda rows: [rows[1], rows[0]], "metrics.jsonl:2 is step 1 after step 2"),
+    (lambda rows: [rows[0], rows[0], rows[1]], "metrics.jsonl:2 is step 1 after step 1"),
+])
+def test_rows_out_of_order_or_repeated_are_one_line(finished, tmp_path, capsys, edit, words):
+    """floe writes each step's row once, in order: a file that says otherwise was edited, and a resume
+    would keep it as the run's history."""
+    out = _copy(finished, tmp_path)
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join(edit(rows)) + "\n")
+    before = _tree(out)
+    one_line(_main(capsys, "--steps", "3", "--resume", "--out-dir", str(out)), 2, words, "rows are in step order")
+    assert _tree(out) == before
+
+
+def test_a_deleted_metrics_file_resumes_from_the_newest_checkpoint_saying_the_history_is_gone(finished, tmp_path,
+                                                                                               clean3, capsys):
+    """Its checkpoints are whole: the resume goes on from the newest, and the new file holds what follows."""
+    out = _copy(finished, tmp_path)
+    (out / "metrics.jsonl").unlink()
+    r = _main(capsys, "--steps", "3", "--resume", "--out-dir", str(out))
+    assert r.returncode == 0 and "metrics.jsonl is gone: resuming from step_000002 without the history" in r.stdout
+    assert _strip(_rows(out)) == clean3[2:] and (out / "step_000001").is_dir()
+
+
+def test_a_history_that_lacks_every_checkpoints_rows_names_the_way_on_that_keeps_them(finished, tmp_path, capsys):
+    out = _copy(finished, tmp_path)
+    (out / "metrics.jsonl").write_text("")
+    before = _tree(out)
+    one_line(_main(capsys, "--steps", "3", "--resume", "--out-dir", str(out)), 2, "lacks its metrics rows",
+             f"delete {out / 'metrics.jsonl'} to resume from step_000002 without the history before it, or delete")
+    assert _tree(out) == before
+
+
+DIES = """
+import os, threading
+calls, lock = [0], threading.Lock()
+def score(prompts, completions, **kw):
+    with lock:
+        calls[0] += 1
+        if os.environ.get("FLOE_TEST_DIE") and calls[0] > 2:  # the second step's first group
+            os._exit(0)
+    return [0.5 + 0.1 * i for i in range(len(completions))]
+"""
+
+
+def test_a_run_that_user_code_ended_is_named_by_the_next_start(tmp_path, capsys):
+    """os._exit in a reward ends the process where it stands, with status 0 and no line; the lock it
+    never released tells the next start, which says so once and goes on."""
+    f = tmp_path / "dies.py"
+    f.write_text(DIES)
+    out, flags = tmp_path / "run", ["--reward", f"{f}:score", "--save-every", "1", "--out-dir", str(tmp_path / "run")]
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *SMALL, "--steps", "3", *flags], capture_output=True,
+                       text=True, timeout=180, env={**os.environ, "FLOE_TEST_DIE": "1"})
+    assert r.returncode == 0 and "summary" not in r.stdout and (out / "step_000001").is_dir()
+    r = _main(capsys, "--steps", "3", "--resume", *flags)
+    assert r.returncode == 0 and r.stdout.count("ended without its summary") == 1
+    assert f"note: the last run in {out.absolute()} ended without its summary at step 1" in r.stdout
+    assert "ended without" not in _main(capsys, "--steps", "4", "--resume", *flags).stdout

@@ -194,6 +194,26 @@ def test_three_empty_steps_in_a_row_stop_the_run(tmp_path, monkeypatch, capsys):
     assert [r["skipped/empty_step"] for r in _metrics(out)] == [1.0, 1.0, 1.0]
 
 
+@pytest.mark.parametrize("steps", ["1", "2"])
+def test_a_run_that_trained_nothing_exits_1_whatever_its_step_count(tmp_path, monkeypatch, capsys, steps):
+    """Under three steps the in-a-row rule never fires: the run still ends with one line and exit 1, not a
+    summary, exit 0 and a final checkpoint equal to its start; each such step's line says skipped, not loss +nan."""
+    def down(n, target):
+        raise RuntimeError("reward server down")
+
+    _reward(monkeypatch, down)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        train.main(["--steps", steps, "--out-dir", str(out), *SMALL, "--reward", "similarity"])
+    said = capsys.readouterr()
+    err = said.err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1, err
+    assert f"no step of this run trained (steps 1..{steps}; the last: every reward call raised" in err[0], err[0]
+    lines = [x for x in said.out.splitlines() if x.startswith("step ")]
+    assert len(lines) == int(steps) and all("| skipped (nothing to train) |" in x and "nan" not in x for x in lines)
+    assert "summary" not in said.out and not (out / "final").exists()
+
+
 def _refused(argv, capsys) -> str:
     """train.main in this process: exit 2 and the one stderr line, returned."""
     with pytest.raises(SystemExit) as e:

@@ -3,6 +3,7 @@ directory in the last one (peft and transformers load them and give floe's logit
 record, a resume after SIGKILL equal to the uninterrupted run, --adapter, and each bad input as
 one line before the first byte is written."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -56,7 +57,8 @@ def test_each_step_holds_the_adapter_and_the_last_one_the_merged_model(run):
     assert sorted(p.name for p in (run / "step_000001").iterdir()) == [lora.CONFIG, lora.WEIGHTS, "trainer_state"]
     assert os.readlink(run / "final") == "step_000002" and (run / "final" / checkpoint.MERGED / "config.json").is_file()
     record = json.loads((run / "config.json").read_text())["lora_base"]
-    assert record == {"path": str(base.resolve()), "sha256": lora.weights_sha256(base)}
+    assert record == {"path": str(base.resolve()), "sha256": lora.weights_sha256(base),
+                      "config": json.loads(json.dumps(dataclasses.asdict(M.load(base).args)))}
     spec, tensors, named = lora.read_adapter(run / "final")
     assert (spec.rank, spec.alpha, named) == (4, 8.0, str(base.resolve()))
     state = load_file(str(run / "final" / "trainer_state" / "optim_rng.safetensors"))
@@ -146,6 +148,7 @@ def _refused(capsys, *args) -> str:
 @pytest.mark.parametrize("flags,words", [
     (["--lora-rank", "-1"], ["--lora-rank", ">= 0"]),
     (["--lora-rank", "65"], ["--lora-rank 65", "larger than", "k_proj", "width 64"]),
+    (["--lora-rank", str(10**12)], ["larger than", "k_proj's width 64", "narrowest", "use a rank <= 64"]),
     (["--lora-rank", "4", "--lora-targets", "q_proj", "qkv_proj"], ["--lora-targets qkv_proj", "matches no linear layer"]),
     (["--lora-rank", "4", "--lora-targets", "lm_head"], ["--lora-targets lm_head", "LM head stay frozen"]),
     (["--lora-alpha", "16"], ["--lora-alpha 16", "--lora-rank 0"]),
@@ -212,3 +215,90 @@ def test_a_damaged_adapter_falls_back_to_the_checkpoint_before(run, tmp_path, ca
     said = capsys.readouterr().out
     assert "step_000002 is damaged (ValueError: adapter_model.safetensors:" in said and "trying the one before it" in said
     assert _rows(out) == _rows(run)  # step 2 redone from step 1's checkpoint, exactly
+
+
+def _adapter_copy(run: Path, tmp_path: Path) -> Path:
+    d = tmp_path / "adapter"
+    d.mkdir()
+    for name in (lora.CONFIG, lora.WEIGHTS):
+        shutil.copy(run / "final" / name, d / name)
+    return d
+
+
+def _edit(path: Path, edit) -> None:
+    cfg = json.loads(path.read_text())
+    edit(cfg)
+    path.write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("damage,words", [
+    ("corrupt", [lora.WEIGHTS, "unreadable safetensors file"]),
+    ("truncated", [lora.WEIGHTS, "unreadable safetensors file"]),
+    ("list", [lora.CONFIG, "not a JSON object"]),
+    ("no_r", [lora.CONFIG, "r must be the adapter's rank, an integer >= 1, got null"]),
+    ("r_0", [lora.CONFIG, "r must be the adapter's rank, an integer >= 1, got 0"]),
+    ("alpha", [lora.CONFIG, 'lora_alpha must be a number > 0, got "8"']),
+])
+def test_an_adapter_directory_that_does_not_read_is_one_line_naming_the_file(run, tmp_path, capsys, damage, words):
+    d = _adapter_copy(run, tmp_path)
+    weights = d / lora.WEIGHTS
+    if damage == "corrupt":
+        weights.write_bytes(b"\x00" * 64 + weights.read_bytes()[64:])
+    elif damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif damage == "list":
+        (d / lora.CONFIG).write_text("[1, 2]")
+    else:
+        _edit(d / lora.CONFIG, {"no_r": lambda c: c.pop("r"), "r_0": lambda c: c.update(r=0),
+                                "alpha": lambda c: c.update(lora_alpha="8")}[damage])
+    line = _refused(capsys, "--steps", "1", "--out-dir", str(tmp_path / "a"), "--adapter", str(d), *SMALL)
+    assert line.startswith(f"floe: error: --adapter {d}: {d}/") and all(w in line for w in words), line
+    assert "--lora-targets" not in line and not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("where", ["adapter", "base"])
+def test_a_fifo_in_the_adapter_or_its_recorded_base_is_refused_not_read(run, tmp_path, where):
+    """A FIFO named like an adapter's weights, or among the weights of the base its config names, would
+    block the read forever."""
+    d = _adapter_copy(run, tmp_path)
+    if where == "adapter":
+        (d / lora.WEIGHTS).unlink()
+        os.mkfifo(d / lora.WEIGHTS)
+        fifo = d / lora.WEIGHTS
+    else:
+        base = tmp_path / "base"
+        shutil.copytree(run.parent / "base", base)
+        fifo = base / "extra.safetensors"
+        os.mkfifo(fifo)
+        _edit(d / lora.CONFIG, lambda c: c.update(base_model_name_or_path=str(base)))
+    r = subprocess.run([sys.executable, "train.py", "--steps", "1", "--out-dir", str(tmp_path / "a"), "--adapter", str(d),
+                        *SMALL], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
+    assert f"{fifo}: not a regular file" in r.stderr and not (tmp_path / "a").exists()
+
+
+def test_an_adapter_on_a_scratch_model_is_refused(run, tmp_path, capsys):
+    line = _refused(capsys, "--model", "scratch", "--steps", "1", "--out-dir", str(tmp_path / "a"),
+                    "--adapter", str(run / "final"), *SMALL)
+    assert "needs the base it was trained on as --model" in line and not (tmp_path / "a").exists()
+
+
+def test_a_lora_resume_without_its_rank_names_the_rank(run, tmp_path, capsys):
+    """--lr's default follows --lora-rank: the line names the flag left out, not the default it moved."""
+    out = tmp_path / "run"
+    shutil.copytree(run, out, symlinks=True)
+    line = _refused(capsys, "--model", str(run.parent / "base"), "--steps", "3", "--out-dir", str(out), "--resume", *SMALL)
+    assert "--resume: --lora-rank is 0 but the run" in line and "used 4" in line, line
+
+
+def test_a_resume_whose_bases_config_changed_is_one_line(run, tmp_path, capsys):
+    """The same weights under another config.json (rms_norm_eps 1e-6 -> 0.5) are another model."""
+    base, out = tmp_path / "base", tmp_path / "run"
+    shutil.copytree(run.parent / "base", base)
+    shutil.copytree(run, out, symlinks=True)
+    _edit(base / "config.json", lambda c: c.update(rms_norm_eps=0.5))
+    _edit(out / "config.json", lambda c: c["lora_base"].update(path=str(base.resolve())))
+    before = _tree(out)
+    line = _refused(capsys, "--model", str(base), "--steps", "3", "--out-dir", str(out), "--resume", *LORA)
+    assert "changed since the run started (its config.json's rms_norm_eps was 1e-06, now 0.5)" in line, line
+    assert _tree(out) == before

@@ -58,6 +58,18 @@ def test_chat_template_renders_as_transformers_does(tmp_path, template, kwargs):
     assert ours.render(MESSAGES, **kwargs) == ours.encode(text)
 
 
+def test_a_directory_with_two_chat_templates_renders_the_one_transformers_loads(tmp_path):
+    """tokenizer_config.json's chat_template and a chat_template.jinja both present: training renders what
+    transformers (and so vLLM) serves."""
+    transformers = pytest.importorskip("transformers")
+    d = _model_dir(tmp_path, LLAMA_LIKE, bos_token="<|endoftext|>")
+    (d / "chat_template.jinja").write_text(QWEN_LIKE)
+    ours = D.TextCodec.load(d)
+    text = transformers.AutoTokenizer.from_pretrained(d).apply_chat_template(MESSAGES, tokenize=False,
+                                                                            add_generation_prompt=True)
+    assert ours.render(MESSAGES) == ours.encode(text) and ours.template_source == str(d / "chat_template.jinja")
+
+
 def test_the_tiny_models_render_their_old_chatml_prompt():
     codec = D.TextCodec.load(TINY)
     ids = codec.render([{"role": "user", "content": "reverse: cold fish"}])

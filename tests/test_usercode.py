@@ -22,10 +22,10 @@ def _task(fn, timeout=5.0):
     return T.ReverseText(codec, [T.Reward("r", fn, timeout=timeout)], eval_size=4)
 
 
-def _score(task, n=2):
+def _score(task, n=2, group=None):
     prompts = task.sample(n, __import__("random").Random(0))
     ids = [task.codec.encode("abc") + [2] for _ in prompts]
-    return prompts, ids, task.score(prompts, ids, n)
+    return prompts, ids, task.score(prompts, ids, group or n)
 
 
 def test_a_reward_that_exits_is_that_rewards_error_not_the_runs_exit(capsys):
@@ -147,3 +147,41 @@ def test_copied_arguments_share_nothing_user_code_could_change():
     y["ids"][0].append(9), y["t"][1].append(9), y["messages"][0][0].update(role="x"), y["box"].items.append(9)
     assert x["ids"] == [[1, 2], [3]] and x["t"] == ("a", [1.5]) and x["messages"][0][0]["role"] == "user"
     assert x["box"].items == [1]
+
+
+def test_every_real_number_is_a_reward_and_anything_else_is_one_line_naming_its_type():
+    """numpy's scalars, 0-d tensors and bools (as 0 or 1) are rewards; a string is not, though float()
+    would take it."""
+    import numpy as np
+    import torch
+
+    def typed(prompts, completions, **kw):
+        return [np.float32(1.0), np.int64(1)] if len(completions) == 2 else [torch.tensor(0.5)]
+
+    assert _score(_task(typed))[2] == [1.0, 1.0]
+    assert _score(_task(lambda prompts, completions, **kw: [True, torch.tensor(0.25)]))[2] == [1.0, 0.25]
+    with pytest.raises(D.RunError, match=r"reward r returned str '1.0' is not a number for a completion"):
+        _score(_task(lambda prompts, completions, **kw: ["1.0", 0.0]))
+
+
+def test_a_steps_reward_calls_run_at_once_and_keep_each_groups_result():
+    """Eight groups whose reward hangs wait about one --call-timeout in all, not eight; a reward that
+    answers gives each group its own values in order, as one call per group would."""
+    import time
+
+    def hangs(prompts, completions, **kw):
+        time.sleep(3600)
+
+    task, t0 = _task(hangs, timeout=0.5), time.perf_counter()
+    prompts, ids, r = _score(task, n=16, group=2)  # 8 groups of 2
+    assert all(math.isnan(x) for x in r) and time.perf_counter() - t0 < 2.5
+
+    def own(prompts, completions, target, **kw):
+        time.sleep(0.2)
+        return [len(t) + i / 10 for i, t in enumerate(target)]
+
+    task, t0 = _task(own), time.perf_counter()
+    prompts, ids, r = _score(task, n=16, group=2)
+    assert time.perf_counter() - t0 < 1.2  # 8 x 0.2 s one after another
+    each = [v for a in range(0, 16, 2) for v in own(None, [0, 0], [p.columns["target"] for p in prompts[a:a + 2]])]
+    assert r == each
