@@ -97,8 +97,8 @@ def test_prompts_longer_than_the_context(tmp_path):
 def _nan_on_step(monkeypatch, step: int):
     real, calls = TorchEngine.generate, [0]
 
-    def broken(self, prompts, n, sampling):
-        out = real(self, prompts, n, sampling)
+    def broken(self, prompts, n, sampling, *args, **kwargs):
+        out = real(self, prompts, n, sampling, *args, **kwargs)
         if sampling.seed is None:  # not an eval
             calls[0] += 1
             if calls[0] == step:

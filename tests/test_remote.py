@@ -28,7 +28,7 @@ if P.serving(2):
     def generate(self, prompts, n, sampling, budgets=None, keep=True):  # a call the engine refuses (as vLLM refuses a short kept set)
         if prompts == [[31]]:
             raise D.RunError("the engine refused this call")
-        return plain(self, prompts, n, sampling, budgets)
+        return plain(self, prompts, n, sampling, budgets, keep)
     TorchEngine.generate = generate
     serve(cfg, link)
     raise SystemExit
