@@ -295,7 +295,7 @@ class TorchEngine:
     def _decode(self, logits, cache, pos, cap, sampling: Sampling, gen, rec: SupportRecorder | None,
                 store: KVCache | None) -> tuple[list[list[int]], list[list[float]]]:
         """Sample every row to its stop or budget -> each output row's ids and logq (past its stop
-        too: cut by _completions). `store` (the cache as it was before any row left) gets each
+        too: cut by _completions). `store` (the cache from before any row left) gets each
         row's cache back when it leaves the batch, for the next call to extend."""
         B, T_new, dev = len(cap), int(cap.max()), self.device
         out_ids = torch.zeros(B, T_new, dtype=torch.long, device=dev)
