@@ -1,0 +1,47 @@
+"""bench/ab.py's arithmetic: the pooled ratio, its bootstrap interval and the verdict, on runs
+whose answer is known (the same steps, and the same steps scaled), and the /proc/stat reading
+its quiet-machine wait rests on."""
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import ab  # noqa: E402
+
+
+def _runs(scale: float, seed: int, n: int = 4) -> list:
+    """n runs of 6 steps around 0.2 s a step (each within 2%: a quiet machine), each phase scaled by
+    `scale`. The 1.02 bar is for such a machine: with steps spread by 5% it takes more rounds."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        steps = [0.2 * (1 + 0.02 * rng.uniform(-1, 1)) for _ in range(6)]
+        out.append(ab.Run({p: [s * scale for s in steps] for p in ab.PHASES}, 500e6 * scale, 0.0))
+    return out
+
+
+@pytest.mark.parametrize("scale,verdict", [(1.0, "pass"), (1.15, "slower"), (0.85, "faster")])
+def test_the_ratio_is_the_pooled_medians_and_the_verdict_reads_its_interval(scale, verdict):
+    a, b = _runs(1.0, seed=0), _runs(scale, seed=0)  # b: a's very steps, scaled
+    for phase in ab.PHASES:
+        ratio, lo, hi = ab.interval(a, b, phase, random.Random(0))
+        assert ratio == pytest.approx(scale) and lo <= ratio <= hi
+        assert ab.verdict(hi) == verdict
+    ratio, lo, hi = ab.interval(a, b, "rss", random.Random(0))
+    assert ratio == lo == hi == pytest.approx(scale)
+
+
+def test_two_draws_of_the_same_speed_pass_and_a_real_gap_does_not():
+    same = ab.interval(_runs(1.0, seed=1), _runs(1.0, seed=2), "time/step", random.Random(0))
+    assert same[1] < 1.0 < same[2] and ab.verdict(same[2]) == "pass"
+    gap = ab.interval(_runs(1.0, seed=1), _runs(1.1, seed=2), "time/step", random.Random(0))
+    assert gap[1] > 1.02 and ab.verdict(gap[2]) == "slower"
+
+
+def test_the_busy_share_is_read_from_proc_stat():
+    busy, total = ab.cpu_jiffies()
+    assert 0 <= busy <= total
+    assert 0.0 <= ab.busy_share(0.2) <= 1.0
