@@ -7,8 +7,9 @@ the order of floating-point sums (a kept key was computed by a decode step, not 
 `TorchEngine` keeps every output row of its last call when the caller says a next call may
 extend them (`keep`: the episode loop's turns; a single-turn rollout and an eval pass False):
 its ids (prompt + completion) and its cache row, whose first len(ids) - 1 slots are valid (the
-last sampled token was never fed through the model). A later prompt that starts with those ids, token for token, gets the row's
-slots copied and only its suffix prefilled, at the row's own positions (model.forward_cached).
+last sampled token was never fed through the model). A later prompt that starts with those ids,
+token for token, gets the row's slots copied and only its suffix prefilled, at the row's own
+positions (model.forward_cached).
 
 Simplifications:
 1. Only the last call's rows, and only exact token matches: memory stays one decode cache, and
