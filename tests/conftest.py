@@ -3,7 +3,21 @@
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def bench_module(name: str):
+    """bench/NAME.py imported as `bench_NAME`, by path. bench/ never goes on sys.path: its scripts share
+    names with the flat modules (bench/lora.py, lora.py), and whichever import came next would get the
+    wrong one."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
 
 
 def one_line(r, code: int, *words: str) -> None:

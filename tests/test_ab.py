@@ -3,13 +3,10 @@ whose answer is known (the same steps, and the same steps scaled), and the /proc
 its quiet-machine wait rests on."""
 
 import random
-import sys
-from pathlib import Path
-
 import pytest
+from conftest import bench_module
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import ab  # noqa: E402
+ab = bench_module("ab")
 
 
 def _runs(scale: float, seed: int, n: int = 4) -> list:

@@ -2,15 +2,12 @@
 paired gap to reinforce is the per-seed difference."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+from conftest import bench_module
 
-import experiment as E  # noqa: E402
+E = bench_module("experiment")
 
 
 def _run(eval0, final, kl=1e-3, frac=None, entropy=1.0):

@@ -81,3 +81,12 @@ def test_the_episode_loop_sits_above_the_engines_and_user_code_below_everything(
     reward and environment call goes through) and envs.py (the contract a forker copies) are layer 0."""
     assert "rollout" in _below("episodes") and "episodes" not in _below("rollout")
     assert not repo_imports("usercode") and not repo_imports("envs")
+
+
+def test_bench_is_not_on_the_test_processes_path():
+    """Every test module is imported before the first test runs, so this sees what any of them did at
+    import time. bench/ on sys.path would let bench/lora.py stand in for lora.py in whichever import
+    came next (tests load bench scripts with conftest.bench_module instead)."""
+    import sys
+
+    assert str(ROOT / "bench") not in sys.path

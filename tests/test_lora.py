@@ -196,24 +196,17 @@ def test_the_compiled_packed_forward_and_its_adapter_gradients_equal_eager():
 def test_bench_linears_arm_trains_exactly_the_layers_lora_adapts():
     """bench/lora.py's diagnosis arm (full fine-tuning with what LoRA leaves frozen frozen) must train
     the weights of the adapted layers and nothing else, and give start.shard back afterwards."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
     import start
+    from conftest import ROOT, bench_module
 
-    bench = Path(__file__).resolve().parent.parent / "bench"
-    sys.path.insert(0, str(bench))
-    spec = importlib.util.spec_from_file_location("bench_lora", bench / "lora.py")
-    bench_lora = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_lora)
+    bench_lora = bench_module("lora")
     real = start.shard
-    model = M.load(bench.parent / "checkpoints" / "reverse-tiny")
+    model = M.load(ROOT / "checkpoints" / "reverse-tiny")
     with bench_lora.linears_only():
         start.shard(model)
     assert start.shard is real
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
-    adapters = M.load(bench.parent / "checkpoints" / "reverse-tiny")
+    adapters = M.load(ROOT / "checkpoints" / "reverse-tiny")
     lora.add(adapters, SPEC)
     assert trained == {f"{name}.weight" for name in lora.adapted(adapters)} and len(trained) == 4 * 7
 
