@@ -1,12 +1,11 @@
-"""A run's checkpoints, resume, and metrics.jsonl (the directory itself: rundir.py).
+"""A run's checkpoints and resume (the directory itself: rundir.py; metrics.jsonl: runlog.py).
 
 A checkpoint is a HF directory (config.json, model.safetensors, tokenizer files) that
 transformers and vLLM load as it is, plus the training state in `trainer_state/` (optimizer,
 RNGs, step), written under a temporary name and renamed by rank 0; `--resume` reads the
 newest one that reads whole (`whole`: every part checked) and whose steps' rows metrics.jsonl
 holds; one that fails either is skipped for the one before, with a warning. Nothing is loaded
-with pickle: tensors are safetensors, the rest JSON. `Logger` writes metrics.jsonl (a resume
-rewrites the kept rows through a temporary file), the log line, and wandb when asked.
+with pickle: tensors are safetensors, the rest JSON. metrics.jsonl and the log line: runlog.py.
 
     python -m pytest -q tests/test_train.py tests/test_faults.py -k "resume or kill or damaged"
 """
@@ -19,8 +18,6 @@ import json
 import math
 import os
 import random
-import time
-import uuid
 from pathlib import Path
 
 import torch
@@ -30,13 +27,14 @@ from safetensors.torch import save as st_save
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import config as C
-import data as D
+from textcodec import TextCodec
 import lora
 import model as M
 import parallel as P
 from parallel import RANK, full, gather
 import rundir as R
 from rundir import STATE
+from runlog import read_rows
 
 ADAM = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}  # AdamW's state per parameter
 FREE = ("steps", "eval_every", "save_every", "wandb_project", "dist_timeout", "call_timeout")  # a resume may change them; config.json follows
@@ -106,7 +104,7 @@ def save_adapter(path: Path, model, adapter: dict, merged: dict | None, src: Pat
     M.write_dir(path, fill)
 
 
-def whole(path: Path, base: tuple | None = None) -> tuple[M.Transformer, D.TextCodec]:
+def whole(path: Path, base: tuple | None = None) -> tuple[M.Transformer, TextCodec]:
     """The checkpoint's model (on the CPU) and tokenizer, every part of the checkpoint checked: raises
     naming the first damaged one. state.json: its step is the directory's, its RNG state one that
     `random` takes; the HF directory: config.json, tokenizer.json and the weights as --model's are
@@ -130,7 +128,7 @@ def whole(path: Path, base: tuple | None = None) -> tuple[M.Transformer, D.TextC
         value, good = state["loss_scale"]
         if not (isinstance(value, float) and math.isfinite(value) and type(good) is int):
             raise ValueError(f"{STATE}/state.json: loss_scale {state['loss_scale']!r}")
-    model, codec = (M.load(path), D.TextCodec.load(path)) if base is None else base
+    model, codec = (M.load(path), TextCodec.load(path)) if base is None else base
     adapter = None if model.lora is None else _adapter(path, model)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
     engines = {"rng/engine"} | {f"rng/engine/{r}" for r in range(1, world)}
@@ -193,7 +191,7 @@ def load_training_state(path: Path, model, opt, rng, engine, scale=None) -> int:
 
 # ----------------------------------------------------------------------------- resume
 
-def check_resumable(cfg: C.Config, out: Path) -> tuple[Path, list[dict], M.Transformer, D.TextCodec, Path]:
+def check_resumable(cfg: C.Config, out: Path) -> tuple[Path, list[dict], M.Transformer, TextCodec, Path]:
     """The checkpoint to resume from, with the metrics rows it keeps, its model and tokenizer, and the
     directory the model's weights came from (the checkpoint; under LoRA the run's base): the newest
     that reads whole (`whole`) and whose steps all have their row in metrics.jsonl (the rows are
@@ -244,7 +242,7 @@ def check_resumable(cfg: C.Config, out: Path) -> tuple[Path, list[dict], M.Trans
     return path, [r for r in rows if r["step"] <= step], model, codec, path if base is None else base[2]
 
 
-def lora_base(cfg: C.Config, saved: dict, out: Path) -> tuple[M.Transformer, D.TextCodec, Path]:
+def lora_base(cfg: C.Config, saved: dict, out: Path) -> tuple[M.Transformer, TextCodec, Path]:
     """A LoRA run's base as its config.json records it (`lora_base`: the directory and its weights'
     sha256), with the run's adapters added (zeros until a checkpoint's are loaded) and its tokenizer.
     A base that is gone or changed stops the resume with one line."""
@@ -254,7 +252,7 @@ def lora_base(cfg: C.Config, saved: dict, out: Path) -> tuple[M.Transformer, D.T
                             "sha256) for its --lora-rank run")
     path = Path(rec["path"])
     try:
-        model, codec = M.load(path), D.TextCodec.load(path)
+        model, codec = M.load(path), TextCodec.load(path)
     except (FileNotFoundError, ValueError) as e:
         raise C.ConfigError(f"--resume: the run's base model does not load ({e})") from None
     if (now := lora.weights_sha256(path)) != rec["sha256"]:
@@ -291,32 +289,6 @@ def _newest_whole(found: list[Path], have: set[int] | None, out: Path, base: tup
     return None, None, None, (first, rowless)
 
 
-def read_rows(out: Path) -> list[dict]:
-    """metrics.jsonl's rows. A torn last row (a kill or a full disk mid-write: not JSON) is dropped
-    with a warning; any other line that is not a row (a JSON object with an integer step), or a row
-    out of step order or repeated, is an error."""
-    path = out / "metrics.jsonl"
-    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
-    rows, last = [], -1
-    for i, line in enumerate(lines):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            if i < len(lines) - 1:
-                raise C.ConfigError(f"--resume: {path}:{i + 1} is not valid JSON (only a torn last row is repaired)")
-            P.print0(f"warning: {path}: dropping its torn last row ({len(line)} bytes)")
-            continue
-        if R.row_step(row) is None:
-            raise C.ConfigError(f"--resume: {path}:{i + 1} is not a metrics row (a JSON object with an integer "
-                                f"step): {line[:60]}")
-        if row["step"] <= last:  # floe writes each step once, in order: the file was edited or pasted together
-            raise C.ConfigError(f"--resume: {path}:{i + 1} is step {row['step']} after step {last} (rows are in step "
-                                "order, one per step)")
-        rows.append(row)
-        last = row["step"]
-    return rows
-
-
 def resumed_config(out: Path, cfg: C.Config) -> dict | None:
     """config.json on resume: the run's own record (its model, its out_dir), with the flags a resume
     may change (FREE) as this one gives them; None when none changed (the file stays as it is)."""
@@ -332,65 +304,3 @@ def note_changed_rewards(out: Path, hashes: dict[str, str]) -> None:
         if saved.get(name, h) != h:
             P.print0(f"note: --reward {name}: its file changed since the run started (sha256 {saved[name][:12]} -> "
                    f"{h[:12]}); the resumed run scores with the new one")
-
-
-# ----------------------------------------------------------------------------- metrics.jsonl and the log line
-
-class Logger:
-    """One line per step, metrics.jsonl, and wandb when asked for."""
-
-    def __init__(self, cfg: C.Config, start: int = 0, kept: list[dict] | None = None):
-        """kept: on resume, the metrics rows up to the checkpoint (check_resumable); they are written
-        to a temporary file renamed over metrics.jsonl, so a kill never empties the history, and
-        the rows that follow go on through the same descriptor (the file that was renamed into place)."""
-        self.cfg, self.t0, self.start = cfg, time.time(), start
-        out = Path(cfg.out_dir)
-        self.rows = list(kept or [])
-        self.file = open(os.devnull, "w")
-        if RANK == 0:
-            self.file = R.create_new(out / "metrics.jsonl.tmp")
-            self.file.write("".join(json.dumps(r) + "\n" for r in self.rows))
-            R.publish(self.file, out / "metrics.jsonl")
-        self.wandb = None
-        if cfg.wandb_project and RANK == 0:
-            import wandb
-
-            run_id = out / "wandb_id"  # a resumed run logs into the same wandb run; a new one (started over) not
-            ident = run_id.read_text().strip() if kept is not None and R.regular(run_id) else ""
-            if not ident:
-                ident = uuid.uuid4().hex[:8]  # wandb's id alphabet: a-z, 0-9
-                R.write_file(run_id, ident)
-            self.wandb = wandb.init(project=cfg.wandb_project, config=json.loads(cfg.to_json()), dir=cfg.out_dir,
-                                    id=ident, resume="allow")
-
-    def row(self, step: int, metrics: dict) -> None:
-        self.rows.append({"step": step, **metrics})
-        self.file.write(json.dumps(self.rows[-1]) + "\n")
-        self.file.flush()
-        if self.wandb:
-            self.wandb.log(metrics, step=step)
-
-    def sync(self) -> None:
-        """The rows on disk, before the checkpoint that covers them (rank 0): a power cut then never
-        leaves a checkpoint whose rows are gone, which a resume would not redo."""
-        if RANK == 0:
-            self.file.flush()
-            os.fsync(self.file.fileno())
-
-    def line(self, step: int, m: dict, tokens: int, dt: float) -> None:
-        eta = (time.time() - self.t0) / (step - self.start) * (self.cfg.steps - step)
-        masked = max((v for k, v in m.items() if k.endswith("/masked_fraction")), default=0.0)  # any mask's
-        reward = f"{m['reward']:.3f}" if "reward" in m else "-"
-        loss = "skipped (nothing to train)" if m.get("skipped/empty_step") else f"loss {m.get('loss', math.nan):+.4f}"
-        P.print0(f"step {step}/{self.cfg.steps} | reward {reward} | {loss} "
-               f"| masked {masked:.4f} | mismatch kl {m.get('mismatch/kl', 0.0):.2e} | {tokens / dt:,.0f} tok/s "
-               f"| eta {eta:.0f}s" + (f" | loss scale {m['loss_scale']:.0f}" if "loss_scale" in m else ""))
-        if self.cfg.async_level and self.cfg.stage == "rl":  # the overlap: wall time below the phases' sum
-            r, t = m["time/rollout"], m["time/train"]
-            P.print0(f"  async | rollout {r:.2f}s + train {t:.2f}s = {r + t:.2f}s | wall {m['time/step']:.2f}s "
-                   f"| age {m.get('staleness/mean', 0.0):.2f}")
-
-    def close(self):
-        self.file.close()
-        if self.wandb:
-            self.wandb.finish()

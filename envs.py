@@ -35,7 +35,7 @@ import json
 import random
 import sys
 
-LETTERS = "abcdefghijklmno"  # the secret is one of these 15 (2^4 - 1): bisection finds any in 4 guesses
+SECRETS = "abcdefghijklmno"  # the secret is one of these 15 (2^4 - 1): bisection finds any in 4 guesses
 
 
 class Environment:
@@ -70,7 +70,7 @@ class GuessLetter(Environment):
         return [{"role": "user", "content": self.hint(guess)}], False
 
     def hint(self, guess: str) -> str:
-        if len(guess) != 1 or guess not in LETTERS:
+        if len(guess) != 1 or guess not in SECRETS:
             return "one letter"
         if not self.informative:
             return "no"
@@ -93,13 +93,13 @@ PROMPT = "guess a letter from a to o"
 
 def bisection(secret: str) -> list[dict]:
     """A reference episode: guess the middle of what is left (15, 7, 3, 1 letters: always one middle)."""
-    lo, hi, out = 0, len(LETTERS) - 1, []
+    lo, hi, out = 0, len(SECRETS) - 1, []
     while True:
         mid = (lo + hi) // 2
-        out.append({"role": "assistant", "content": LETTERS[mid]})
-        if LETTERS[mid] == secret:
+        out.append({"role": "assistant", "content": SECRETS[mid]})
+        if SECRETS[mid] == secret:
             return out
-        later = LETTERS[mid] < secret
+        later = SECRETS[mid] < secret
         out.append({"role": "user", "content": "later" if later else "earlier"})
         lo, hi = (mid + 1, hi) if later else (lo, mid - 1)
 
@@ -110,7 +110,7 @@ def write_rows(path: str, n: int = 1024, seed: int = 0) -> None:
     rng = random.Random(seed)
     with open(path, "w") as f:
         for _ in range(n):
-            secret = rng.choice(LETTERS)
+            secret = rng.choice(SECRETS)
             row = {"prompt": [{"role": "user", "content": PROMPT}], "secret": secret, "episode": bisection(secret)}
             f.write(json.dumps(row) + "\n")
 

@@ -58,8 +58,9 @@ import torch
 import envs
 import usercode
 from config import Config, ConfigError
-from data import Prompt, RunError, Sample, TextCodec, TokenSupport, is_messages
-from rollout import Completion, Sampling
+from data import Prompt, RunError, Sample, TokenSupport, is_messages
+from textcodec import TextCodec
+from engines import Completion, Sampling
 from tasks import Task, eval_metrics, score_groups
 
 ENDS = ("done", "max_turns", "length", "budget", "timeout", "error", "bad_reply", "dropped")

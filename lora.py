@@ -15,7 +15,7 @@ Simplifications:
 2. The base stays in fp32, like full fine-tuning's weights (a bf16 base would halve its memory
    but make the trainer's forward differ from the fp32 parity references; not offered yet).
 3. The built-in engine gets merged weights, W + (alpha / r) B A, computed in fp32 from the
-   untouched base on every push (rollout.TorchEngine), so what samples is a plain model. vLLM
+   untouched base on every push (engines.TorchEngine), so what samples is a plain model. vLLM
    serves the adapter itself, and only the adapter moves on a push (vllm_engine.VLLMEngine), or
    takes merged weights with --lora-merged.
 

@@ -59,7 +59,7 @@ class Loss:
     and the evidence checks ask this table (through the functions below) instead of its name."""
 
     centered: bool  # a weight w(r) = f(p/q) with score centering: reads every loss token's support row
-    sparse_draws: bool  # under K draws its gradient lies on label and support rows only (G_t = 0, kernels.py)
+    sparse_draws: bool  # under K draws its gradient lies on label and support rows only (G_t = 0, lm_head.py)
     clipped: bool  # clipped against pi_old: with --epochs > 1 train.py computes pi_old before the first pass
     reads: tuple[str, ...] = ()  # its own flags (Config fields); with another --loss nothing reads them (`unread`)
 
@@ -103,7 +103,7 @@ def reads_support(cfg: Config) -> bool:
 
 
 def sparse_ok(cfg: Config, support: TokenSupport | None) -> bool:
-    """Whether the head may take its sparse backward (kernels.head(..., sparse=True)).
+    """Whether the head may take its sparse backward (lm_head.head(..., sparse=True)).
 
     Decided from the config alone (the replayed flags live on the device): truncated sampling
     gives replayed rows, where every loss and KL is exact; K draws are exact only for a loss
@@ -391,7 +391,7 @@ def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch,
     mask, lp = mb.loss_mask, logp.detach()
     adv = torch.where(mask, mb.advantages.to(lp.dtype), 0.0) * cfg.adv_tau
     logq = torch.where(mask, mb.logq.to(lp.dtype), lp)
-    age = (step - mb.versions).clamp(min=0).to(lp.dtype)  # the rollouts' rule (rollout.py); step may be 0-d
+    age = (step - mb.versions).clamp(min=0).to(lp.dtype)  # a token carries the version that drew it (engines.py); step may be 0-d
     turns = mb.turns if cfg.env else None  # episodes: the mismatch and the masks by model turn too
     metrics = _token_stats(lp - logq, entropy, age, cfg, mask, turns)
     if cfg.correction_metrics_only:  # plain reinforce; the corrections only say what they would mask

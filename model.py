@@ -24,7 +24,7 @@ Simplifications:
 2. RoPE angles are computed from the position tensor on the fly (no table), so packed
    documents restart at position 0 and padding can have any position.
 3. The forward returns the final hidden states, not logits: the LM head lives in
-   kernels.py, fused with the log-softmax so [N, V] logits are never held.
+   lm_head.py, fused with the log-softmax so [N, V] logits are never held.
 4. Real checkpoints are bf16; the trainer keeps fp32 master weights and the engine casts
    its own copy (`--engine-dtype`).
 5. No sliding-window attention and no RoPE scaling but llama3: configs asking for them are

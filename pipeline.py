@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from model import Transformer
-from rollout import Engine
+from engines import Engine
 
 
 @dataclass

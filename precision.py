@@ -1,5 +1,5 @@
 """What a lower-precision engine computes (--engine-dtype), as layers the built-in engine
-(rollout.TorchEngine) swaps in for every nn.Linear, state_dict names unchanged.
+(engines.TorchEngine) swaps in for every nn.Linear, state_dict names unchanged.
 
 1. `Rounded` (bf16, fp16): the input and output rounded to the dtype, the weight holding
    dtype values. On a CPU the arithmetic is fp32: most CPUs have no bf16 matmul units.
@@ -8,7 +8,7 @@
 3. `LossScale`: the trainer's side of low precision, --train-dtype fp16's dynamic loss scale
    (train.optimizer_step applies it).
 
-    python -m pytest -q tests/test_rollout.py    # against independent references
+    python -m pytest -q tests/test_torch_engine.py    # against independent references
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class Rounded(nn.Module):
     A bf16 matmul multiplies bf16 inputs, accumulates in fp32 and stores bf16; products of two
     bf16 values are exact in fp32, so this is the same arithmetic up to the summation order. What
     it leaves in fp32 (norms, RoPE, attention, the residual stream) a bf16 engine would round too,
-    so the mismatch is smaller (tests/test_rollout.py holds it below the native dtype's and within
+    so the mismatch is smaller (tests/test_torch_engine.py holds it below the native dtype's and within
     a factor of it), and on a CPU without bf16 units it takes a fraction of the native time
     (docs/experiments.md "2026-12-01: the CPU step, before and after four changes")."""
 

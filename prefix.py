@@ -1,7 +1,7 @@
 """What the built-in engine keeps between calls: the KV cache rows of its last call, so that a
 call whose prompts extend them (a multi-turn episode's next turn) prefills only the new tokens.
 
-The engine contract stays one stateless `generate` (rollout.py `Engine`): a prompt is an
+The engine contract stays one stateless `generate` (engines.py `Engine`): a prompt is an
 episode's whole ids so far, and a call's results do not depend on what was kept except through
 the order of floating-point sums (a kept key was computed by a decode step, not by a prefill).
 `TorchEngine` keeps every output row of its last call when the caller says a next call may

@@ -38,11 +38,13 @@ import numpy as np
 import torch
 
 import data as D
+
+from textcodec import TextCodec
 import lora
 import model as M
 from parallel import Link, full
 from precision import DTYPES
-from rollout import Completion, Sampling
+from engines import Completion, Sampling
 from vllm_engine import make_engine, serves_adapter
 
 GEN, PUSH, STOP, IDLE = 1, 2, 3, 4
@@ -177,7 +179,7 @@ def serve(cfg, link: Link) -> None:
         return
     model = _inference_model(cfg, src, spec)  # the pushes land here
     seed = cfg.seed + 1000 * link.rank  # unused by sampling (each call brings its seed); vLLM's init takes one
-    engine = make_engine(cfg, model, src, D.TextCodec.load(src).stop_ids, seed)
+    engine = make_engine(cfg, model, src, TextCodec.load(src).stop_ids, seed)
     while True:
         msg = link.recv(0)
         cmd = int(msg[0][0])

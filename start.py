@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import config as C
-import data as D
+from textcodec import TextCodec, write_tokenizer
 import episodes as E
 import loss as L
 import model as M
@@ -31,7 +31,7 @@ import lora
 import parallel as P
 from parallel import RANK, print0, shard
 from remote import RemoteEngine
-from rollout import Sampling
+from engines import Sampling
 from vllm_engine import make_engine, serves_adapter, vllm_logprobs, vllm_lora_rank
 from rundir import check_fresh, snapshot
 
@@ -45,7 +45,7 @@ class Start:
     resume_from: Path | None  # the checkpoint --resume continues
     kept: list[dict] | None  # on resume, the metrics rows up to that checkpoint
     seen: tuple  # the run directory as the checks saw it (checkpoint.snapshot), checked again under its lock
-    codec: D.TextCodec
+    codec: TextCodec
     task: T.Task
     model: M.Transformer
     env: E.EnvSpec | None = None  # --env
@@ -68,7 +68,7 @@ def check_start(cfg: C.Config) -> Start:
         if note := check_fresh(out, cfg.model):
             print0(note)
         resume_from, kept, src = None, None, None if cfg.model == "scratch" else Path(cfg.model)
-        codec = D.TextCodec.load(src) if src else D.TextCodec.tiny(T.alphabet(cfg))
+        codec = TextCodec.load(src) if src else TextCodec.tiny(T.alphabet(cfg))
     task = T.build(cfg, codec)
     env = E.load_env(cfg, task)
     if cfg.stage == "sft":  # a multi-turn reference must follow the token rule before anything is written
@@ -232,7 +232,7 @@ def check_copied(src: Path) -> None:
                 raise ValueError(f"{f}: not valid JSON ({e}); every checkpoint would copy it as it is") from None
 
 
-def load_model(cfg: C.Config, src: Path | None, codec: D.TextCodec) -> M.Transformer:
+def load_model(cfg: C.Config, src: Path | None, codec: TextCodec) -> M.Transformer:
     """The model in `src`, or with `--model scratch` (src None) a fresh tiny one in memory."""
     if src is not None:
         return M.load(src, device=cfg.device)
@@ -248,14 +248,14 @@ def write_scratch(cfg: C.Config, out: Path, model: M.Transformer, task: T.Task) 
     if RANK == 0:
         M.remove_path(src)  # a run started over makes its model anew (a symlink there is not followed)
         src.mkdir()
-        D.write_tokenizer(src, task.alphabet)
+        write_tokenizer(src, task.alphabet)
         M.save(model, src, src, state=lora.base_state(model) if model.lora else None)  # LoRA: the base it trains on
     if P.world() > 1:
         dist.barrier()
     return src
 
 
-def build(cfg: C.Config, src: Path, model: M.Transformer, codec: D.TextCodec, link: P.Link | None = None):
+def build(cfg: C.Config, src: Path, model: M.Transformer, codec: TextCodec, link: P.Link | None = None):
     """Engine, sharded model, optimizer and the (compiled) forward, around the loaded model; `link`
     (setup_distributed's, --inference-gpus) reaches the sampling ranks."""
     if cfg.compile == "on" and not can_compile(cfg.device):

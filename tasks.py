@@ -64,7 +64,8 @@ from typing import Callable
 
 import usercode
 from config import Config, ConfigError
-from data import LETTERS, Prompt, RunError, TextCodec
+from data import Prompt, RunError
+from textcodec import LETTERS, TextCodec
 
 # fmt: off
 WORDS = """

@@ -67,109 +67,21 @@ import loss as L
 import model as M
 import tasks as T
 import usercode
-from checkpoint import Logger, NothingToDo, load_training_state, note_changed_rewards, resumed_config, save_checkpoint
-from kernels import head
+from checkpoint import NothingToDo, load_training_state, note_changed_rewards, resumed_config, save_checkpoint
+from lm_head import head
 from packing import my_share, pack
 import parallel as P
+import rollout as R
 from parallel import RANK, full, gather, print0, setup_distributed, sum_over_ranks
 from pipeline import AsyncRollouts, RolloutRNG
 from precision import DTYPES, LossScale
 from remote import RemoteEngine, dismiss, serve
-from rollout import Sampling
 from rundir import claimed, way_on, write_file
+from runlog import Logger
 from start import Start, adapter_flags, build, check_start, write_scratch
 
 
-# ----------------------------------------------------------------------------- phases
-
-def rl_sampling(cfg) -> Sampling:
-    return Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens,
-                    support=L.reads_support(cfg), draws=cfg.score_centering_k, noise=cfg.engine_noise)
-
-
-def rollout_phase(cfg, task, engine, rng, step, context: int):
-    """Prompts -> completions -> rewards -> advantages, as Samples.
-
-    A prompt that cannot fit its completion in the context, and a sample the task could not
-    score (tasks.py: its reward raised or gave NaN), are skipped and counted
-    (`skipped/too_long`, `skipped/reward_error`)."""
-    drawn = task.sample(cfg.prompts_per_step, rng)  # the same on every rank
-    if all(len(p.ids) + cfg.max_new_tokens > context for p in drawn):
-        raise D.RunError(f"every prompt is longer than the context: {len(drawn[0].ids)} prompt tokens "
-                         f"+ --max-new-tokens {cfg.max_new_tokens} > {context}")
-    drawn = my_prompts(cfg, drawn)
-    prompts = [p for p in drawn if len(p.ids) + cfg.max_new_tokens <= context]
-    completions = engine.generate([p.ids for p in prompts], cfg.group_size, rl_sampling(cfg), keep=False) if prompts else []
-    owners = [prompts[i // cfg.group_size] for i in range(len(completions))]
-    rewards = task.score(owners, [c.ids for c in completions], cfg.group_size)
-    samples = [D.Sample(p, c.ids, c.logq, c.versions, c.finish_reason, c.support, reward=r)
-               for p, c, r in zip(owners, completions, rewards)]
-    return scored_batch(cfg, samples, len(drawn), len(prompts))
-
-
-def episode_phase(cfg, task, play: E.Play, rng):
-    """--env: rows -> whole episodes (episodes.play: the model's turns and the environment's
-    replies) -> rewards -> advantages, as Samples, with the episodes' own metrics."""
-    drawn = task.sample(cfg.prompts_per_step, rng)  # the same on every rank
-    seeds = [rng.getrandbits(32) for _ in drawn]  # the environments' randomness: from the run's RNG, so a resume repeats it
-    mine = my_prompts(cfg, list(range(len(drawn))))  # this rank's groups: it plays them whole, so a fault drops a group here
-    rows = [drawn[i] for i in mine]
-    eps = E.play(play, rows, cfg.group_size, [seeds[i] for i in mine])
-    samples, stats = scored_batch(cfg, E.finish(play, task, eps, cfg.group_size), len(rows), len(rows))
-    stats.update({k: (torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64))
-                  for k, (a, b) in E.stats(eps, cfg.max_turns).items()})
-    return samples, stats
-
-
-def scored_batch(cfg, samples: list, drawn: int, kept: int):
-    """Group advantages over the samples, then the ones that scored and the batch's metrics."""
-    advs = L.group_advantages([s.reward for s in samples], cfg.group_size, cfg.adv_std_norm)
-    for s, a in zip(samples, advs):
-        s.advantage = a
-    scored = [s for s in samples if math.isfinite(s.reward)]
-    rewards = torch.tensor([s.reward for s in scored] or [0.0])
-    n = float(len(scored))
-    stats = {"reward": (rewards.sum(), n),  # reward/std: in `run`, over the global batch
-             "length": (float(sum(len(s.completion) for s in scored)), n),
-             "truncated_fraction": (float(sum(s.finish_reason == "length" for s in scored)), n),
-             "skipped/too_long": (float(drawn - kept), float(drawn)),
-             "skipped/reward_error": (float(len(samples) - len(scored)), float(len(samples)))}
-    return scored, {k: (torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b)) for k, (a, b) in stats.items()}
-
-
-def my_prompts(cfg, drawn: list) -> list:
-    """This rank's share of the step's prompts; with --inference-gpus rank 0 sends them all out."""
-    if cfg.inference_gpus:
-        return drawn if RANK == 0 else []
-    return drawn[RANK::P.world()]
-
-
-def make_batch(run: Run, step: int):
-    """The batch of `step` as (samples, stats): rl rollouts (prompts -> completions -> rewards ->
-    advantages), or sft samples. Inline in the synchronous loop; with --async-level on a thread."""
-    cfg = run.cfg
-    if cfg.stage == "sft":
-        return sft_samples(cfg, run.task, run.rng)
-    try:
-        if run.play is not None:
-            return episode_phase(cfg, run.task, run.play, run.rng)
-        return rollout_phase(cfg, run.task, run.engine, run.rng, step - 1, run.model.args.max_position_embeddings)
-    finally:
-        run.engine.idle()  # the step's rollout is over (all its turns): vLLM may sleep now, not between turns
-
-
-def sft_samples(cfg, task, rng):
-    """The task's reference completions; a row's `episode` column is a multi-turn reference, trained
-    on its assistant turns only (episodes.reference: the token rule of the episodes themselves)."""
-    samples = []
-    for p in task.sample(cfg.prompts_per_step, rng)[RANK::P.world()]:
-        if "episode" in p.columns:
-            samples.append(E.reference(task.codec, p, p.columns["episode"], task.template_kwargs))
-            continue
-        ids = task.completion_ids(p)
-        samples.append(D.Sample(p, ids, [0.0] * len(ids), [0] * len(ids), "stop"))
-    return samples, {}
-
+# ----------------------------------------------------------------------------- the trainer's side
 
 def prepare(cfg, samples, vocab_size, device):
     """Pack the global batch into micro-batches, validate the evidence, count the denominators;
@@ -267,29 +179,6 @@ def idle_cause(batch: list, m: dict) -> str:
     if m.get("skipped/env_error") == 1.0:
         return "every episode failed (skipped/env_error 1.00; see the warnings above)"
     return f"every reward call raised or returned None/NaN ({counts})"
-
-
-@torch.no_grad()
-def evaluate(cfg, task, engine, play: E.Play | None = None, n: int = 4) -> dict[str, float]:
-    """Mean reward of n samples per held-out prompt, drawn as in training from a fixed seed (and
-    pass@1, pass@n for a 0/1 reward); what could not be scored is counted, not averaged in. With
-    --env, n whole episodes per held-out row."""
-    try:
-        if play is not None:
-            return E.evaluate(cfg, task, play, n)
-        prompts = task.eval_set
-        sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, seed=cfg.seed + 1)
-        out = engine.generate([p.ids for p in prompts], n, sampling, keep=False)
-        rewards = task.score([prompts[i // n] for i in range(len(out))], [c.ids for c in out], n)
-        return T.eval_metrics(rewards, n)
-    finally:
-        engine.idle()
-
-
-def eval_line(step: int, m: dict) -> str:
-    passes = "".join(f" | {k[5:]} {v:.3f}" for k, v in m.items() if k.startswith("eval/pass@"))
-    reward = f"{m['eval/reward']:.3f}" if "eval/reward" in m else "- (nothing scored)"
-    return f"eval step {step} | reward {reward}{passes}"
 
 
 # ----------------------------------------------------------------------------- main
@@ -395,7 +284,7 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
         for r in s.task.rewards:
             r.stop = stop
         play = None if s.env is None else E.Play(
-            s.env, s.codec, engine, rl_sampling(cfg), min(s.model.args.max_position_embeddings, cfg.micro_batch_tokens + 1),
+            s.env, s.codec, engine, R.rl_sampling(cfg), min(s.model.args.max_position_embeddings, cfg.micro_batch_tokens + 1),
             cfg.max_turns, cfg.call_timeout, s.task.template_kwargs, stop=stop)
         run = Run(cfg, s.task, s.model, fwd, opt, engine, rng, log, s.out, src, scale, play, stop)
         # start-up's objects (torch, the tokenizer, the model: hundreds of thousands) leave the cyclic
@@ -430,7 +319,7 @@ class Run:
     model: M.Transformer  # the trainer's fp32 weights (FSDP2-sharded under torchrun)
     fwd: object  # the model, or torch.compile(model)
     opt: torch.optim.Optimizer
-    engine: object  # a rollout.Engine (or a remote.RemoteEngine): samples with a copy of the weights
+    engine: object  # an engines.Engine (or a remote.RemoteEngine): samples with a copy of the weights
     rng: random.Random  # draws the prompts
     log: Logger
     out: Path  # --out-dir
@@ -441,17 +330,22 @@ class Run:
     step: int = 0  # the step in progress (a Ctrl-C's line names it)
 
 
+def next_batch(run: Run, step: int):
+    """The batch `step` trains on: the rollout phase (rollout.py) with this run's parts."""
+    return R.make_batch(run.cfg, run.task, run.engine, run.rng, step, run.model.args.max_position_embeddings, run.play)
+
+
 def loop(run: Run, start: int) -> None:
     """Steps start+1..--steps, then a checkpoint at --save-every and at the end. With --async-level
     a thread samples each batch ahead (pipeline.AsyncRollouts) and hands it to the step."""
     cfg, run.step = run.cfg, start + 1
     if cfg.eval_every and not start and RANK == 0:
-        run.log.row(0, evaluate(cfg, run.task, run.engine, run.play))
-        print0(eval_line(0, run.log.rows[-1]))
+        run.log.row(0, R.evaluate(cfg, run.task, run.engine, run.play))
+        print0(R.eval_line(0, run.log.rows[-1]))
     ahead = None
     if cfg.async_level > 0 and cfg.stage == "rl":
         threads = max(1, torch.get_num_threads() // 2) if cfg.device == "cpu" else 0  # half the cores each
-        ahead = AsyncRollouts(lambda step: make_batch(run, step), run.engine, run.rng, cfg.async_level, start,
+        ahead = AsyncRollouts(lambda step: next_batch(run, step), run.engine, run.rng, cfg.async_level, start,
                               cfg.steps, threads, run.stop)
     skipped = empty = failed = 0  # non-finite steps in a row, empty ones, ones whose episodes all failed
     trained = False  # whether a step of this run took an optimizer step
@@ -492,7 +386,7 @@ def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[di
     cfg, model, t0 = run.cfg, run.model, time.time()
     # 1-3. prompts -> completions with the sampler's evidence -> rewards -> group advantages
     if ahead is None:
-        samples, stats = make_batch(run, step)
+        samples, stats = next_batch(run, step)
         t_rollout = time.time() - t0
     else:
         samples, stats, t_rollout = ahead.get(step)
@@ -527,10 +421,10 @@ def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[di
     m.update({"time/rollout": t_rollout, "time/train": t_train, "time/step": t2 - t0,
               "tokens/train": denom.tokens, "tokens/packed": n_tok})
     if due:
-        m.update(evaluate(cfg, run.task, run.engine, run.play))  # this step's weights
+        m.update(R.evaluate(cfg, run.task, run.engine, run.play))  # this step's weights
         if ahead is not None:
             ahead.release()
-        print0(eval_line(step, m))
+        print0(R.eval_line(step, m))
     run.log.row(step, m)
     run.log.line(step, m, n_tok, t2 - t0)
     return m, batch

@@ -1,12 +1,12 @@
-"""The CUDA implementation of kernels.head's contract: the LM head fused with the
-log-softmax as six Triton kernels. kernels.py is the place to read the maths (what `head`
+"""The CUDA implementation of lm_head.head's contract: the LM head fused with the
+log-softmax as six Triton kernels. lm_head.py is the place to read the maths (what `head`
 computes, the dense and the sparse backward) and the plain-torch reference these kernels are
 tested against; this file is how the GPU computes the same thing without [N, V] logits.
 
     head(hidden[N,H], weight[V,H], labels[N], support | None, temperature, sparse, backward_gemm)
         -> logp[N] fp32, entropy[N] fp32 (no grad), support_logp[nnz] fp32
 
-kernels.head calls it for impl="triton", and for impl="auto" on CUDA tensors when triton
+lm_head.head calls it for impl="triton", and for impl="auto" on CUDA tensors when triton
 imports (`triton_available`). triton itself is imported on first use (`_triton()`), so
 importing this module never imports it.
 
@@ -39,7 +39,7 @@ Simplifications:
    stored in the weights' dtype (bf16 on GPUs, as in other fused cross-entropy kernels)
    before the two GEMMs; the sums around it are fp32.
 2. The dense backward's two GEMMs per vocabulary chunk run as `_matmul_kernel`
-   (backward_gemm="triton", kernels.head's default) or as torch.mm ("torch": cuBLAS on
+   (backward_gemm="triton", lm_head.head's default) or as torch.mm ("torch": cuBLAS on
    CUDA, bf16 products summed in fp32 through mm's out_dtype). bench/head.py times both on
    a GPU; whichever wins there should become the default.
 3. In the interpreter the kernels see fp32 copies of hidden and weight: tl.dot on bf16 is
@@ -486,7 +486,7 @@ def _triton_forward(hidden, weight, labels, ids, offsets, replayed, temperature:
 
 def _triton_backward(hidden, weight, labels, ids, offsets, replayed, slp, lse, g_logp, g_slp, temperature: float,
                      sparse: bool, backward_gemm: str, need_dh: bool, need_dw: bool):
-    """The coefficients as in the reference's _SparseHead (kernels.py), then the dense or
+    """The coefficients as in the reference's _SparseHead (lm_head.py), then the dense or
     sparse kernels."""
     _check(hidden, weight, labels, ids, offsets, replayed)
     assert slp.shape == ids.shape and g_slp.shape == ids.shape and lse.shape == g_logp.shape == labels.shape
@@ -560,7 +560,7 @@ _head_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def head(hidden, weight, labels, support: TokenSupport | None, temperature: float, sparse: bool, backward_gemm: str):
-    """kernels.head's contract on the kernels, for the arguments kernels.head has checked. No
+    """lm_head.head's contract on the kernels, for the arguments lm_head.head has checked. No
     support is an empty one (no replayed row); backward_gemm ("triton" or "torch") picks how
     the dense backward runs its two GEMMs (`_gemm`)."""
     assert backward_gemm in ("triton", "torch"), backward_gemm

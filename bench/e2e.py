@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-import data as D  # noqa: E402
+
+from textcodec import TextCodec, write_tokenizer  # noqa: E402
 import model as M  # noqa: E402
 import train  # noqa: E402
 
@@ -52,8 +53,8 @@ PEAK_BF16 = {"H200": 989e12, "H100": 989e12}
 
 
 def write_model(d: Path, shape: str) -> int:
-    D.write_tokenizer(d)
-    stop = D.TextCodec.load(d).stop_ids[0]
+    write_tokenizer(d)
+    stop = TextCodec.load(d).stop_ids[0]
     m = M.Transformer(M.ModelArgs(151936, **SHAPES[shape], tie_word_embeddings=True, eos_token_id=stop))
     M.init_weights(m, seed=0)
     M.save(m, d, d)

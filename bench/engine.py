@@ -41,11 +41,12 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-import data as D  # noqa: E402
+
+from textcodec import TextCodec  # noqa: E402
 import lora as L  # noqa: E402
 import model as M  # noqa: E402
 import tasks as T  # noqa: E402
-from rollout import Sampling, TorchEngine  # noqa: E402
+from engines import Sampling, TorchEngine  # noqa: E402
 from vllm_engine import VLLMEngine  # noqa: E402
 
 
@@ -88,7 +89,7 @@ def main():
         with torch.no_grad():
             for m in L.adapted(model).values():
                 m.lora_B.weight.normal_(0, 0.02)
-    codec = D.TextCodec.load(a.model)
+    codec = TextCodec.load(a.model)
     task = T.ReverseText(codec, min_words=1, max_words=3, eval_size=8)  # keywords: a reward list comes second now
     prompts = [p.ids for p in task.sample(a.prompts, random.Random(0))]
     settings = [("off", Sampling(top_k=a.top_k, max_new_tokens=a.max_new_tokens)),

@@ -56,14 +56,15 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-import data as D  # noqa: E402
+
+from textcodec import TextCodec, write_tokenizer  # noqa: E402
 import lora  # noqa: E402
 import model as M  # noqa: E402
 import start  # noqa: E402
 import train  # noqa: E402
 from experiment import _mean_std, _ms, run_one, run_stats  # noqa: E402
 from precision import Rounded  # noqa: E402
-from rollout import Sampling, TorchEngine  # noqa: E402
+from engines import Sampling, TorchEngine  # noqa: E402
 
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=512)
@@ -130,8 +131,8 @@ def shaped_model(d: Path, shape: dict) -> Path:
     if (d / "model.safetensors").is_file():
         return d
     d.mkdir(parents=True, exist_ok=True)
-    D.write_tokenizer(d)
-    codec = D.TextCodec.load(d)
+    write_tokenizer(d)
+    codec = TextCodec.load(d)
     m = M.Transformer(M.ModelArgs(**shape, eos_token_id=codec.stop_ids[0]))
     M.init_weights(m, std=0.02, seed=0)
     M.save(m, d, d)
@@ -278,7 +279,7 @@ def engine_bench(a) -> str:
     model = M.load(base)
     lora.add(model, spec)
     lora.load_adapter(model, tensors)
-    codec = D.TextCodec.load(base)
+    codec = TextCodec.load(base)
     import random
     import tasks as T
     task = T.ReverseText(codec, eval_size=4)

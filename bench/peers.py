@@ -49,7 +49,7 @@ Learning (--learn): per seed, floe's default 80-step job (`python train.py --see
 TRL for floe's summed time/step (its loop without the held-out evals and start-up; TRL stops
 at the step end nearest that budget, so it is off by under half a step), saved with
 save_pretrained and floe's tokenizer files beside it. Both final models (and the start model)
-are then scored by floe's own evaluator (train.evaluate: the 64 held-out prompts, 4 samples
+are then scored by floe's own evaluator (rollout.evaluate: the 64 held-out prompts, 4 samples
 each, sampling seed S + 1, floe's bf16 engine), so the number is the one floe logs as
 eval/reward; floe's own logged final eval is checked against the re-scored one.
 """
@@ -74,7 +74,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import config as C  # noqa: E402  (floe's modules: the task, the defaults, the evaluator)
-import data as D  # noqa: E402
+from textcodec import TextCodec  # noqa: E402
 import tasks as T  # noqa: E402
 
 MODEL = ROOT / "checkpoints" / "reverse-tiny"
@@ -195,7 +195,7 @@ def floe_prompts(spec: dict, tok):
     ids checked against floe's), and floe's scorer as a TRL reward function."""
     from datasets import Dataset
 
-    task = T.build(C.Config(), D.TextCodec.load(MODEL))
+    task = T.build(C.Config(), TextCodec.load(MODEL))
     drawn = task.sample(spec["prompts"] * spec["steps"], random.Random(spec["seed"]))
     checked = check_ids(tok, drawn[:ID_CHECKS])
 
@@ -366,18 +366,18 @@ def timing_table(results, skip: int) -> str:
 # ----------------------------------------------------------------------------- learning
 
 def evaluate_dir(model_dir: Path, seed: int) -> float:
-    """floe's own held-out eval of a HF directory (train.evaluate at floe's defaults, seed + 1 sampling)."""
+    """floe's own held-out eval of a HF directory (rollout.evaluate at floe's defaults, seed + 1 sampling)."""
     import model as M
-    import train
+    import rollout
     from vllm_engine import make_engine
 
     cfg = C.Config(seed=seed, model=str(model_dir)).resolve(cuda_available=False)
-    codec = D.TextCodec.load(model_dir)
+    codec = TextCodec.load(model_dir)
     task = T.build(cfg, codec)
     m = M.load(model_dir)
     task.fit_eval_set(cfg.max_new_tokens, m.args.max_position_embeddings)
     engine = make_engine(cfg, m, model_dir, codec.stop_ids, cfg.seed)
-    return train.evaluate(cfg, task, engine)["eval/reward"]
+    return rollout.evaluate(cfg, task, engine)["eval/reward"]
 
 
 def learn_seed(a, seed: int, tmp: Path) -> dict:

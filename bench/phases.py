@@ -51,7 +51,8 @@ def instrument(prof) -> set[str]:
 
     engines = importlib.import_module("engines" if os.path.exists("engines.py") else "rollout")
     wraps = {  # phase: the (owner, attribute) places it wraps, each one this checkout has
-        "rollout": [(train, "rollout_phase"), (train, "episode_phase")],  # one of the two runs, by the job
+        # one of the two runs, by the job; rollout.py holds them (older checkouts: train.py)
+        "rollout": [(m, f) for m in (importlib.import_module("rollout"), train) for f in ("rollout_phase", "episode_phase")],
         "  generate": [(engines.TorchEngine, "generate")],  # the engine's calls, inside the rollout
         "  user code": [(importlib.import_module("usercode"), "call_all")] if os.path.exists("usercode.py") else [],
         "pack+validate": [(train, "prepare")],

@@ -44,10 +44,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import data as D  # noqa: E402
+
+from textcodec import TextCodec  # noqa: E402
 import model as M  # noqa: E402
 import tasks as T  # noqa: E402
-from kernels import head  # noqa: E402
-from rollout import Sampling, TorchEngine  # noqa: E402
+from lm_head import head  # noqa: E402
+from engines import Sampling, TorchEngine  # noqa: E402
 
 HEAD_SHAPE = dict(N=4096, H=256, V=8192, max_row=512)
 
@@ -74,7 +76,7 @@ def support_from_lengths(lengths: np.ndarray, V: int, rng: np.random.Generator) 
 def rollout_support() -> D.TokenSupport:
     src = ROOT / "checkpoints" / "reverse-tiny"
     model = M.load(src)
-    codec = D.TextCodec.load(src)
+    codec = TextCodec.load(src)
     task = T.ReverseText(codec)
     prompts = task.sample(32, random.Random(0))
     engine = TorchEngine(model, "bf16", codec.stop_ids, seed=0)

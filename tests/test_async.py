@@ -13,13 +13,15 @@ import torch
 
 import config as C
 import data as D
+from textcodec import TextCodec
 import tasks as T
 import loss as L
 import model as M
 import start
+import rollout
 import train
 from pipeline import AsyncRollouts
-from rollout import TorchEngine
+from engines import TorchEngine
 from test_distributed import _rows
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,7 +130,7 @@ def test_async_level_0_is_the_synchronous_loop(tmp_path):
     fwd, engine, opt = start.build(cfg, s.src, model, s.codec)
     rng = random.Random(cfg.seed)
     for step in range(1, 4):
-        samples, total = train.rollout_phase(cfg, task, engine, rng, step - 1, model.args.max_position_embeddings)
+        samples, total = rollout.rollout_phase(cfg, task, engine, rng, step - 1, model.args.max_position_embeddings)
         mbs, denom, checks = train.prepare(cfg, samples, 32, "cpu")
         metrics = train.backward_pass(cfg, model, fwd, mbs, denom, step - 1)
         metrics.update(train.optimizer_step(cfg, model, opt, step))
@@ -163,12 +165,12 @@ def test_two_gloo_ranks_each_with_a_rollout_thread(tmp_path):
 
 
 def test_staleness_and_age0_kl_by_hand():
-    codec = D.TextCodec.tiny()
+    codec = TextCodec.tiny()
     m = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
     M.init_weights(m, std=0.1, seed=0)
     cfg = C.Config(loss="icepop", prompts_per_step=4, group_size=3, max_new_tokens=10, async_level=1)
     engine = TorchEngine(m, "bf16", codec.stop_ids, seed=1)
-    samples, _ = train.rollout_phase(cfg, T.ReverseText(codec, eval_size=4), engine, random.Random(0), 0, 512)
+    samples, _ = rollout.rollout_phase(cfg, T.ReverseText(codec, eval_size=4), engine, random.Random(0), 0, 512)
     g = torch.Generator().manual_seed(5)
     for i, s in enumerate(samples):  # odd samples fresh (version 5 at step 5), even ones two steps old
         s.versions = [5 if i % 2 else 3] * len(s.completion)

@@ -6,8 +6,8 @@ import torch
 
 import attention as A
 import model as M
-from kernels import head
-from rollout import Sampling, TorchEngine
+from lm_head import head
+from engines import Sampling, TorchEngine
 
 
 def _model(device="cpu"):

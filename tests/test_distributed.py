@@ -15,14 +15,15 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import config as C
-import data as D
+from textcodec import TextCodec
 import tasks as T
 import lora
 import loss as L
 import model as M
 import packing
+import rollout
 import train
-from rollout import TorchEngine
+from engines import TorchEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -89,7 +90,7 @@ def only_on_rank1():
 
 def _cases():
     """Token and sequence normalization; the second under top-p (replayed rows, the sparse head backward)."""
-    codec = D.TextCodec.tiny()
+    codec = TextCodec.tiny()
     m = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
     M.init_weights(m, std=0.1, seed=0)
     cases = []
@@ -97,7 +98,7 @@ def _cases():
         cfg = C.Config(loss="icepop", icepop_alpha=0.8, icepop_beta=1.25, prompts_per_step=4, group_size=3,
                        max_new_tokens=10, lr=1e-2, grad_clip=0.05, bad_evidence="drop", loss_agg=agg, top_p=top_p)
         engine = TorchEngine(m, "bf16", codec.stop_ids, seed=1)
-        samples, _ = train.rollout_phase(cfg, T.ReverseText(codec, eval_size=4), engine, random.Random(0), 0, 512)
+        samples, _ = rollout.rollout_phase(cfg, T.ReverseText(codec, eval_size=4), engine, random.Random(0), 0, 512)
         g = torch.Generator().manual_seed(5)
         for s in samples:  # a sampler far from the trainer (the mask fires), and no group ties
             s.logq = [lq + float(torch.randn((), generator=g)) * 0.3 for lq in s.logq]

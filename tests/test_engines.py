@@ -22,8 +22,10 @@ import pytest
 import torch
 
 import data as D
+
+from textcodec import TextCodec, write_tokenizer
 import model as M
-from rollout import Sampling, TorchEngine
+from engines import Sampling, TorchEngine
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,7 +75,7 @@ def _model():
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
-    D.write_tokenizer(d)
+    write_tokenizer(d)
     M.save(_model(), d, d)
     return d
 
@@ -271,7 +273,7 @@ def test_episodes_logq_and_budgets_equal_a_full_forward_of_each_episode(engine, 
     turn of full length cannot fit: some turns are cut by it, none runs past it."""
     import episodes as E
 
-    codec, model, s = D.TextCodec.tiny(), _model(), Sampling(temperature=0.9, top_k=top_k, max_new_tokens=16,
+    codec, model, s = TextCodec.tiny(), _model(), Sampling(temperature=0.9, top_k=top_k, max_new_tokens=16,
                                                               support=top_k > 0)
     row = D.Prompt(codec.render([{"role": "user", "content": "go"}]), [{"role": "user", "content": "go"}], {})
     reply = len(E.reply_ids(codec, [{"role": "user", "content": "more"}], STOPS[0], {}))
@@ -300,7 +302,7 @@ PUSHES = """
 import json, sys
 sys.path.insert(0, {root!r})
 import model as M
-from rollout import Sampling
+from engines import Sampling
 from vllm_engine import VLLMEngine
 
 def rss_mib():
@@ -397,13 +399,14 @@ import json, math, sys
 sys.path.insert(0, {root!r})
 import torch
 import data as D
+from textcodec import TextCodec, write_tokenizer
 import model as M
-from rollout import Sampling
+from engines import Sampling
 from vllm_engine import VLLMEngine
 from tests.test_engines import _kept, _probs
 
 d = {dir!r}
-D.write_tokenizer(d)
+write_tokenizer(d)
 m = M.Transformer(M.ModelArgs(vocab_size=8192, **M.TINY))
 M.init_weights(m, std=0.15, seed=2)
 M.save(m, d, d)

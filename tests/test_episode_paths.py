@@ -187,8 +187,8 @@ def test_a_hung_environment_is_counted_and_the_run_exits_cleanly(tmp_path, extra
 KILLER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import episodes as E, train
-phases, real_phase, real_turn = [0], train.episode_phase, E._environment_turn
+import episodes as E, rollout, train
+phases, real_phase, real_turn = [0], rollout.episode_phase, E._environment_turn
 def episode_phase(*a):
     phases[0] += 1
     return real_phase(*a)
@@ -196,7 +196,7 @@ def environment_turn(pl, eps, turn):
     if phases[0] == 4 and turn == 1:  # step 4's episodes, mid-way (with a thread: after step 1's checkpoint)
         os.kill(os.getpid(), signal.SIGKILL)
     return real_turn(pl, eps, turn)
-train.episode_phase, E._environment_turn = episode_phase, environment_turn
+rollout.episode_phase, E._environment_turn = episode_phase, environment_turn
 train.main(sys.argv[1:])
 """
 

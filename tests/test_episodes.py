@@ -21,11 +21,12 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 import config as C
 import data as D
+from textcodec import CHATML, LETTERS, TextCodec
 import episodes as E
 import loss as L
 import model as M
 import train
-from rollout import Completion, Sampling, TorchEngine
+from engines import Completion, Sampling, TorchEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 :\n<>/|_"
@@ -67,7 +68,7 @@ QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</th
 LLAMA_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>"]
 
 
-def _codec(specials, template, stops, bos=None) -> D.TextCodec:
+def _codec(specials, template, stops, bos=None) -> TextCodec:
     """A character tokenizer with the family's special tokens (each one id), its template and stop ids."""
     vocab = {t: i for i, t in enumerate(specials + list(dict.fromkeys(CHARS)))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=specials[0]))
@@ -75,11 +76,11 @@ def _codec(specials, template, stops, bos=None) -> D.TextCodec:
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     extra = {"bos_token": bos} if bos else {}
-    return D.TextCodec(tok, [vocab[s] for s in stops], template, {"unk_token": specials[0], **extra})
+    return TextCodec(tok, [vocab[s] for s in stops], template, {"unk_token": specials[0], **extra})
 
 
 FAMILIES = {
-    "chatml": (lambda: D.TextCodec.tiny(D.LETTERS), {}),
+    "chatml": (lambda: TextCodec.tiny(LETTERS), {}),
     "qwen3": (lambda: _codec(QWEN_SPECIALS, QWEN3_LIKE, ["<|im_end|>", "<|endoftext|>"]), {"enable_thinking": False}),
     "llama31": (lambda: _codec(LLAMA_SPECIALS, LLAMA31_LIKE, ["<|eot_id|>", "<|eom_id|>"], "<|begin_of_text|>"), {}),
 }
@@ -169,13 +170,13 @@ def test_the_trained_ids_are_the_sampled_ones_on_a_tokenizer_that_does_not_round
     """A BPE that merges "a" + "b": the engine samples [a, b], whose text re-encodes to [ab]. A
     decode-and-re-encode design would train on other ids than were sampled; floe's episode keeps them."""
     vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
-    for ch in D.LETTERS:
+    for ch in LETTERS:
         vocab.setdefault(ch, len(vocab))
     vocab["ab"] = len(vocab)
     tok = Tokenizer(models.BPE(vocab, [("a", "b")], unk_token="<|endoftext|>"))
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
-    codec = D.TextCodec(tok, [2, 0], D.CHATML, {"unk_token": "<|endoftext|>"})
+    codec = TextCodec(tok, [2, 0], CHATML, {"unk_token": "<|endoftext|>"})
     sampled = [vocab["a"], vocab["b"], 2]
     assert codec.encode(codec.decode(sampled)) + [2] != sampled  # it does not round-trip
     engine = Scripted([[sampled], [[vocab["c"], 2]], [[vocab["d"], 2]]], [2, 0])
@@ -194,7 +195,7 @@ def _model(seed=0):
 def test_every_model_tokens_logq_equals_a_full_fp32_forward_of_its_episode(top_k):
     """Episodes of several turns on the built-in engine (fp32): each model token's logq, and under
     top-k its support row, against the full forward of the whole episode at the sampling temperature."""
-    codec, model = D.TextCodec.tiny(D.LETTERS), _model()
+    codec, model = TextCodec.tiny(LETTERS), _model()
     engine = TorchEngine(model, "fp32", codec.stop_ids, seed=3)
     s = Sampling(temperature=0.7, top_k=top_k, max_new_tokens=6, support=top_k > 0)
 
@@ -233,7 +234,7 @@ def test_every_model_tokens_logq_equals_a_full_fp32_forward_of_its_episode(top_k
 
 def _episode_samples(seed=0):
     """Episodes with real sampled turns (built-in engine) and advantages, for the packed step."""
-    codec, model = D.TextCodec.tiny(D.LETTERS), _model(seed)
+    codec, model = TextCodec.tiny(LETTERS), _model(seed)
     engine = TorchEngine(model, "bf16", codec.stop_ids, seed=1)
 
     class Two(Replies):
@@ -290,7 +291,7 @@ def test_a_packed_multi_turn_step_equals_a_dense_unpacked_reference(agg):
 
 
 def test_the_multi_turn_sft_reference_trains_the_assistant_turns_under_the_token_rule():
-    codec = D.TextCodec.tiny(D.LETTERS)
+    codec = TextCodec.tiny(LETTERS)
     p = D.Prompt(codec.render([{"role": "user", "content": "guess"}]), [{"role": "user", "content": "guess"}], {})
     turns = [{"role": "assistant", "content": "b"}, {"role": "user", "content": "later"}, {"role": "assistant", "content": "c"}]
     s = E.reference(codec, p, turns, {})
@@ -379,7 +380,7 @@ class StringReward(Replies):
                                          (DoneNo, "bad_reply", "step's done is str 'no' is not a bool"),
                                          (StringReward, "error", "reward returned str '1.0' is not a number")])
 def test_an_environment_fault_takes_its_group_out_with_its_cause(env, end, why):
-    codec = D.TextCodec.tiny(D.LETTERS)
+    codec = TextCodec.tiny(LETTERS)
     stop = codec.stop_ids[0]
     engine = Scripted([[[5, stop], [6, stop]]], codec.stop_ids)
     eps, _ = _play(codec, engine, {}, env=env, group=2, timeout=0.3)
@@ -392,7 +393,7 @@ def test_an_environment_fault_takes_its_group_out_with_its_cause(env, end, why):
 
 def test_an_environment_reward_of_any_real_type_and_a_numpy_done_are_taken():
     """np.float32, np.int64, a 0-d tensor and a bool are numbers (bool as 0 or 1); np.bool_ is a bool."""
-    codec = D.TextCodec.tiny(D.LETTERS)
+    codec = TextCodec.tiny(LETTERS)
     stop = codec.stop_ids[0]
     for value, want in ((np.float32(0.5), 0.5), (np.int64(1), 1.0), (torch.tensor(0.25), 0.25), (True, 1.0)):
         env = type("E", (NumpyReward,), {"reward": lambda self, v=value: v})
@@ -401,7 +402,7 @@ def test_an_environment_reward_of_any_real_type_and_a_numpy_done_are_taken():
 
 
 def test_a_reply_that_overflows_the_budget_ends_the_episode_before_it():
-    codec = D.TextCodec.tiny(D.LETTERS)
+    codec = TextCodec.tiny(LETTERS)
     stop = codec.stop_ids[0]
     engine = Scripted([[[5, stop]]], codec.stop_ids)
     (ep,), row = _play(codec, engine, {}, env=Long, limit=120)
@@ -489,7 +490,7 @@ def test_threads_an_environment_leaves_running_do_not_keep_the_process_alive(tmp
 
 
 @pytest.mark.parametrize("spec,words", [("nowhere.py:Env", "no such file"), ("envs:Missing", "has no class 'Missing'"),
-                                        ("envs:LETTERS", "is not a class"), ("data:Prompt", "Prompt.step is not a method"),
+                                        ("envs:SECRETS", "is not a class"), ("data:Prompt", "Prompt.step is not a method"),
                                         ("{f}:NoReward", "has no reward() and no --reward"), ("{f}:Exits", "SystemExit(0)")])
 def test_a_bad_env_is_refused_before_the_first_byte(tmp_path, capsys, spec, words):
     f = _env_file(tmp_path, """

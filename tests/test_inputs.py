@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import data as D
+
+from textcodec import TextCodec
 import model as M
 import tasks as T
 import train
-from rollout import TorchEngine
+from engines import TorchEngine
 from conftest import one_line
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -247,7 +248,7 @@ def test_a_stop_id_of_the_wrong_type_names_generation_config(tmp_path, stop):
     d = _copy(tmp_path)
     _edit_json(d / "generation_config.json", eos_token_id=stop)
     with pytest.raises(ValueError) as e:
-        D.TextCodec.load(d)
+        TextCodec.load(d)
     assert str(e.value) == (f"{d / 'generation_config.json'}: eos_token_id must be a token id (an integer) or a "
                             f"non-empty list of them, got {json.dumps(stop)}")
 
@@ -342,7 +343,7 @@ def _jsonl(path, rows):
 
 def test_a_column_missing_from_some_rows_or_the_eval_file_is_refused(tmp_path):
     """The union of the rows' columns hid a row without one: its reward call failed at every draw."""
-    codec, rewards = D.TextCodec.load(ROOT / "checkpoints" / "arith-tiny"), T.load_rewards(("numeric_match",), ())
+    codec, rewards = TextCodec.load(ROOT / "checkpoints" / "arith-tiny"), T.load_rewards(("numeric_match",), ())
     rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} if i % 3 else {"prompt": f"{i}+1="} for i in range(1, 10)]
     train_file = _jsonl(tmp_path / "t.jsonl", rows)
     with pytest.raises(T.ConfigError) as e:

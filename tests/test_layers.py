@@ -76,10 +76,14 @@ def _below(name: str) -> set[str]:
     return seen
 
 
-def test_the_episode_loop_sits_above_the_engines_and_user_code_below_everything():
-    """episodes.py calls the engine (rollout.py), never the reverse; usercode.py (the isolation every
-    reward and environment call goes through) and envs.py (the contract a forker copies) are layer 0."""
-    assert "rollout" in _below("episodes") and "episodes" not in _below("rollout")
+def test_the_rollout_phase_sits_on_the_episodes_which_sit_on_the_engines():
+    """The flow of one batch, bottom up: engines.py samples, episodes.py plays turns with it, rollout.py
+    makes the step's batch from either, train.py trains on it; never the reverse. usercode.py (the
+    isolation every reward and environment call goes through) and envs.py (the contract a forker
+    copies) are layer 0."""
+    assert "engines" in _below("episodes") and "episodes" not in _below("engines")
+    assert "episodes" in _below("rollout") and "rollout" not in _below("episodes")
+    assert "rollout" in _below("train") and "train" not in _below("rollout")
     assert not repo_imports("usercode") and not repo_imports("envs")
 
 

@@ -10,12 +10,13 @@ import torch
 from torch.func import functional_call
 
 import config as C
-import data as D
+from textcodec import TextCodec
 import lora
 import model as M
 import tasks as T
+import rollout
 import train
-from rollout import TorchEngine
+from engines import TorchEngine
 from test_model import _family_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -155,10 +156,10 @@ def test_the_engine_holds_the_merged_weights_after_every_push(dtype):
 
 
 def test_a_step_moves_the_adapters_alone_and_adam_holds_only_theirs():
-    codec = D.TextCodec.tiny()
+    codec = TextCodec.tiny()
     model = _tiny_adapted()
     cfg = C.Config(loss="icepop", prompts_per_step=4, group_size=3, max_new_tokens=10, lr=1e-2, lora_rank=8).resolve(False)
-    samples, _ = train.rollout_phase(cfg, T.ReverseText(codec, eval_size=4), TorchEngine(model, "bf16", codec.stop_ids),
+    samples, _ = rollout.rollout_phase(cfg, T.ReverseText(codec, eval_size=4), TorchEngine(model, "bf16", codec.stop_ids),
                                      random.Random(0), 0, 512)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trained = [p for p in model.parameters() if p.requires_grad]

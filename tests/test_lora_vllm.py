@@ -20,7 +20,7 @@ import model as M
 from config import ConfigError
 from conftest import one_line
 from lora import VLLM_RANKS, LoRASpec
-from rollout import Sampling
+from engines import Sampling
 from test_distributed import torchrun
 from test_engines import HAS_VLLM, PROMPTS, ROOT, STOPS, _model, _probs, model_dir, needs_vllm  # noqa: F401 (a fixture)
 
@@ -30,11 +30,12 @@ sys.path.insert(0, {root!r})
 import torch
 import peft, transformers
 import data as D, lora as L, model as M
-from rollout import Sampling
+from engines import Sampling
+from textcodec import TextCodec, write_tokenizer
 from vllm_engine import VLLMEngine
 
 d, out = {dir!r}, {out!r}
-D.write_tokenizer(d)
+write_tokenizer(d)
 base = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
 M.init_weights(base, std=0.15, seed=0)
 M.save(base, d, d)
@@ -134,7 +135,8 @@ sys.path[:0] = [{root!r}]
 import torch
 import config as C, data as D, lora as L, model as M, parallel as P
 from remote import RemoteEngine, serve
-from rollout import Sampling, TorchEngine
+from engines import Sampling, TorchEngine
+from textcodec import TextCodec
 
 src, engine, dtype = {src!r}, {engine!r}, {dtype!r}
 cfg = C.Config(model=src, engine=engine, inference_gpus=1, engine_dtype=dtype, lora_rank=8).resolve(False)
@@ -168,7 +170,7 @@ prompts, s = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], Sampling(temperature=0.7, ma
 got = remote.generate(prompts, 3, s)
 assert {{v for c in got for v in c.versions}} == {{3}}
 if engine == "torch":  # the colocated engine, on the same LoRA model: the same draws, bit for bit
-    local = TorchEngine(model, dtype, D.TextCodec.load(src).stop_ids)
+    local = TorchEngine(model, dtype, TextCodec.load(src).stop_ids)
     local.load_weights(model, 3)
     want = local.generate(prompts, 3, s)
     assert [(c.ids, c.logq) for c in got] == [(c.ids, c.logq) for c in want]

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import data as D
+
+from textcodec import TextCodec, write_tokenizer
 import packing
 import tasks as T
 import model as M
@@ -49,7 +51,7 @@ def _family_checkpoint(d, family: str, tie: bool, seed: int = 0, **shape):
         for name, p in hf.named_parameters():
             p.copy_(torch.randn_like(p) * (0.2 if "norm" in name else 0.05) + ("norm" in name))
     hf.save_pretrained(d)
-    D.write_tokenizer(d)
+    write_tokenizer(d)
     return hf
 
 
@@ -83,7 +85,7 @@ def test_our_checkpoint_loads_in_transformers(tmp_path):
     ours = M.Transformer(a)
     M.init_weights(ours, std=0.05, seed=3)
     (tmp_path / "tok").mkdir()
-    D.write_tokenizer(tmp_path / "tok")
+    write_tokenizer(tmp_path / "tok")
     M.save(ours, tmp_path / "ckpt", tmp_path / "tok")
     logits, ref = _ours_and_transformers(ours, tmp_path / "ckpt", 20)
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
@@ -93,7 +95,7 @@ def test_our_checkpoint_loads_in_transformers(tmp_path):
 def test_save_replaces_an_existing_checkpoint(tmp_path):
     ours = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
     M.init_weights(ours, seed=0)
-    D.write_tokenizer(tmp_path)
+    write_tokenizer(tmp_path)
     M.save(ours, tmp_path / "ckpt", tmp_path)
     M.init_weights(ours, seed=1)
     M.save(ours, tmp_path / "ckpt", tmp_path)
@@ -191,7 +193,7 @@ def test_a_fresh_model_of_each_family_writes_its_own_config(tmp_path, family):
             if name.endswith(".bias"):
                 p.normal_(0, 0.1)
     (tmp_path / "tok").mkdir()
-    D.write_tokenizer(tmp_path / "tok")
+    write_tokenizer(tmp_path / "tok")
     M.save(ours, tmp_path / "ckpt", tmp_path / "tok")
     cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert cfg["model_type"] == family and cfg["architectures"] == [M.FAMILIES[family]]
@@ -216,7 +218,7 @@ def _one_line_refusal(d) -> str:
 ], ids=["model_type", "missing_key", "rope_type", "llama3_keys", "sliding_window"])
 def test_a_config_it_cannot_serve_is_one_line_naming_the_file(tmp_path, edit, words):
     ours = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
-    D.write_tokenizer(tmp_path)
+    write_tokenizer(tmp_path)
     M.save(ours, tmp_path, tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     edit(cfg)
@@ -227,7 +229,7 @@ def test_a_config_it_cannot_serve_is_one_line_naming_the_file(tmp_path, edit, wo
 
 def test_a_config_that_is_not_json_names_the_file(tmp_path):
     M.save(M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY)), tmp_path, tmp_path)
-    D.write_tokenizer(tmp_path)
+    write_tokenizer(tmp_path)
     (tmp_path / "config.json").write_text('{"model_type": "qwen3",')
     assert _one_line_refusal(tmp_path).startswith(f"{tmp_path / 'config.json'}: not valid JSON")
 
@@ -237,7 +239,7 @@ def test_weights_holding_nan_or_inf_are_refused_at_load(tmp_path, bad):
     from safetensors.torch import load_file, save_file
 
     M.save(M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY)), tmp_path, tmp_path)
-    D.write_tokenizer(tmp_path)
+    write_tokenizer(tmp_path)
     state = load_file(tmp_path / "model.safetensors")
     state["model.layers.2.mlp.up_proj.weight"][5, 7] = bad
     save_file(state, tmp_path / "model.safetensors")
@@ -249,7 +251,7 @@ VLLM_FAMILIES = """
 import gc, json, math, sys
 sys.path.insert(0, {root!r})
 import model as M
-from rollout import Sampling
+from engines import Sampling
 from vllm_engine import VLLMEngine
 from tests.test_engines import _probs
 
@@ -306,7 +308,7 @@ def _samples(codec, n, seed):
 
 def test_packing_keeps_every_token_and_attention_stays_in_its_document():
     torch.manual_seed(0)
-    codec = D.TextCodec.tiny()
+    codec = TextCodec.tiny()
     ours = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
     M.init_weights(ours, std=0.1, seed=0)
     samples = _samples(codec, 9, seed=4)

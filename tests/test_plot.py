@@ -12,7 +12,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _fake_run(path, loss, steps=6):
-    """metrics.jsonl as train.Logger writes it: eval rows at 0 and every 3 steps, train rows from 1."""
+    """metrics.jsonl as runlog.Logger writes it: eval rows at 0 and every 3 steps, train rows from 1."""
     path.mkdir()
     rows = [{"step": 0, "eval/reward": 0.5}]
     for s in range(1, steps + 1):

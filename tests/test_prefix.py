@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import model as M
-import rollout
+import engines
 import train
-from rollout import Sampling, TorchEngine
+from engines import Sampling, TorchEngine
 
 STOPS = [2, 0]
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11]]
@@ -193,13 +193,13 @@ def test_a_single_turn_job_passes_keep_false_and_an_episode_job_keeps_until_its_
     """The callers say it: train's rollout and eval never ask the engine to keep rows; the episode
     loop asks on every turn that another turn may follow (--max-turns)."""
     calls = []
-    generate = rollout.TorchEngine.generate
+    generate = engines.TorchEngine.generate
 
     def recording(self, prompts, n, sampling, budgets=None, keep=True):
         out = generate(self, prompts, n, sampling, budgets, keep)
         calls.append((keep, self.kept is not None))
         return out
-    monkeypatch.setattr(rollout.TorchEngine, "generate", recording)
+    monkeypatch.setattr(engines.TorchEngine, "generate", recording)
     train.main(["--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-prompts", "4",
                 "--out-dir", str(tmp_path / "one")])
     assert len(calls) == 3 and calls == [(False, False)] * 3  # eval at 0, the step, eval at the end

@@ -17,8 +17,9 @@ import sys
 sys.path[:0] = [{root!r}]
 import torch
 import config as C, data as D, model as M, parallel as P
+from textcodec import TextCodec
 from remote import RemoteEngine, serve
-from rollout import Sampling, TorchEngine
+from engines import Sampling, TorchEngine
 
 src = {src!r}
 cfg = C.Config(model=src, engine="torch", inference_gpus=2, engine_dtype={dtype!r}).resolve(False)
@@ -33,7 +34,7 @@ if P.serving(2):
     serve(cfg, link)
     raise SystemExit
 model = M.load(src)
-stops = D.TextCodec.load(src).stop_ids
+stops = TextCodec.load(src).stop_ids
 remote, local = RemoteEngine(link, 0, {dtype!r}), TorchEngine(model, {dtype!r}, stops)
 remote.start(src)
 prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [6, 6], [7]]

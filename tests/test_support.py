@@ -7,10 +7,12 @@ import numpy as np
 import torch
 
 import data as D
+
+from textcodec import TextCodec
 import packing
 import tasks as T
 import model as M
-from rollout import Sampling, TorchEngine, draw
+from engines import Sampling, TorchEngine, draw
 
 
 def _model():
@@ -51,7 +53,7 @@ def test_draws_follow_q_chi_square():
 def test_support_survives_packing():
     model = _model()
     engine = TorchEngine(model, "fp32", [2], seed=0)
-    task = T.ReverseText(D.TextCodec.tiny(), eval_size=2)
+    task = T.ReverseText(TextCodec.tiny(), eval_size=2)
     prompts = task.eval_set
     out = engine.generate([p.ids for p in prompts], 2, Sampling(top_p=0.9, max_new_tokens=8, support=True))
     samples = [D.Sample(prompts[i // 2], c.ids, c.logq, c.versions, c.finish_reason, c.support) for i, c in enumerate(out)]

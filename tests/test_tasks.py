@@ -13,6 +13,7 @@ import pytest
 
 import config as C
 import data as D
+from textcodec import TextCodec, char_tokenizer
 import tasks as T
 from conftest import one_line
 
@@ -34,7 +35,7 @@ MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content
 def _model_dir(tmp_path, template=None, generation=None, name="m", **tok_config) -> Path:
     d = tmp_path / name
     d.mkdir()
-    D.char_tokenizer(T.PRINTABLE).save(str(d / "tokenizer.json"))
+    char_tokenizer(T.PRINTABLE).save(str(d / "tokenizer.json"))
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>",
            **tok_config}
     if template is not None:
@@ -50,7 +51,7 @@ def _model_dir(tmp_path, template=None, generation=None, name="m", **tok_config)
 def test_chat_template_renders_as_transformers_does(tmp_path, template, kwargs):
     transformers = pytest.importorskip("transformers")
     d = _model_dir(tmp_path, template, bos_token="<|endoftext|>")
-    ours = D.TextCodec.load(d)
+    ours = TextCodec.load(d)
     hf = transformers.AutoTokenizer.from_pretrained(d)
     text = hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, **kwargs)
     assert ("<think>" in text) == (kwargs == {"enable_thinking": False})
@@ -64,35 +65,35 @@ def test_a_directory_with_two_chat_templates_renders_the_one_transformers_loads(
     transformers = pytest.importorskip("transformers")
     d = _model_dir(tmp_path, LLAMA_LIKE, bos_token="<|endoftext|>")
     (d / "chat_template.jinja").write_text(QWEN_LIKE)
-    ours = D.TextCodec.load(d)
+    ours = TextCodec.load(d)
     text = transformers.AutoTokenizer.from_pretrained(d).apply_chat_template(MESSAGES, tokenize=False,
                                                                             add_generation_prompt=True)
     assert ours.render(MESSAGES) == ours.encode(text) and ours.template_source == str(d / "chat_template.jinja")
 
 
 def test_the_tiny_models_render_their_old_chatml_prompt():
-    codec = D.TextCodec.load(TINY)
+    codec = TextCodec.load(TINY)
     ids = codec.render([{"role": "user", "content": "reverse: cold fish"}])
     assert ids == codec.encode("<|im_start|>user\nreverse: cold fish<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_stop_ids_come_from_the_model_directory(tmp_path):
-    assert D.TextCodec.load(TINY).stop_ids == [2, 0]  # generation_config.json: <|im_end|>, <|endoftext|>
-    assert D.TextCodec.load(_model_dir(tmp_path, generation={"eos_token_id": 7}, name="a")).stop_ids == [7]
-    assert D.TextCodec.load(_model_dir(tmp_path, name="b")).stop_ids == [2]  # the tokenizer's eos_token
+    assert TextCodec.load(TINY).stop_ids == [2, 0]  # generation_config.json: <|im_end|>, <|endoftext|>
+    assert TextCodec.load(_model_dir(tmp_path, generation={"eos_token_id": 7}, name="a")).stop_ids == [7]
+    assert TextCodec.load(_model_dir(tmp_path, name="b")).stop_ids == [2]  # the tokenizer's eos_token
     with pytest.raises(ValueError, match="no stop token"):
-        D.TextCodec.load(_model_dir(tmp_path, name="c", eos_token=None))
+        TextCodec.load(_model_dir(tmp_path, name="c", eos_token=None))
 
 
 def test_a_character_the_tokenizer_lacks_is_an_error():
-    codec = D.TextCodec.load(TINY)
+    codec = TextCodec.load(TINY)
     with pytest.raises(ValueError, match="'7' is not in the tokenizer"):
         codec.encode("abc7")
     assert codec.encode("<|endoftext|>") == [0]  # the unknown token itself, written out, is fine
 
 
 def test_a_messages_prompt_without_a_template_is_refused(tmp_path):
-    codec = D.TextCodec.load(_model_dir(tmp_path))
+    codec = TextCodec.load(_model_dir(tmp_path))
     assert codec.render("plain text") == codec.encode("plain text")
     with pytest.raises(ValueError, match="chat template"):
         codec.render(MESSAGES)
@@ -131,7 +132,7 @@ def test_jsonl_task_splits_renders_and_passes_columns(tmp_path):
         seen.update(prompts=prompts, completions=completions, answer=answer, level=level, ids=kwargs["completion_ids"])
         return [float(c == a) for c, a in zip(completions, answer)]
 
-    codec = D.TextCodec.load(ARITH)
+    codec = TextCodec.load(ARITH)
     task = T.JsonlTask(codec, [T.Reward("spy", spy)], path, eval_size=4)
     again = T.JsonlTask(codec, [T.Reward("spy", spy)], path, eval_size=4)
     assert [p.prompt for p in task.eval_set] == [p.prompt for p in again.eval_set]  # a fixed split
@@ -152,10 +153,10 @@ def test_jsonl_task_splits_renders_and_passes_columns(tmp_path):
 
 def test_eval_file_is_the_held_out_set(tmp_path):
     train, held = _rows(tmp_path / "a.jsonl", _sums(10)), _rows(tmp_path / "b.jsonl", _sums(6))
-    task = T.JsonlTask(D.TextCodec.load(ARITH), T.load_rewards(("numeric_match",), ()), train, held, eval_size=4)
+    task = T.JsonlTask(TextCodec.load(ARITH), T.load_rewards(("numeric_match",), ()), train, held, eval_size=4)
     assert len(task.train) == 10 and [p.prompt for p in task.eval_set] == [r["prompt"] for r in _sums(4)]
     with pytest.raises(C.ConfigError, match="fewer than --eval-prompts 8"):
-        T.JsonlTask(D.TextCodec.load(ARITH), T.load_rewards(("numeric_match",), ()), train, held, eval_size=8)
+        T.JsonlTask(TextCodec.load(ARITH), T.load_rewards(("numeric_match",), ()), train, held, eval_size=8)
 
 
 def test_a_reward_that_raises_skips_its_group_and_none_or_nan_skip_a_sample(capsys):
@@ -167,7 +168,7 @@ def test_a_reward_that_raises_skips_its_group_and_none_or_nan_skip_a_sample(caps
             raise RuntimeError("server down")
         return [None, math.nan, 0.5]
 
-    task = T.ReverseText(D.TextCodec.load(TINY), [T.Reward("flaky", flaky)], eval_size=2)
+    task = T.ReverseText(TextCodec.load(TINY), [T.Reward("flaky", flaky)], eval_size=2)
     ps = task.sample(3, random.Random(0))
     out = task.score([ps[0]] * 3 + [ps[1]] * 3 + [ps[2]] * 3, [[3, 2]] * 9, group=3)
     assert [math.isnan(x) for x in out] == [True, True, False, True, True, True, True, True, False]
@@ -175,7 +176,7 @@ def test_a_reward_that_raises_skips_its_group_and_none_or_nan_skip_a_sample(caps
 
 
 def test_a_wrong_length_reward_stops_naming_the_function():
-    task = T.ReverseText(D.TextCodec.load(TINY), [T.Reward("short", lambda prompts, completions, **k: [1.0])],
+    task = T.ReverseText(TextCodec.load(TINY), [T.Reward("short", lambda prompts, completions, **k: [1.0])],
                          eval_size=2)
     with pytest.raises(D.RunError, match="reward short returned 1 values for 2 completions"):
         task.score(task.eval_set[:1] * 2, [[2], [2]], group=2)
@@ -200,7 +201,7 @@ def test_rewards_load_by_path_module_and_name(tmp_path, monkeypatch):
 def test_a_reward_asking_for_a_missing_column_is_refused(tmp_path):
     path = _rows(tmp_path / "t.jsonl", [{"prompt": "1+1=", "answer": "2"}] * 6)
     with pytest.raises(C.ConfigError, match=r"needs the column\(s\) \['target'\]"):
-        T.JsonlTask(D.TextCodec.load(ARITH), T.load_rewards(("similarity",), ()), path, eval_size=2)
+        T.JsonlTask(TextCodec.load(ARITH), T.load_rewards(("similarity",), ()), path, eval_size=2)
 
 
 def test_eval_metrics_pass_at_k():
@@ -212,14 +213,14 @@ def test_eval_metrics_pass_at_k():
 
 def test_the_word_list_cannot_hang_the_sampler():
     with pytest.raises(C.ConfigError, match="more than half of the 492 distinct prompts"):
-        T.ReverseText(D.TextCodec.load(TINY), max_words=1, eval_size=247)
-    task = T.ReverseText(D.TextCodec.load(TINY), max_words=1, eval_size=246)
+        T.ReverseText(TextCodec.load(TINY), max_words=1, eval_size=247)
+    task = T.ReverseText(TextCodec.load(TINY), max_words=1, eval_size=246)
     assert len({p.prompt[0]["content"] for p in task.sample(40, random.Random(0))} & {
         p.prompt[0]["content"] for p in task.eval_set}) == 0
 
 
 def test_arithmetic_is_checkable_and_held_out():
-    task = T.Arithmetic(D.TextCodec.load(ARITH), eval_size=8)
+    task = T.Arithmetic(TextCodec.load(ARITH), eval_size=8)
     p = task.sample(1, random.Random(3))[0]
     a, op, b = T.re.fullmatch(r"(\d+)([+-])(\d)=", p.prompt).groups()
     assert p.columns["answer"] == str(int(a) + int(b) if op == "+" else int(a) - int(b)) == p.reference

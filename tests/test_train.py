@@ -14,17 +14,19 @@ import torch
 
 import config as C
 import data as D
+from textcodec import TextCodec
 import packing
 import tasks as T
 import model as M
+import rollout
 import train
-from rollout import TorchEngine
+from engines import TorchEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _setup(seed=0):
-    codec = D.TextCodec.tiny()
+    codec = TextCodec.tiny()
     m = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
     M.init_weights(m, std=0.1, seed=seed)
     task = T.ReverseText(codec, eval_size=4)
@@ -33,7 +35,7 @@ def _setup(seed=0):
 
 def _samples(cfg, m, codec, task):
     engine = TorchEngine(m, "bf16", codec.stop_ids, seed=1)
-    samples, _ = train.rollout_phase(cfg, task, engine, random.Random(0), step=0, context=512)
+    samples, _ = rollout.rollout_phase(cfg, task, engine, random.Random(0), step=0, context=512)
     g = torch.Generator().manual_seed(5)
     for s in samples:  # a sampler far from the trainer, so the IcePop mask really fires
         s.logq = [lq + float(torch.randn((), generator=g)) * 0.3 for lq in s.logq]
@@ -226,7 +228,7 @@ def _bf16_probe(cfg, model, mb) -> dict:
     with torch.autocast(mb.tokens.device.type, torch.bfloat16, enabled=low is not None):
         hidden = model(mb.tokens, mb.positions, mb.doc_ids, mb.parents)
     w = model.head_weight
-    logits = ((hidden.to(low) @ w.to(low).T) if low else hidden @ w.T).float()  # as kernels._chunk
+    logits = ((hidden.to(low) @ w.to(low).T) if low else hidden @ w.T).float()  # as lm_head._chunk
     logp, entropy, sup_logp = train._head(cfg, model, model, mb)
     on = mb.loss_mask
     counts = mb.support.offsets[1:] - mb.support.offsets[:-1]

@@ -1,4 +1,4 @@
-"""The Triton head (triton_head.py) against the plain-torch reference (kernels.py).
+"""The Triton head (triton_head.py) against the plain-torch reference (lm_head.py).
 
 CPU: the kernels run in Triton's interpreter at tiny shapes (fp32: tl.dot on bf16 is wrong
 there), against head(impl="torch"): the forward over every kind of row, the dense and the
@@ -26,7 +26,7 @@ import torch
 
 import triton_head
 from data import TokenSupport
-from kernels import head
+from lm_head import head
 
 ROOT = Path(__file__).resolve().parent.parent
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -212,12 +212,12 @@ def test_interpreter_in_subprocess():
 def test_runs_without_triton():
     """floe imports, and the head runs on the reference, where triton does not import."""
     code = ("import sys; sys.modules['triton'] = None\n"
-            "import torch, kernels, triton_head\n"
+            "import torch, lm_head, triton_head\n"
             "assert not triton_head.triton_available()\n"
             "h = torch.randn(5, 4, requires_grad=True); w = torch.randn(9, 4, requires_grad=True)\n"
-            "logp, ent, slp = kernels.head(h, w, torch.tensor([1, 2, 3, 4, 5]))\n"
+            "logp, ent, slp = lm_head.head(h, w, torch.tensor([1, 2, 3, 4, 5]))\n"
             "logp.sum().backward(); assert h.grad is not None\n"
-            "try:\n    kernels.head(h, w, torch.tensor([1, 2, 3, 4, 5]), impl='triton')\n"
+            "try:\n    lm_head.head(h, w, torch.tensor([1, 2, 3, 4, 5]), impl='triton')\n"
             "except ImportError:\n    print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 import data as D
+
+from textcodec import TextCodec
 import tasks as T
 import usercode
 from config import ConfigError
@@ -18,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _task(fn, timeout=5.0):
-    codec = D.TextCodec.tiny()
+    codec = TextCodec.tiny()
     return T.ReverseText(codec, [T.Reward("r", fn, timeout=timeout)], eval_size=4)
 
 

@@ -9,7 +9,7 @@ import torch
 import model as M
 from loss import group_advantages
 from precision import Fp8Linear, fp8_quantize
-from rollout import Sampling, TorchEngine
+from engines import Sampling, TorchEngine
 
 
 def _model():
@@ -163,3 +163,14 @@ def test_group_advantages():
     assert adv == pytest.approx([0.5, -0.5, 0.0, 0.0, 0.0, 0.0])
     adv = group_advantages([1.0, 0.0, 3.0, 1.0], group_size=2, std_norm=True)
     assert adv == pytest.approx([1.0, -1.0, 1.0, -1.0], abs=1e-5)
+
+
+def test_an_import_from_the_engines_old_home_fails():
+    """rollout.py now means the rollout phase; the engine contract lives in engines.py, and an old
+    `from rollout import TorchEngine` must fail, never find something else under that name."""
+    import rollout
+
+    for name in ("TorchEngine", "Engine", "Completion", "SupportRecorder", "truncate", "draw"):
+        with pytest.raises(ImportError):
+            exec(f"from rollout import {name}", {})
+    assert rollout.Sampling is Sampling  # the phase builds its Sampling from the contract's class

@@ -50,13 +50,13 @@ Simplifications:
 2. The sparse backward reads p_S from the saved support_logp rather than recomputing each
    entry's logit: it matches the forward bit for bit and skips an [nnz, H] gather.
    Gradients are computed in fp32 and cast back to the inputs' dtypes.
-3. `head` cannot check G_t = 0 without a host sync; tests/test_kernels.py checks it for
+3. `head` cannot check G_t = 0 without a host sync; tests/test_lm_head.py checks it for
    the configurations `loss.sparse_ok` admits.
 
 The kernels' own simplifications (fixed tiles, the backward's GEMMs, fp32 copies in the
 interpreter) are in triton_head.py.
 
-    python -m pytest -q tests/test_kernels.py tests/test_triton.py   # CPU (interpreter), ~1 min
+    python -m pytest -q tests/test_lm_head.py tests/test_triton.py   # CPU (interpreter), ~1 min
     python -m pytest -q -m gpu tests/test_triton.py                  # CUDA: compiled kernels vs the reference
     python bench/head.py       # fwd+bwd ms and peak memory: the kernels vs baselines (CPU: the reference)
     python bench/support.py    # ragged vs padded bytes, dense vs sparse backward

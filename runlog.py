@@ -1,0 +1,107 @@
+"""A run's log: the line printed per step, metrics.jsonl (one JSON row per step and eval), and
+wandb when asked for. A resume reads the rows back (`read_rows`) and keeps those its checkpoint
+covers; `Logger` rewrites them through a temporary file, so a kill never empties the history.
+
+    python -m pytest -q tests/test_train.py tests/test_faults.py -k "resume or metrics"
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import uuid
+from pathlib import Path
+
+import config as C
+import parallel as P
+from parallel import RANK
+import rundir as R
+
+
+def read_rows(out: Path) -> list[dict]:
+    """metrics.jsonl's rows. A torn last row (a kill or a full disk mid-write: not JSON) is dropped
+    with a warning; any other line that is not a row (a JSON object with an integer step), or a row
+    out of step order or repeated, is an error."""
+    path = out / "metrics.jsonl"
+    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    rows, last = [], -1
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise C.ConfigError(f"--resume: {path}:{i + 1} is not valid JSON (only a torn last row is repaired)")
+            P.print0(f"warning: {path}: dropping its torn last row ({len(line)} bytes)")
+            continue
+        if R.row_step(row) is None:
+            raise C.ConfigError(f"--resume: {path}:{i + 1} is not a metrics row (a JSON object with an integer "
+                                f"step): {line[:60]}")
+        if row["step"] <= last:  # floe writes each step once, in order: the file was edited or pasted together
+            raise C.ConfigError(f"--resume: {path}:{i + 1} is step {row['step']} after step {last} (rows are in step "
+                                "order, one per step)")
+        rows.append(row)
+        last = row["step"]
+    return rows
+
+
+
+class Logger:
+    """One line per step, metrics.jsonl, and wandb when asked for."""
+
+    def __init__(self, cfg: C.Config, start: int = 0, kept: list[dict] | None = None):
+        """kept: on resume, the metrics rows up to the checkpoint (check_resumable); they are written
+        to a temporary file renamed over metrics.jsonl, so a kill never empties the history, and
+        the rows that follow go on through the same descriptor (the file that was renamed into place)."""
+        self.cfg, self.t0, self.start = cfg, time.time(), start
+        out = Path(cfg.out_dir)
+        self.rows = list(kept or [])
+        self.file = open(os.devnull, "w")
+        if RANK == 0:
+            self.file = R.create_new(out / "metrics.jsonl.tmp")
+            self.file.write("".join(json.dumps(r) + "\n" for r in self.rows))
+            R.publish(self.file, out / "metrics.jsonl")
+        self.wandb = None
+        if cfg.wandb_project and RANK == 0:
+            import wandb
+
+            run_id = out / "wandb_id"  # a resumed run logs into the same wandb run; a new one (started over) not
+            ident = run_id.read_text().strip() if kept is not None and R.regular(run_id) else ""
+            if not ident:
+                ident = uuid.uuid4().hex[:8]  # wandb's id alphabet: a-z, 0-9
+                R.write_file(run_id, ident)
+            self.wandb = wandb.init(project=cfg.wandb_project, config=json.loads(cfg.to_json()), dir=cfg.out_dir,
+                                    id=ident, resume="allow")
+
+    def row(self, step: int, metrics: dict) -> None:
+        self.rows.append({"step": step, **metrics})
+        self.file.write(json.dumps(self.rows[-1]) + "\n")
+        self.file.flush()
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+
+    def sync(self) -> None:
+        """The rows on disk, before the checkpoint that covers them (rank 0): a power cut then never
+        leaves a checkpoint whose rows are gone, which a resume would not redo."""
+        if RANK == 0:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+
+    def line(self, step: int, m: dict, tokens: int, dt: float) -> None:
+        eta = (time.time() - self.t0) / (step - self.start) * (self.cfg.steps - step)
+        masked = max((v for k, v in m.items() if k.endswith("/masked_fraction")), default=0.0)  # any mask's
+        reward = f"{m['reward']:.3f}" if "reward" in m else "-"
+        loss = "skipped (nothing to train)" if m.get("skipped/empty_step") else f"loss {m.get('loss', math.nan):+.4f}"
+        P.print0(f"step {step}/{self.cfg.steps} | reward {reward} | {loss} "
+               f"| masked {masked:.4f} | mismatch kl {m.get('mismatch/kl', 0.0):.2e} | {tokens / dt:,.0f} tok/s "
+               f"| eta {eta:.0f}s" + (f" | loss scale {m['loss_scale']:.0f}" if "loss_scale" in m else ""))
+        if self.cfg.async_level and self.cfg.stage == "rl":  # the overlap: wall time below the phases' sum
+            r, t = m["time/rollout"], m["time/train"]
+            P.print0(f"  async | rollout {r:.2f}s + train {t:.2f}s = {r + t:.2f}s | wall {m['time/step']:.2f}s "
+                   f"| age {m.get('staleness/mean', 0.0):.2f}")
+
+    def close(self):
+        self.file.close()
+        if self.wandb:
+            self.wandb.finish()
