@@ -30,6 +30,7 @@ import config as C
 from textcodec import TextCodec
 import lora
 import model as M
+import hfdir
 import parallel as P
 from parallel import RANK, full, gather
 import rundir as R
@@ -75,12 +76,12 @@ def save_checkpoint(out: Path, step: int, model, opt, rng, gen: torch.Generator,
     extra = {f"{STATE}/state.json": json.dumps(state).encode(), f"{STATE}/optim_rng.safetensors": st_save(tensors)}
     try:
         if model.lora is None:
-            M.save(model, path, src, state=weights, extra=extra)
+            hfdir.save(model, path, src, state=weights, extra=extra)
         else:
             save_adapter(path, model, adapter, None if base is None else lora.merged(base, adapter, model.lora), Path(src), extra)
     except BaseException:  # a full or read-only disk mid-write, a Ctrl-C: the torn copy never became step_NNNNNN
         with contextlib.suppress(OSError):
-            M.remove_path(path.with_name(path.name + ".tmp"))  # M.write_dir's temporary name: free its space
+            hfdir.remove_path(path.with_name(path.name + ".tmp"))  # hfdir.write_dir's temporary name: free its space
         raise
     link = out / "final.tmp"  # `final` points at the newest checkpoint; replaced atomically
     link.unlink(missing_ok=True)  # a stale one: the link itself goes; symlink_to then creates, never follows
@@ -94,21 +95,21 @@ MERGED = "merged"  # a LoRA run's last checkpoint: W + (alpha / r) B A as a HF d
 
 def save_adapter(path: Path, model, adapter: dict, merged: dict | None, src: Path, extra: dict[str, bytes]) -> None:
     """A LoRA checkpoint: PEFT's adapter files (naming the base `src`), the training state, and the merged
-    HF directory when given, under one temporary name (M.write_dir)."""
+    HF directory when given, under one temporary name (hfdir.write_dir)."""
     def fill(tmp: Path) -> None:
         lora.write_adapter(tmp, adapter, model.lora, str(src.resolve()))
-        M.write_extra(tmp, extra)
+        hfdir.write_extra(tmp, extra)
         if merged is not None:
             (tmp / MERGED).mkdir()
-            M.write_hf(tmp / MERGED, M.saved_config(model.args, src), src, merged)
-    M.write_dir(path, fill)
+            hfdir.write_hf(tmp / MERGED, hfdir.saved_config(model.args, src), src, merged)
+    hfdir.write_dir(path, fill)
 
 
 def whole(path: Path, base: tuple | None = None) -> tuple[M.Transformer, TextCodec]:
     """The checkpoint's model (on the CPU) and tokenizer, every part of the checkpoint checked: raises
     naming the first damaged one. state.json: its step is the directory's, its RNG state one that
     `random` takes; the HF directory: config.json, tokenizer.json and the weights as --model's are
-    checked (M.load: keys, shapes, finite values); optim_rng.safetensors: its header (a truncated
+    checked (hfdir.load: keys, shapes, finite values); optim_rng.safetensors: its header (a truncated
     file fails there) holds AdamW state for this model's trained parameters only, in their shapes,
     and every rank's engine generator. A LoRA run's checkpoint holds an adapter instead of the HF
     directory: `base` is (the base model with the run's adapters, its tokenizer), and the adapter
@@ -128,7 +129,7 @@ def whole(path: Path, base: tuple | None = None) -> tuple[M.Transformer, TextCod
         value, good = state["loss_scale"]
         if not (isinstance(value, float) and math.isfinite(value) and type(good) is int):
             raise ValueError(f"{STATE}/state.json: loss_scale {state['loss_scale']!r}")
-    model, codec = (M.load(path), TextCodec.load(path)) if base is None else base
+    model, codec = (hfdir.load(path), TextCodec.load(path)) if base is None else base
     adapter = None if model.lora is None else _adapter(path, model)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
     engines = {"rng/engine"} | {f"rng/engine/{r}" for r in range(1, world)}
@@ -252,7 +253,7 @@ def lora_base(cfg: C.Config, saved: dict, out: Path) -> tuple[M.Transformer, Tex
                             "sha256) for its --lora-rank run")
     path = Path(rec["path"])
     try:
-        model, codec = M.load(path), TextCodec.load(path)
+        model, codec = hfdir.load(path), TextCodec.load(path)
     except (FileNotFoundError, ValueError) as e:
         raise C.ConfigError(f"--resume: the run's base model does not load ({e})") from None
     if (now := lora.weights_sha256(path)) != rec["sha256"]:

@@ -1,4 +1,4 @@
-"""Three decoder families with Hugging Face parameter names, and their HF-directory I/O.
+"""Three decoder families with Hugging Face parameter names (reading and writing their HF directories: hfdir.py).
 
 One `Transformer` serves Qwen3, Qwen2/Qwen2.5 and Llama 3.x: the same pre-norm decoder (RMSNorm,
 grouped-query attention with rotate-half RoPE, SiLU-gated MLP), differing only by switches in
@@ -8,8 +8,8 @@ grouped-query attention with rotate-half RoPE, SiLU-gated MLP), differing only b
   with attention_bias, never Qwen2); `mlp_bias` on gate/up/down (Llama's key);
 - `rope_scaling`: Llama 3.x's "llama3" RoPE, which slows the low frequencies (`rope_frequencies`).
 A checkpoint directory (config.json, model.safetensors, tokenizer.json) saved by transformers
-loads here with no rename table, and one saved here loads in transformers and vLLM: `save`
-writes the source's own config.json back. No transformers at run time.
+loads here with no rename table (hfdir.load), and one saved here loads in transformers and vLLM.
+No transformers at run time.
 
 Simplifications:
 1. Training packs documents into one row (mask: same document and causal, or the document's
@@ -33,19 +33,12 @@ Simplifications:
 
 from __future__ import annotations
 
-import errno
 import json
 import math
-import os
-import re
-import shutil
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from attention import attend, document_mask
@@ -371,168 +364,3 @@ def init_weights(model: Transformer, std: float = 0.02, seed: int = 0) -> None:
                 p.zero_()  # as transformers initializes them
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
-
-
-def read_config(path: Path) -> dict:
-    """config.json as a dict, or one line naming the file."""
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: not a JSON object")
-    return cfg
-
-
-def load(model_dir: str | Path, device="cpu", dtype=torch.float32) -> Transformer:
-    """A HF directory of a family in FAMILIES -> Transformer, every key, shape and value checked."""
-    d = Path(model_dir)
-    for f in ("config.json", "tokenizer.json"):
-        if not (d / f).is_file():
-            raise FileNotFoundError(f"{d / f}: " + ("not a regular file" if (d / f).exists() else "missing") +
-                                    "; --model must be a HF directory with config.json, model.safetensors and tokenizer.json")
-    args = ModelArgs.from_hf(read_config(d / "config.json"), str(d / "config.json"))
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{d}: no *.safetensors weights")
-    if odd := [f for f in files if not f.is_file()]:  # a FIFO would block the read forever
-        raise ValueError(f"{odd[0]}: not a regular file")
-    check_layers(files, args, d)  # before building: a typo of 10^7 layers would build for minutes
-    with torch.device("meta"):
-        model = Transformer(args)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    state = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt", device="cpu") as st:
-                names = [k for k in st.keys() if not (k == "lm_head.weight" and args.tie_word_embeddings)]
-                state.update((k, st.get_tensor(k).to(dtype)) for k in names)  # tied: a stored head is dropped
-        except Exception as e:  # safetensors raises several types for a damaged file
-            raise ValueError(f"{f}: unreadable safetensors file ({e})") from None
-        # a NaN or inf weight would surface as a NaN loss at step 1, far from its cause
-        bad = next((k for k in names if not torch.isfinite(state[k]).all()), None)
-        if bad is not None:
-            raise ValueError(f"{f}: {bad} holds NaN or inf")
-    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or extra:
-        raise ValueError(f"{d}: weights do not match config.json: missing {missing[:3]}, unexpected {extra[:3]}")
-    for k, shape in expected.items():
-        if state[k].shape != shape:
-            raise ValueError(f"{d}: {k} has shape {tuple(state[k].shape)}, config.json implies {tuple(shape)}")
-    model.load_state_dict(state, strict=True, assign=True)
-    model.inv_freq = rope_frequencies(args)  # buffers are not in the file: made on meta, made again here
-    return model.to(device)
-
-
-def check_layers(files: list[Path], args: ModelArgs, d: Path) -> None:
-    """config.json's num_hidden_layers against the layers the weights' headers name (model.layers.N.*),
-    read without loading a tensor. Every other size is checked against the built model's shapes,
-    which cost nothing on the meta device; the number of layers is what building costs."""
-    layers = set()
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt", device="cpu") as st:
-                layers.update(int(m.group(1)) for k in st.keys() if (m := re.match(r"model\.layers\.(\d+)\.", k)))
-        except Exception as e:  # safetensors raises several types for a damaged file
-            raise ValueError(f"{f}: unreadable safetensors file ({e})") from None
-    if len(layers) != args.num_hidden_layers:
-        raise ValueError(f"{d}: weights do not match config.json: num_hidden_layers {args.num_hidden_layers}, "
-                         f"the weights hold {len(layers)} layers")
-
-
-# what a HF directory holds besides weights and config.json, copied as they are
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
-                   "added_tokens.json")
-
-
-def saved_config(args: ModelArgs, src_dir: Path) -> dict:
-    """The source's config.json with what training changed (fp32 weights now), every other key
-    as it was. A source without one, or whose config describes another model (a fresh model
-    saved where an old one stood), gets `args.to_hf()`."""
-    f = src_dir / "config.json"
-    try:
-        cfg = read_config(f) if f.is_file() else None
-        same = cfg is not None and ModelArgs.from_hf(cfg, str(f)) == args
-    except ValueError:
-        same = False
-    if not same:
-        return args.to_hf()
-    keys = [k for k in ("torch_dtype", "dtype") if k in cfg] or ["torch_dtype"]
-    return {**cfg, **dict.fromkeys(keys, "float32")}
-
-
-def remove_path(path: Path) -> None:
-    """Whatever stands at `path`, gone: a directory tree, or a file or symlink (the link itself,
-    never what it points at); nothing when absent. A stale temporary name is cleared this way."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def write_weights(state: dict[str, torch.Tensor], path: Path) -> None:
-    """model.safetensors: safetensors reports a full disk as its own SafetensorError, turned here into
-    the OSError (errno, path) that every other failed write raises, so callers catch one type."""
-    try:
-        save_file(state, str(path), metadata={"format": "pt"})
-    except SafetensorError as e:
-        code = re.search(r"os error (\d+)", str(e))
-        n = int(code.group(1)) if code else errno.EIO
-        raise OSError(n, os.strerror(n) if code else str(e), str(path)) from None
-
-
-def save(model: Transformer, out_dir: str | Path, src_dir: str | Path, extra: dict[str, bytes] | None = None,
-         state: dict[str, torch.Tensor] | None = None) -> None:
-    """Write a HF directory (plus `extra` files) under a temporary name, then rename it into place.
-    `src_dir` is where the model came from: its config.json, tokenizer and generation files.
-    `state` replaces model.state_dict(): the full weights gathered from FSDP shards (train.py), or a
-    LoRA model's merged or base weights."""
-    src = Path(src_dir)
-    assert state is not None or model.lora is None, "a LoRA model's HF directory is its merged or base weights (state=)"
-    config = saved_config(model.args, src)  # read before anything is written: src may be out
-
-    def fill(tmp: Path) -> None:
-        write_hf(tmp, config, src, state or model.state_dict())
-        write_extra(tmp, extra or {})
-    write_dir(out_dir, fill)
-
-
-def write_hf(d: Path, config: dict, src: Path, state: dict[str, torch.Tensor]) -> None:
-    """A HF directory's files into the existing directory `d`: fp32 weights, `config`, and the
-    tokenizer and generation files of `src`."""
-    write_weights({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}, d / "model.safetensors")
-    (d / "config.json").write_text(json.dumps(config, indent=2))
-    for f in TOKENIZER_FILES:
-        if (src / f).is_file():
-            shutil.copy(src / f, d / f)
-
-
-def write_extra(d: Path, files: dict[str, bytes]) -> None:
-    for name, blob in files.items():
-        (d / name).parent.mkdir(parents=True, exist_ok=True)
-        (d / name).write_bytes(blob)
-
-
-def write_dir(out_dir: str | Path, fill) -> None:
-    """A directory whose files `fill(tmp)` writes, made under a temporary name, fsynced, then renamed
-    into place. The temporary directory is made new (mkdir fails on anything left there, which is
-    removed first, a planted symlink included, never followed), so every file in it is this call's."""
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    remove_path(tmp)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    tmp.mkdir()
-    fill(tmp)
-    for f in tmp.rglob("*"):  # data on disk before the rename makes it visible
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    if out.exists() or out.is_symlink():  # replace: move the old one aside first, so a crash leaves one readable copy
-        old = out.with_name(out.name + ".old")
-        remove_path(old)
-        out.rename(old)
-        tmp.rename(out)
-        remove_path(old)
-    else:
-        tmp.rename(out)

@@ -42,6 +42,7 @@ import data as D
 from textcodec import TextCodec
 import lora
 import model as M
+import hfdir
 from parallel import Link, full
 from precision import DTYPES
 from engines import Completion, Sampling
@@ -225,13 +226,13 @@ def _inference_model(cfg, src: str, spec: lora.LoRASpec | None) -> M.Transformer
     stays on the meta device (vLLM loaded the base itself). LoRA merged on this rank: the base in
     fp32, as the trainers hold it, with adapters that each push fills."""
     if spec is None:
-        return M.load(src, device=cfg.device, dtype=wire_dtype(cfg.engine_dtype))
+        return hfdir.load(src, device=cfg.device, dtype=wire_dtype(cfg.engine_dtype))
     if not serves_adapter(cfg):
-        model = M.load(src, device=cfg.device)
+        model = hfdir.load(src, device=cfg.device)
         lora.add(model, spec)
         return model
     with torch.device("meta"):
-        model = M.Transformer(M.ModelArgs.from_hf(M.read_config(Path(src) / "config.json"), src))
+        model = M.Transformer(M.ModelArgs.from_hf(hfdir.read_config(Path(src) / "config.json"), src))
     lora.add(model, spec)
     for m in lora.adapted(model).values():
         for part in (m.lora_A, m.lora_B):

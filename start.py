@@ -25,6 +25,7 @@ from textcodec import TextCodec, write_tokenizer
 import episodes as E
 import loss as L
 import model as M
+import hfdir
 import tasks as T
 from checkpoint import check_resumable
 import lora
@@ -223,7 +224,7 @@ def check_read(cfg: C.Config) -> None:
 def check_copied(src: Path) -> None:
     """What a checkpoint copies from `src` as it is (model.TOKENIZER_FILES) is what its name says: each
     .json parses as JSON. A symlink to some other file would otherwise go, by content, into every checkpoint."""
-    for name in M.TOKENIZER_FILES:
+    for name in hfdir.TOKENIZER_FILES:
         f = src / name
         if name.endswith(".json") and f.is_file():
             try:
@@ -235,7 +236,7 @@ def check_copied(src: Path) -> None:
 def load_model(cfg: C.Config, src: Path | None, codec: TextCodec) -> M.Transformer:
     """The model in `src`, or with `--model scratch` (src None) a fresh tiny one in memory."""
     if src is not None:
-        return M.load(src, device=cfg.device)
+        return hfdir.load(src, device=cfg.device)
     args = M.ModelArgs(codec.tok.get_vocab_size(), **M.TINY, eos_token_id=codec.stop_ids[0])
     model = M.Transformer(args)
     M.init_weights(model, seed=cfg.seed)
@@ -246,10 +247,10 @@ def write_scratch(cfg: C.Config, out: Path, model: M.Transformer, task: T.Task) 
     """`--model scratch`: the fresh model as a HF directory in the run, for the engine and checkpoints."""
     src = out / "scratch"
     if RANK == 0:
-        M.remove_path(src)  # a run started over makes its model anew (a symlink there is not followed)
+        hfdir.remove_path(src)  # a run started over makes its model anew (a symlink there is not followed)
         src.mkdir()
         write_tokenizer(src, task.alphabet)
-        M.save(model, src, src, state=lora.base_state(model) if model.lora else None)  # LoRA: the base it trains on
+        hfdir.save(model, src, src, state=lora.base_state(model) if model.lora else None)  # LoRA: the base it trains on
     if P.world() > 1:
         dist.barrier()
     return src

@@ -41,6 +41,7 @@ import torch  # noqa: E402
 
 from textcodec import TextCodec, write_tokenizer  # noqa: E402
 import model as M  # noqa: E402
+import hfdir  # noqa: E402
 import train  # noqa: E402
 
 SHAPES = {
@@ -57,7 +58,7 @@ def write_model(d: Path, shape: str) -> int:
     stop = TextCodec.load(d).stop_ids[0]
     m = M.Transformer(M.ModelArgs(151936, **SHAPES[shape], tie_word_embeddings=True, eos_token_id=stop))
     M.init_weights(m, seed=0)
-    M.save(m, d, d)
+    hfdir.save(m, d, d)
     return sum(p.numel() for p in m.parameters())
 
 

@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 from textcodec import TextCodec  # noqa: E402
 import lora as L  # noqa: E402
-import model as M  # noqa: E402
+import hfdir  # noqa: E402
 import tasks as T  # noqa: E402
 from engines import Sampling, TorchEngine  # noqa: E402
 from vllm_engine import VLLMEngine  # noqa: E402
@@ -82,7 +82,7 @@ def main():
     ap.add_argument("--lora-rank", type=int, default=0, help="adapters of this rank on every linear layer (0: none)")
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = M.load(a.model, device=device)
+    model = hfdir.load(a.model, device=device)
     if a.lora_rank:
         L.add(model, L.LoRASpec(a.lora_rank, 32.0, tuple(sorted(L.TARGETS))))
         torch.manual_seed(0)

@@ -60,6 +60,7 @@ from torch import nn  # noqa: E402
 from textcodec import TextCodec, write_tokenizer  # noqa: E402
 import lora  # noqa: E402
 import model as M  # noqa: E402
+import hfdir  # noqa: E402
 import start  # noqa: E402
 import train  # noqa: E402
 from experiment import _mean_std, _ms, run_one, run_stats  # noqa: E402
@@ -135,7 +136,7 @@ def shaped_model(d: Path, shape: dict) -> Path:
     codec = TextCodec.load(d)
     m = M.Transformer(M.ModelArgs(**shape, eos_token_id=codec.stop_ids[0]))
     M.init_weights(m, std=0.02, seed=0)
-    M.save(m, d, d)
+    hfdir.save(m, d, d)
     return d
 
 
@@ -276,7 +277,7 @@ def mismatch(engine: TorchEngine, model: M.Transformer, completions, prompts) ->
 
 def engine_bench(a) -> str:
     spec, tensors, base = lora.read_adapter(a.adapter)
-    model = M.load(base)
+    model = hfdir.load(base)
     lora.add(model, spec)
     lora.load_adapter(model, tensors)
     codec = TextCodec.load(base)

@@ -367,14 +367,14 @@ def timing_table(results, skip: int) -> str:
 
 def evaluate_dir(model_dir: Path, seed: int) -> float:
     """floe's own held-out eval of a HF directory (rollout.evaluate at floe's defaults, seed + 1 sampling)."""
-    import model as M
+    import hfdir
     import rollout
     from vllm_engine import make_engine
 
     cfg = C.Config(seed=seed, model=str(model_dir)).resolve(cuda_available=False)
     codec = TextCodec.load(model_dir)
     task = T.build(cfg, codec)
-    m = M.load(model_dir)
+    m = hfdir.load(model_dir)
     task.fit_eval_set(cfg.max_new_tokens, m.args.max_position_embeddings)
     engine = make_engine(cfg, m, model_dir, codec.stop_ids, cfg.seed)
     return rollout.evaluate(cfg, task, engine)["eval/reward"]

@@ -46,7 +46,7 @@ import torch  # noqa: E402
 import data as D  # noqa: E402
 
 from textcodec import TextCodec  # noqa: E402
-import model as M  # noqa: E402
+import hfdir  # noqa: E402
 import tasks as T  # noqa: E402
 from lm_head import head  # noqa: E402
 from engines import Sampling, TorchEngine  # noqa: E402
@@ -75,7 +75,7 @@ def support_from_lengths(lengths: np.ndarray, V: int, rng: np.random.Generator) 
 
 def rollout_support() -> D.TokenSupport:
     src = ROOT / "checkpoints" / "reverse-tiny"
-    model = M.load(src)
+    model = hfdir.load(src)
     codec = TextCodec.load(src)
     task = T.ReverseText(codec)
     prompts = task.sample(32, random.Random(0))
@@ -167,7 +167,7 @@ def main() -> None:
     print()
     print(table(["support", "rows N", "nnz", "mean row", "K_max", "ragged MiB", "padded MiB", "ragged/padded"],
                 [bytes_row("(a) reverse-tiny rollouts", real), bytes_row("(b) synthetic 64k, Zipf 1.5", synth)]))
-    V = M.load(ROOT / "checkpoints" / "reverse-tiny").args.vocab_size
+    V = hfdir.load(ROOT / "checkpoints" / "reverse-tiny").args.vocab_size
     print(f"(a) cannot reach 1/20 on this vocabulary: a ragged row costs at least 8 + 1 + 8 = 17 bytes (offset, "
           f"replayed, one entry) and a padded one at most V x 9 = {V * 9}, so 1/{V * 9 / 17:.1f} at best")
     print()

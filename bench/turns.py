@@ -57,7 +57,7 @@ import torch  # noqa: E402
 
 from textcodec import TextCodec  # noqa: E402
 import envs  # noqa: E402
-import model as M  # noqa: E402
+import hfdir  # noqa: E402
 from engines import Sampling, TorchEngine  # noqa: E402
 
 
@@ -155,7 +155,7 @@ CACHED = [0, 0]  # vLLM's prompt tokens served from its prefix cache, of all its
 
 
 def table1(a, others: Others) -> None:
-    model = M.load(a.model, device=a.device)
+    model = hfdir.load(a.model, device=a.device)
     codec = TextCodec.load(a.model)
     vocab = model.args.vocab_size
     first = codec.render([{"role": "user", "content": envs.PROMPT}])

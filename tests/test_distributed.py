@@ -20,6 +20,7 @@ import tasks as T
 import lora
 import loss as L
 import model as M
+import hfdir
 import packing
 import rollout
 import train
@@ -164,7 +165,7 @@ def test_torchrun_trains_resumes_and_its_checkpoint_loads_in_one_process(tmp_pat
     assert r.stdout.count("step 2/2 |") == 1  # rank 0 prints, rank 1 does not
     rows = _rows(out)
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["loss"] == r["loss"] for r in rows[1:])
-    assert M.load(out / "final").args.vocab_size == 32
+    assert hfdir.load(out / "final").args.vocab_size == 32
     shutil.rmtree(out / "step_000002")  # resume at step 1 on two ranks: step 2 again, exactly
     r = torchrun(*args, "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -187,9 +188,9 @@ def test_torchrun_trains_and_resumes_a_lora_run_exactly(tmp_path):
     rows = _rows(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert (out / "step_000001" / lora.WEIGHTS).is_file() and not (out / "step_000001" / "model.safetensors").exists()
-    merged = M.load(out / "final" / "merged")
+    merged = hfdir.load(out / "final" / "merged")
     spec, tensors, _ = lora.read_adapter(out / "final")
-    base = M.load(ROOT / "checkpoints" / "reverse-tiny")
+    base = hfdir.load(ROOT / "checkpoints" / "reverse-tiny")
     want = lora.merged(base.state_dict(), tensors, spec)  # the merged save is W + (alpha / r) B A of the saved adapter
     assert all(torch.equal(v, want[k]) for k, v in merged.state_dict().items())
     shutil.rmtree(out / "step_000002")
@@ -223,9 +224,9 @@ def test_a_reward_that_overflows_on_one_rank_skips_the_step_on_both(tmp_path):
     lines = [x for x in r.stderr.splitlines() if x.startswith("floe: error:")]
     assert len(lines) == 1 and "3 steps in a row" in lines[0] and "non-finite advantages" in lines[0], r.stderr[-3000:]
     assert [(x["step"], x["skipped/nonfinite_step"]) for x in _rows(out)] == [(1, 0), (2, 1), (3, 1), (4, 1)]
-    first = M.load(out / "step_000001").state_dict()
+    first = hfdir.load(out / "step_000001").state_dict()
     for step in (2, 3):
-        for k, v in M.load(out / f"step_{step:06d}").state_dict().items():  # M.load refuses non-finite weights
+        for k, v in hfdir.load(out / f"step_{step:06d}").state_dict().items():  # hfdir.load refuses non-finite weights
             assert torch.equal(v, first[k]), (step, k)
     assert sorted(p.name for p in out.glob("step_*")) == ["step_000001", "step_000002", "step_000003"]
 

@@ -25,6 +25,7 @@ import data as D
 
 from textcodec import TextCodec, write_tokenizer
 import model as M
+import hfdir
 from engines import Sampling, TorchEngine
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -76,7 +77,7 @@ def _model():
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
     write_tokenizer(d)
-    M.save(_model(), d, d)
+    hfdir.save(_model(), d, d)
     return d
 
 
@@ -302,13 +303,14 @@ PUSHES = """
 import json, sys
 sys.path.insert(0, {root!r})
 import model as M
+import hfdir
 from engines import Sampling
 from vllm_engine import VLLMEngine
 
 def rss_mib():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
 
-m = M.load({src!r})
+m = hfdir.load({src!r})
 e = VLLMEngine({src!r}, m.args.vocab_size, "bf16", [2, 0], seed=0, memory=0.2)
 s = Sampling(max_new_tokens=8)
 for v in range(1, 4):  # warm up: first pushes and generates allocate what they keep
@@ -401,6 +403,7 @@ import torch
 import data as D
 from textcodec import TextCodec, write_tokenizer
 import model as M
+import hfdir
 from engines import Sampling
 from vllm_engine import VLLMEngine
 from tests.test_engines import _kept, _probs
@@ -409,7 +412,7 @@ d = {dir!r}
 write_tokenizer(d)
 m = M.Transformer(M.ModelArgs(vocab_size=8192, **M.TINY))
 M.init_weights(m, std=0.15, seed=2)
-M.save(m, d, d)
+hfdir.save(m, d, d)
 e = VLLMEngine(d, 8192, "fp32", [2, 0], seed=0, memory=0.2)
 s = Sampling(temperature=0.9, top_k=8, top_p=0.95, max_new_tokens=8, support=True)
 rows, worst = 0, 0.0

@@ -26,6 +26,7 @@ import torch
 
 import lora
 import model as M
+import hfdir
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_vllm = pytest.mark.skipif(not __import__("importlib").util.find_spec("vllm") and not os.environ.get("CI"),
@@ -93,9 +94,9 @@ def _version(d: Path, v: int) -> M.Transformer:
     adapter applied on the fly (fp32, x W + s B A x: not the engines' merged copy)."""
     step = d / "run" / f"step_{v:06d}"
     if v == 0 or not (step / lora.CONFIG).is_file():
-        return M.load(BASE if v == 0 else step)
+        return hfdir.load(BASE if v == 0 else step)
     spec, tensors, _ = lora.read_adapter(step)
-    m = M.load(BASE)
+    m = hfdir.load(BASE)
     lora.add(m, spec)
     lora.load_adapter(m, tensors)
     return m

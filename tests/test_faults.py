@@ -25,7 +25,7 @@ from safetensors.torch import save as st_save
 import checkpoint
 import config as C
 import rundir
-import model as M
+import hfdir
 import start
 import train
 from conftest import one_line
@@ -271,7 +271,7 @@ def test_a_full_disk_mid_checkpoint_never_shows_a_torn_step_dir(tmp_path, monkey
     or as safetensors' own writer reports it). No step_000002 appears (the torn copy is removed),
     `final` still names step_000001, and --resume continues from it."""
     out, seen, calls = tmp_path / "run", {}, []
-    real = M.save_file
+    real = hfdir.save_file
 
     def full_at_save_2(tensors, filename, metadata=None):
         calls.append(filename)
@@ -283,7 +283,7 @@ def test_a_full_disk_mid_checkpoint_never_shows_a_torn_step_dir(tmp_path, monkey
             raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
 
-    monkeypatch.setattr(M, "save_file", full_at_save_2)
+    monkeypatch.setattr(hfdir, "save_file", full_at_save_2)
     one_line(_main(capsys, "--steps", "3", "--save-every", "1", "--out-dir", str(out)), 1, "cannot write",
              os.strerror(errno.ENOSPC), "step_000002.tmp")
     _same_but(seen, _tree(out))
@@ -549,7 +549,7 @@ def test_a_checkpoint_whose_rows_were_lost_falls_back_and_redoes_them(finished, 
 
 def test_rows_are_on_disk_before_the_checkpoint_that_covers_them(tmp_path, monkeypatch, capsys):
     out, events = tmp_path / "run", []
-    real_fsync, real_save = os.fsync, M.save
+    real_fsync, real_save = os.fsync, hfdir.save
 
     def fsync(fd):
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"), os.fstat(fd).st_size))
@@ -560,7 +560,7 @@ def test_rows_are_on_disk_before_the_checkpoint_that_covers_them(tmp_path, monke
         return real_save(model, path, *a, **k)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(M, "save", save)
+    monkeypatch.setattr(hfdir, "save", save)
     assert _main(capsys, "--steps", "2", "--save-every", "1", "--out-dir", str(out)).returncode == 0
     metrics = str((out / "metrics.jsonl").absolute())
     for i, e in enumerate(events):

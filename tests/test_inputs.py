@@ -15,6 +15,7 @@ import torch
 
 from textcodec import TextCodec
 import model as M
+import hfdir
 import tasks as T
 import train
 from engines import TorchEngine
@@ -160,7 +161,7 @@ def test_an_overflowing_reward_skips_the_step_and_never_reaches_the_weights(tmp_
     assert [r["skipped/nonfinite_step"] for r in rows] == [0, 1, 1, 1]
     assert os.readlink(out / "final") == "step_000003"
     for ckpt in sorted(out.glob("step_*")):
-        m = M.load(ckpt)  # refuses non-finite weights
+        m = hfdir.load(ckpt)  # refuses non-finite weights
         assert all(torch.isfinite(p).all() for p in m.parameters())
 
 
@@ -273,7 +274,7 @@ def test_config_values_of_the_wrong_type_or_range_are_one_line(tmp_path, key, va
     d = _copy(tmp_path)
     _edit_json(d / "config.json", **{key: value})
     with pytest.raises(ValueError) as e:
-        M.load(d)
+        hfdir.load(d)
     what += " or a non-empty list of them" if key == "eos_token_id" else ""
     if key == "rope_parameters":  # the theta it resolves: the dict's wins over a top-level rope_theta
         key, what, value = "rope_theta", "a number > 0", value["rope_theta"]
@@ -284,7 +285,7 @@ def test_heads_that_do_not_group_are_one_line(tmp_path):
     d = _copy(tmp_path)
     _edit_json(d / "config.json", num_key_value_heads=3)
     with pytest.raises(ValueError, match="num_attention_heads 4 must be a multiple of num_key_value_heads 3"):
-        M.load(d)
+        hfdir.load(d)
 
 
 def test_a_layer_count_the_weights_lack_is_refused_before_building(tmp_path, monkeypatch):
@@ -299,7 +300,7 @@ def test_a_layer_count_the_weights_lack_is_refused_before_building(tmp_path, mon
 
     monkeypatch.setattr(M, "Transformer", guarded)
     with pytest.raises(ValueError) as e:
-        M.load(d)
+        hfdir.load(d)
     assert str(e.value) == (f"{d}: weights do not match config.json: num_hidden_layers 10000000, "
                             "the weights hold 4 layers")
 
@@ -308,7 +309,7 @@ def test_a_fifo_named_like_weights_is_refused_not_read(tmp_path):
     d = _copy(tmp_path)
     os.mkfifo(d / "extra.safetensors")  # opening it would block until a writer came
     with pytest.raises(ValueError) as e:
-        M.load(d)
+        hfdir.load(d)
     assert str(e.value) == f"{d / 'extra.safetensors'}: not a regular file"
 
 

@@ -13,6 +13,7 @@ import config as C
 from textcodec import TextCodec
 import lora
 import model as M
+import hfdir
 import tasks as T
 import rollout
 import train
@@ -53,7 +54,7 @@ IDS = torch.randint(0, 48, (1, 29), generator=torch.Generator().manual_seed(3))
 @pytest.mark.parametrize("family,tie", FAMILIES)
 def test_logits_match_peft_on_the_same_base(tmp_path, family, tie):
     _family_checkpoint(tmp_path, family, tie)
-    ours = _adapted(M.load(tmp_path))
+    ours = _adapted(hfdir.load(tmp_path))
     ref = _peft(tmp_path)
     loaded = peft.set_peft_model_state_dict(ref, lora.adapter_state(ours))  # floe's names are peft's
     assert not loaded.unexpected_keys and not [k for k in loaded.missing_keys if "lora_" in k]
@@ -69,9 +70,9 @@ def test_logits_match_peft_on_the_same_base(tmp_path, family, tie):
 @pytest.mark.parametrize("family,tie", FAMILIES)
 def test_a_saved_adapter_loads_in_peft_and_the_merged_directory_in_transformers(tmp_path, family, tie):
     _family_checkpoint(tmp_path / "base", family, tie)
-    ours = _adapted(M.load(tmp_path / "base"))
+    ours = _adapted(hfdir.load(tmp_path / "base"))
     lora.write_adapter(tmp_path / "adapter", lora.adapter_state(ours), ours.lora, str(tmp_path / "base"))
-    M.save(ours, tmp_path / "merged", tmp_path / "base",
+    hfdir.save(ours, tmp_path / "merged", tmp_path / "base",
            state=lora.merged(lora.base_state(ours), lora.adapter_state(ours), ours.lora))
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
     via_peft = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
@@ -202,12 +203,12 @@ def test_bench_linears_arm_trains_exactly_the_layers_lora_adapts():
 
     bench_lora = bench_module("lora")
     real = start.shard
-    model = M.load(ROOT / "checkpoints" / "reverse-tiny")
+    model = hfdir.load(ROOT / "checkpoints" / "reverse-tiny")
     with bench_lora.linears_only():
         start.shard(model)
     assert start.shard is real
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
-    adapters = M.load(ROOT / "checkpoints" / "reverse-tiny")
+    adapters = hfdir.load(ROOT / "checkpoints" / "reverse-tiny")
     lora.add(adapters, SPEC)
     assert trained == {f"{name}.weight" for name in lora.adapted(adapters)} and len(trained) == 4 * 7
 

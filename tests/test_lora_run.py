@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import checkpoint
 import lora
-import model as M
+import hfdir
 import train
 
 transformers = pytest.importorskip("transformers")
@@ -58,7 +58,7 @@ def test_each_step_holds_the_adapter_and_the_last_one_the_merged_model(run):
     assert os.readlink(run / "final") == "step_000002" and (run / "final" / checkpoint.MERGED / "config.json").is_file()
     record = json.loads((run / "config.json").read_text())["lora_base"]
     assert record == {"path": str(base.resolve()), "sha256": lora.weights_sha256(base),
-                      "config": json.loads(json.dumps(dataclasses.asdict(M.load(base).args)))}
+                      "config": json.loads(json.dumps(dataclasses.asdict(hfdir.load(base).args)))}
     spec, tensors, named = lora.read_adapter(run / "final")
     assert (spec.rank, spec.alpha, named) == (4, 8.0, str(base.resolve()))
     state = load_file(str(run / "final" / "trainer_state" / "optim_rng.safetensors"))
@@ -177,10 +177,10 @@ def test_an_adapter_trained_on_other_weights_is_one_line(run, tmp_path, capsys):
     the shipped model that then changed; the shapes alone would fit."""
     other = tmp_path / "other"
     shutil.copytree(run.parent / "base", other)
-    m = M.load(other)
+    m = hfdir.load(other)
     with torch.no_grad():
         m.model.norm.weight.add_(0.1)
-    M.save(m, other, other)
+    hfdir.save(m, other, other)
     line = _refused(capsys, "--model", str(other), "--steps", "1", "--out-dir", str(tmp_path / "a"),
                     "--adapter", str(run / "final"), *SMALL)
     assert "was trained on" in line and "differ from --model" in line
@@ -192,10 +192,10 @@ def test_a_resume_whose_base_changed_is_one_line_and_changes_nothing(tmp_path, c
     shutil.copytree(TINY, base)
     out = tmp_path / "run"
     train.main(["--model", str(base), "--steps", "1", "--out-dir", str(out), *LORA])
-    m = M.load(base)
+    m = hfdir.load(base)
     with torch.no_grad():
         m.model.norm.weight.add_(0.1)  # someone retrained or replaced the base in place
-    M.save(m, base, base)
+    hfdir.save(m, base, base)
     capsys.readouterr()
     before = _tree(out)
     line = _refused(capsys, "--model", str(base), "--steps", "2", "--out-dir", str(out), "--resume", *LORA)

@@ -29,7 +29,7 @@ import json, math, sys
 sys.path.insert(0, {root!r})
 import torch
 import peft, transformers
-import data as D, lora as L, model as M
+import data as D, hfdir, lora as L, model as M
 from engines import Sampling
 from textcodec import TextCodec, write_tokenizer
 from vllm_engine import VLLMEngine
@@ -38,7 +38,7 @@ d, out = {dir!r}, {out!r}
 write_tokenizer(d)
 base = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
 M.init_weights(base, std=0.15, seed=0)
-M.save(base, d, d)
+hfdir.save(base, d, d)
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11]]
 
 
@@ -74,7 +74,7 @@ results = {{}}
 for name, rank, alpha, targets, merged_push in {cases!r}:
     spec, first = peft_adapter(name + "-a", rank, alpha, targets, seed=1)
     _, second = peft_adapter(name + "-b", rank, alpha, targets, seed=2)
-    model = M.load(d)  # floe's LoRA model, holding each peft adapter in turn
+    model = hfdir.load(d)  # floe's LoRA model, holding each peft adapter in turn
     L.add(model, spec)
     engine = VLLMEngine(d, 32, "fp32", [2, 0], seed=0, memory=0.2, lora=None if merged_push else spec)
     rows = []
@@ -133,7 +133,7 @@ WIRE = """
 import sys
 sys.path[:0] = [{root!r}]
 import torch
-import config as C, data as D, lora as L, model as M, parallel as P
+import config as C, data as D, hfdir, lora as L, model as M, parallel as P
 from remote import RemoteEngine, serve
 from engines import Sampling, TorchEngine
 from textcodec import TextCodec
@@ -144,7 +144,7 @@ link = P.setup_distributed("cpu", 1)
 if P.serving(1):
     serve(cfg, link)
     raise SystemExit
-model, spec = M.load(src), L.spec_of(cfg)
+model, spec = hfdir.load(src), L.spec_of(cfg)
 shapes = [l.weight.shape for n, l in L.linears(model).items() if n.rsplit(".", 1)[-1] in spec.targets]
 expected = sum(spec.rank * (o + i) * 4 for o, i in shapes)  # A (r, in) and B (out, r) in fp32, every adapted layer
 torch.manual_seed(0)

@@ -21,6 +21,7 @@ from textcodec import TextCodec, write_tokenizer
 import packing
 import tasks as T
 import model as M
+import hfdir
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,7 +63,7 @@ def _hf_checkpoint(tmp_path, tie: bool):
 @pytest.mark.parametrize("tie", [True, False])
 def test_logits_match_transformers(tmp_path, tie):
     hf = _hf_checkpoint(tmp_path, tie)
-    ours = M.load(tmp_path)
+    ours = hfdir.load(tmp_path)
     ids = torch.randint(0, 48, (1, 37), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids).logits[0]
@@ -86,7 +87,7 @@ def test_our_checkpoint_loads_in_transformers(tmp_path):
     M.init_weights(ours, std=0.05, seed=3)
     (tmp_path / "tok").mkdir()
     write_tokenizer(tmp_path / "tok")
-    M.save(ours, tmp_path / "ckpt", tmp_path / "tok")
+    hfdir.save(ours, tmp_path / "ckpt", tmp_path / "tok")
     logits, ref = _ours_and_transformers(ours, tmp_path / "ckpt", 20)
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
     assert not (tmp_path / "ckpt.tmp").exists()
@@ -96,10 +97,10 @@ def test_save_replaces_an_existing_checkpoint(tmp_path):
     ours = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
     M.init_weights(ours, seed=0)
     write_tokenizer(tmp_path)
-    M.save(ours, tmp_path / "ckpt", tmp_path)
+    hfdir.save(ours, tmp_path / "ckpt", tmp_path)
     M.init_weights(ours, seed=1)
-    M.save(ours, tmp_path / "ckpt", tmp_path)
-    again = M.load(tmp_path / "ckpt")
+    hfdir.save(ours, tmp_path / "ckpt", tmp_path)
+    again = hfdir.load(tmp_path / "ckpt")
     torch.testing.assert_close(again.head_weight, ours.head_weight)
     names = {p.name for p in tmp_path.iterdir()}
     assert "ckpt" in names and not {"ckpt.tmp", "ckpt.old"} & names  # nothing left beside it
@@ -112,7 +113,7 @@ def test_config_mismatch_is_one_clear_error(tmp_path):
     cfg["head_dim"] = 8
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="shape"):
-        M.load(tmp_path)
+        hfdir.load(tmp_path)
 
 
 # (family, tied, extra config keys): each family tied and untied, and the optional biases
@@ -132,7 +133,7 @@ def test_each_family_matches_transformers_both_ways(tmp_path, family, tie, extra
     """transformers' model -> floe: logits at 1e-5 and every weight's NLL gradient at 1e-4 relative;
     floe -> save -> transformers: the same logits, and the source's own config.json."""
     hf = _family_checkpoint(tmp_path / "src", family, tie, **extra)
-    ours = M.load(tmp_path / "src")
+    ours = hfdir.load(tmp_path / "src")
     ref_params, params = dict(hf.named_parameters()), dict(ours.named_parameters())
     assert params.keys() == ref_params.keys()  # HF's names; a tied head is the embedding, once
     biases = {k for k in params if k.endswith(".bias")}
@@ -151,7 +152,7 @@ def test_each_family_matches_transformers_both_ways(tmp_path, family, tie, extra
         assert r.abs().max() > 0, name
         assert (p.grad - r).abs().max() <= 1e-4 * r.abs().max(), name
 
-    M.save(ours, tmp_path / "out", tmp_path / "src")
+    hfdir.save(ours, tmp_path / "out", tmp_path / "src")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits[0], ref.detach(), atol=1e-5, rtol=0)
@@ -167,7 +168,7 @@ def test_llama3_rope_scaling_matters(tmp_path):
     """The llama3 frequencies equal transformers' and differ from unscaled ones where the test
     looks, so a model that ignored the scaling would fail the family test."""
     hf = _family_checkpoint(tmp_path, "llama", tie=True)
-    ours = M.load(tmp_path)
+    ours = hfdir.load(tmp_path)
     plain = M.rope_frequencies(dataclasses.replace(ours.args, rope_scaling=None))
     torch.testing.assert_close(ours.inv_freq, hf.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
     assert int(((ours.inv_freq - plain).abs() > 1e-3 * plain).sum()) == 7  # one blended, six slowed 8x
@@ -177,7 +178,7 @@ def test_llama3_rope_scaling_matters(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     ids = torch.randint(0, 48, (1, 37), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        unscaled = M.load(tmp_path)(ids[0], torch.arange(37), torch.zeros(37, dtype=torch.long)) @ ours.head_weight.T
+        unscaled = hfdir.load(tmp_path)(ids[0], torch.arange(37), torch.zeros(37, dtype=torch.long)) @ ours.head_weight.T
         assert (unscaled - hf(ids).logits[0]).abs().max() > 1e-2
 
 
@@ -194,17 +195,17 @@ def test_a_fresh_model_of_each_family_writes_its_own_config(tmp_path, family):
                 p.normal_(0, 0.1)
     (tmp_path / "tok").mkdir()
     write_tokenizer(tmp_path / "tok")
-    M.save(ours, tmp_path / "ckpt", tmp_path / "tok")
+    hfdir.save(ours, tmp_path / "ckpt", tmp_path / "tok")
     cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert cfg["model_type"] == family and cfg["architectures"] == [M.FAMILIES[family]]
-    assert M.ModelArgs.from_hf(cfg) == a == M.load(tmp_path / "ckpt").args
+    assert M.ModelArgs.from_hf(cfg) == a == hfdir.load(tmp_path / "ckpt").args
     logits, ref = _ours_and_transformers(ours, tmp_path / "ckpt", 40)
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)
 
 
 def _one_line_refusal(d) -> str:
     with pytest.raises(ValueError) as e:
-        M.load(d)
+        hfdir.load(d)
     assert "\n" not in str(e.value)
     return str(e.value)
 
@@ -219,7 +220,7 @@ def _one_line_refusal(d) -> str:
 def test_a_config_it_cannot_serve_is_one_line_naming_the_file(tmp_path, edit, words):
     ours = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
     write_tokenizer(tmp_path)
-    M.save(ours, tmp_path, tmp_path)
+    hfdir.save(ours, tmp_path, tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     edit(cfg)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -228,7 +229,7 @@ def test_a_config_it_cannot_serve_is_one_line_naming_the_file(tmp_path, edit, wo
 
 
 def test_a_config_that_is_not_json_names_the_file(tmp_path):
-    M.save(M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY)), tmp_path, tmp_path)
+    hfdir.save(M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY)), tmp_path, tmp_path)
     write_tokenizer(tmp_path)
     (tmp_path / "config.json").write_text('{"model_type": "qwen3",')
     assert _one_line_refusal(tmp_path).startswith(f"{tmp_path / 'config.json'}: not valid JSON")
@@ -238,7 +239,7 @@ def test_a_config_that_is_not_json_names_the_file(tmp_path):
 def test_weights_holding_nan_or_inf_are_refused_at_load(tmp_path, bad):
     from safetensors.torch import load_file, save_file
 
-    M.save(M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY)), tmp_path, tmp_path)
+    hfdir.save(M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY)), tmp_path, tmp_path)
     write_tokenizer(tmp_path)
     state = load_file(tmp_path / "model.safetensors")
     state["model.layers.2.mlp.up_proj.weight"][5, 7] = bad
@@ -251,13 +252,14 @@ VLLM_FAMILIES = """
 import gc, json, math, sys
 sys.path.insert(0, {root!r})
 import model as M
+import hfdir
 from engines import Sampling
 from vllm_engine import VLLMEngine
 from tests.test_engines import _probs
 
 prompts, out = [[1, 5, 6, 7, 8, 9, 10], [1, 11, 12, 13]], {{}}
 for d in sys.argv[1:]:
-    m = M.load(d)
+    m = hfdir.load(d)
     e = VLLMEngine(d, 32, "fp32", [2], seed=0, memory=0.2, max_len=256)
     worst, n = 0.0, 0
     for i, c in enumerate(e.generate(prompts, 3, Sampling(temperature=0.8, max_new_tokens=24))):

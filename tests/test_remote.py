@@ -18,6 +18,7 @@ sys.path[:0] = [{root!r}]
 import torch
 import config as C, data as D, model as M, parallel as P
 from textcodec import TextCodec
+import hfdir
 from remote import RemoteEngine, serve
 from engines import Sampling, TorchEngine
 
@@ -33,7 +34,7 @@ if P.serving(2):
     TorchEngine.generate = generate
     serve(cfg, link)
     raise SystemExit
-model = M.load(src)
+model = hfdir.load(src)
 stops = TextCodec.load(src).stop_ids
 remote, local = RemoteEngine(link, 0, {dtype!r}), TorchEngine(model, {dtype!r}, stops)
 remote.start(src)

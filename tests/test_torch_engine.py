@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import model as M
+
+import hfdir
 from loss import group_advantages
 from precision import Fp8Linear, fp8_quantize
 from engines import Sampling, TorchEngine
@@ -41,7 +43,7 @@ def test_emulated_low_precision_mismatches_like_the_native_dtype(dtype):
     """On a CPU the bf16/fp16 engine computes in fp32 on rounded values (precision.Rounded). Its
     mismatch against the fp32 trainer must stay below the native dtype's (it rounds fewer places)
     and at least a tenth of it: not zero (nothing was rounded), not larger (the wrong thing was)."""
-    model = M.load("checkpoints/reverse-tiny")
+    model = hfdir.load("checkpoints/reverse-tiny")
     engine = TorchEngine(model, dtype, [2], seed=0)
     assert engine.emulated
     native = TorchEngine(model, "fp32", [2], seed=0)
@@ -112,7 +114,7 @@ def test_fp8_linear_is_a_w8a8_matmul_with_bf16_outputs():
 def test_fp8_engine_mismatch_is_larger_than_bf16s():
     """On the shipped model's own text the fp8 engine (W8A8, the head included) is farther from the
     fp32 trainer than the bf16 engine is, and still a close copy of it."""
-    model = M.load("checkpoints/reverse-tiny")
+    model = hfdir.load("checkpoints/reverse-tiny")
     prompts = [[1, 23, 21, 7, 20, 31, 20, 7, 24, 7, 20, 21, 7, 30, 29, 5, 3, 22, 29, 6, 17, 9, 2, 31]]
     out = TorchEngine(model, "fp32", [2], seed=0).generate(prompts, 8, Sampling(max_new_tokens=16))
     tokens = torch.tensor([(prompts[0] + c.ids + [0] * 16)[:40] for c in out])

@@ -18,6 +18,7 @@ from textcodec import TextCodec
 import packing
 import tasks as T
 import model as M
+import hfdir
 import rollout
 import train
 from engines import TorchEngine
@@ -86,7 +87,7 @@ def test_short_rl_and_sft_runs_write_their_files(tmp_path):
         for k in ("reward", "icepop/masked_fraction", "mismatch/kl", "entropy", "loss", "eval/reward"):
             assert k in r and r[k] == r[k], k  # present and not NaN
     assert json.loads((out / "config.json").read_text())["steps"] == 2
-    assert M.load(out / "final").args.vocab_size == 32
+    assert hfdir.load(out / "final").args.vocab_size == 32
     # vLLM loads every top-level *.safetensors: the training state must not be one of them
     assert [p.name for p in (out / "final").glob("*.safetensors")] == ["model.safetensors"]
     assert s["eval/reward@0"] == rows[0]["eval/reward"]
@@ -140,8 +141,8 @@ def test_resume_with_a_changed_flag_is_refused(tmp_path):
 KILLER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import model, train
-real, calls = model.save_file, [0]
+import hfdir, train
+real, calls = hfdir.save_file, [0]
 def dying(state, path, metadata=None):
     calls[0] += 1
     if calls[0] == 2:  # the second checkpoint: half a file on disk, then SIGKILL
@@ -150,7 +151,7 @@ def dying(state, path, metadata=None):
             f.flush()
         os.kill(os.getpid(), signal.SIGKILL)
     return real(state, path, metadata=metadata)
-model.save_file = dying
+hfdir.save_file = dying
 train.main(sys.argv[1:])
 """
 
@@ -162,7 +163,7 @@ def test_a_kill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path
     assert r.returncode == -signal.SIGKILL
     assert (out / "step_000002.tmp").is_dir() and not (out / "step_000002").exists()
     assert os.readlink(out / "final") == "step_000001"
-    M.load(out / "final")  # the previous checkpoint is whole
+    hfdir.load(out / "final")  # the previous checkpoint is whole
     train.main([*args, "--resume"])
     train.main(["--steps", "3", "--out-dir", str(tmp_path / "clean"), *SMALL])
     assert _rows(out) == _rows(tmp_path / "clean")
