@@ -38,7 +38,9 @@ from rundir import STATE
 from runlog import read_rows
 
 ADAM = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}  # AdamW's state per parameter
-FREE = ("steps", "eval_every", "save_every", "wandb_project", "dist_timeout", "call_timeout")  # a resume may change them; config.json follows
+# a resume may change them; config.json follows (compile: a machine without a C++ compiler resumes a compiled run eager)
+FREE = ("steps", "eval_every", "save_every", "wandb_project", "dist_timeout", "call_timeout", "compile")
+RECORD = ("reward_sha256", "lora_base")  # config.json's keys that are the run's record, not flags
 UNUSED = ("resume", "model", "out_dir")  # a resume ignores them (out_dir: any spelling; model: a LoRA run's base is its record's); config.json keeps the run's
 
 
@@ -209,6 +211,7 @@ def check_resumable(cfg: C.Config, out: Path) -> tuple[Path, list[dict], M.Trans
                             f"{f'at step {max(done)}' if done else 'before its first step'}): {R.start_over(out)}")
     if saved is None:
         raise C.ConfigError(f"--resume: {out / 'config.json'} is missing or unreadable: the run's flags are unknown")
+    saved = renamed(saved, out)
     defaults, now = json.loads(C.Config().to_json()), json.loads(cfg.to_json())
     # the flags other defaults derive from first (--lr's default is LoRA's with --lora-rank): name the cause
     for k, v in sorted(now.items(), key=lambda kv: kv[0] not in ("stage", "lora_rank", "adapter")):
@@ -290,12 +293,29 @@ def _newest_whole(found: list[Path], have: set[int] | None, out: Path, base: tup
     return None, None, None, (first, rowless)
 
 
+def renamed(saved: dict, out: Path) -> dict:
+    """A run's config.json under today's flag names (C.RENAMED, old -> new), so a run saved before a
+    rename compares its value, not a default, with this one's. A key that is neither a flag, a renamed
+    one nor the run's record is refused: what it set would be silently lost."""
+    new = {}
+    for k, v in saved.items():
+        name = C.RENAMED.get(k, k)
+        if name not in C.Config.__dataclass_fields__ and name not in RECORD:
+            raise C.ConfigError(f"--resume: {out / 'config.json'} sets {k!r}, which is no flag of this floe; "
+                                "the run cannot go on as it was started")
+        if name in new and new[name] != v:
+            raise C.ConfigError(f"--resume: {out / 'config.json'} sets both {k!r} and {name!r}, differently")
+        new[name] = v
+    return new
+
+
 def resumed_config(out: Path, cfg: C.Config) -> dict | None:
-    """config.json on resume: the run's own record (its model, its out_dir), with the flags a resume
-    may change (FREE) as this one gives them; None when none changed (the file stays as it is)."""
+    """config.json on resume: the run's own record (its model, its out_dir) under today's flag names,
+    with the flags a resume may change (FREE) as this one gives them; None when none changed (the file
+    stays as it is)."""
     saved = json.loads((out / "config.json").read_text())
     now = json.loads(cfg.to_json())
-    new = {**saved, **{k: now[k] for k in FREE}}
+    new = {**renamed(saved, out), **{k: now[k] for k in FREE}}
     return None if new == saved else new
 
 

@@ -40,6 +40,15 @@ FP32_MAX = 3.4028234663852886e38  # a flag that becomes a float32 tensor must be
 SEED_MAX = 2**32  # torch and numpy seed from 64-bit integers; floe adds the rank and 1 (eval) to the seed
 SAMPLES_MAX = 2**20  # samples a step: --prompts-per-step x --group-size (rl), sequences (sft)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every linear of a block (lora.TARGETS)
+# floats that must be finite (a loss's own flags: loss.check_flags); a cap whose inf means "no cap" is not here
+FINITE = ("lr", "weight_decay", "temperature", "adv_tau", "kl_coeff", "seq_mask_low", "top_p", "vllm_memory", "engine_noise",
+          "dist_timeout", "lora_alpha")
+AT_LEAST = {"steps": 1, "top_k": 0, "score_centering_k": 1, "prompts_per_step": 1, "group_size": 1, "max_new_tokens": 1,
+            "micro_batch_tokens": 64, "epochs": 1, "save_every": 0, "eval_every": 0, "eval_prompts": 1,
+            "async_level": 0, "inference_gpus": 0, "lora_rank": 0}
+OFF = {"top_k": " (0: off)", "eval_every": " (0: no eval)", "async_level": " (0: synchronous)",
+       "inference_gpus": " (0: colocated)", "lora_rank": " (0: full fine-tuning)"}  # what 0 means, in the message
+RENAMED = {"icepop": "icepop_mask"}  # a flag's old field name -> its new one: config.json of an older run still resumes
 BOUNDS = {"score_centering_k": 1024, "max_words": 1000, "eval_prompts": 2**16, "micro_batch_tokens": 2**20}
 
 
@@ -113,7 +122,9 @@ class Config:
     loss: Literal["reinforce", "icepop", "ipo", "tis", "ppo", "cispo", "gspo"] = "icepop"
     icepop_alpha: float = 0.5  # icepop: keep tokens with alpha <= p/q <= beta
     icepop_beta: float = 5.0  # icepop: upper bound, the paper's value
-    icepop: bool = False  # ppo/cispo/gspo: also apply the IcePop mask on pi_old/q
+    # ppo/cispo/gspo: also apply IcePop's mask M(k) on k = pi_old/q, bounds --icepop-alpha/--icepop-beta (the paper's
+    # decoupled form; `--loss icepop` is the one-update form). --icepop: its old name, still accepted (RENAMED)
+    icepop_mask: Annotated[bool, tyro.conf.arg(aliases=("--icepop",))] = False
     ipo_eps: float = 0.2  # ipo: keep tokens with |p - q| <= eps
     max_importance_ratio: float = 5.0  # ipo: cap on p/q
     tis_cap: float = 2.0  # tis: w = clamp(p/q, floor, cap), truncated importance sampling
@@ -135,78 +146,63 @@ class Config:
     bad_evidence: Literal["error", "drop"] = "error"  # sampler evidence that fails validation
 
     def __post_init__(self) -> None:
-        for name in ("lr", "weight_decay", "temperature", "adv_tau", "kl_coeff", "icepop_alpha", "icepop_beta",
-                     "ipo_eps", "clip_low", "clip_high", "tis_floor", "seq_mask_low", "top_p", "vllm_memory", "engine_noise",
-                     "dist_timeout", "lora_alpha"):
+        """Each flag's own range, by concern. Checks that need another module's table run at the start
+        checks (start.py): a loss's flags (loss.LOSSES), a task's (tasks.py)."""
+        for name in FINITE:
             v = getattr(self, name)  # caps whose inf means "no cap" (--tis-cap, --grad-clip, ...) may stay inf
             _check(math.isfinite(v), f"--{name.replace('_', '-')}", f"must be a finite number, got {v}")
             _check(abs(v) <= FP32_MAX, f"--{name.replace('_', '-')}", f"must be a finite number in float32 "
                    f"(at most {FP32_MAX:.1e}), got {v:g}")
         self._check_bounds()
+        for flag, low in AT_LEAST.items():  # integers with a floor
+            v = getattr(self, flag)
+            _check(v >= low, f"--{flag.replace('_', '-')}", f"must be >= {low}{OFF.get(flag, '')}, got {v}")
+        # the run and the optimizer
+        _check(self.lr >= 0, "--lr", f"must be >= 0 (0: the stage's default), got {self.lr}")
         _check(self.weight_decay >= 0, "--weight-decay", f"must be >= 0, got {self.weight_decay}")
-        _check(self.steps >= 1, "--steps", f"must be >= 1, got {self.steps}")
+        _check(self.grad_clip >= 0, "--grad-clip", f"must be >= 0 (0: off), got {self.grad_clip}")
+        _check(self.adv_tau > 0, "--adv-tau", f"must be > 0, got {self.adv_tau}")
+        _check(self.dist_timeout > 0, "--dist-timeout", f"must be > 0 seconds, got {self.dist_timeout:g}")
+        _check(math.isfinite(self.call_timeout) and self.call_timeout > 0, "--call-timeout",
+               f"must be a finite number of seconds > 0, got {self.call_timeout}")
+        _check(1 <= self.max_turns <= 1000, "--max-turns", f"must be in [1, 1000], got {self.max_turns}")
+        # sampling
         _check(self.temperature > 0, "--temperature", f"must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "--top-p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, "--top-k", f"must be >= 0 (0: off), got {self.top_k}")
-        _check(0 <= self.icepop_alpha < self.icepop_beta, "--icepop-alpha/--icepop-beta",
-               f"need 0 <= alpha < beta, got alpha={self.icepop_alpha} beta={self.icepop_beta}")
-        _check(self.ipo_eps > 0, "--ipo-eps", f"must be > 0, got {self.ipo_eps}")
-        _check(self.max_importance_ratio >= 1, "--max-importance-ratio", f"must be >= 1, got {self.max_importance_ratio}")
-        _check(0 <= self.tis_floor <= 1 <= self.tis_cap, "--tis-floor/--tis-cap",
-               f"need 0 <= floor <= 1 <= cap, got floor={self.tis_floor} cap={self.tis_cap}")
+        _check(0 < self.vllm_memory < 1, "--vllm-memory", f"must be in (0, 1), got {self.vllm_memory}")
+        _check(self.engine_noise >= 0, "--engine-noise", f"must be >= 0 (0: off), got {self.engine_noise}")
+        # the masks and the KL beside the loss (the loss's own flags: loss.check_flags)
         _check(0 <= self.seq_mask_low < 1 < self.seq_mask_high, "--seq-mask-low/--seq-mask-high",
                f"need 0 <= low < 1 < high, got low={self.seq_mask_low} high={self.seq_mask_high}")
         _check(self.kl_mask_threshold > 0, "--kl-mask-threshold", f"must be > 0, got {self.kl_mask_threshold}")
-        _check(0 <= self.clip_low < 1, "--clip-low", f"must be in [0, 1), got {self.clip_low}")
-        _check(self.clip_high >= 0, "--clip-high", f"must be >= 0, got {self.clip_high}")
-        _check(self.score_centering_k >= 1, "--score-centering-k", f"must be >= 1, got {self.score_centering_k}")
         _check(self.kl_coeff >= 0, "--kl-coeff", f"must be >= 0, got {self.kl_coeff}")
-        _check(self.prompts_per_step >= 1, "--prompts-per-step", f"must be >= 1, got {self.prompts_per_step}")
-        _check(self.group_size >= 1, "--group-size", f"must be >= 1, got {self.group_size}")
-        _check(self.max_new_tokens >= 1, "--max-new-tokens", f"must be >= 1, got {self.max_new_tokens}")
-        _check(self.micro_batch_tokens >= 64, "--micro-batch-tokens", f"must be >= 64, got {self.micro_batch_tokens}")
-        _check(1 <= self.min_words <= self.max_words, "--min-words/--max-words",
-               f"need 1 <= min <= max, got {self.min_words}, {self.max_words}")
-        _check(self.max_operand >= 1, "--max-operand", f"must be >= 1, got {self.max_operand}")
-        _check(self.task in ("reverse-text", "arithmetic") or (self.task.startswith("jsonl:") and len(self.task) > 6),
-               "--task", f"must be reverse-text, arithmetic or jsonl:PATH, got {self.task!r}")
+        self._check_combinations()
+        # the task's files and rewards (the task's name and flags: tasks.py, at the start checks)
         _check(not self.eval_file or self.task.startswith("jsonl:"), "--eval-file", "is for --task jsonl:PATH")
         try:
             kwargs = json.loads(self.chat_template_kwargs)
         except json.JSONDecodeError:
             kwargs = None
         _check(isinstance(kwargs, dict), "--chat-template-kwargs", f"must be a JSON object, got {self.chat_template_kwargs!r}")
-        _check(self.lr >= 0, "--lr", f"must be >= 0 (0: the stage's default), got {self.lr}")
-        _check(self.grad_clip >= 0, "--grad-clip", f"must be >= 0 (0: off), got {self.grad_clip}")
-        _check(self.epochs >= 1, "--epochs", f"must be >= 1, got {self.epochs}")
+        _check(all(math.isfinite(w) for w in self.reward_weights), "--reward-weights",
+               f"must be finite numbers, got {' '.join(f'{w:g}' for w in self.reward_weights)}")
+        _check(not self.reward_weights or any(self.reward_weights), "--reward-weights",
+               "are all 0: every sample's total reward would be 0, and nothing would train")
+        # LoRA
+        _check(self.lora_alpha > 0, "--lora-alpha", f"must be > 0, got {self.lora_alpha:g}")
+        _check(len(self.lora_targets) > 0, "--lora-targets", f"needs at least one layer name (e.g. {' '.join(LORA_TARGETS)})")
+        _check(len(set(self.lora_targets)) == len(self.lora_targets), "--lora-targets",
+               f"names a layer twice: {' '.join(self.lora_targets)}")
+
+    def _check_combinations(self) -> None:
+        """Flags that are each in range but together train nothing, or not what was asked."""
         _check(self.stage == "rl" or self.loss == "icepop", "--loss",
                f"{self.loss} has no effect with --stage sft (it trains the reference's log-likelihood)")
         reinforce = self.loss == "reinforce" or self.correction_metrics_only
         _check(self.epochs == 1 or not reinforce, "--epochs",
                f"{self.epochs} with plain reinforce would retrain the batch off-policy with no correction; "
                "use --loss ppo, cispo or gspo (clipped against pi_old), or icepop/tis/ipo (weighted by p/q)")
-        _check(self.save_every >= 0, "--save-every", f"must be >= 0, got {self.save_every}")
-        _check(self.eval_every >= 0, "--eval-every", f"must be >= 0 (0: no eval), got {self.eval_every}")
-        _check(self.eval_prompts >= 1, "--eval-prompts", f"must be >= 1, got {self.eval_prompts}")
-        _check(self.adv_tau > 0, "--adv-tau", f"must be > 0, got {self.adv_tau}")
-        _check(0 < self.vllm_memory < 1, "--vllm-memory", f"must be in (0, 1), got {self.vllm_memory}")
-        _check(self.engine_noise >= 0, "--engine-noise", f"must be >= 0 (0: off), got {self.engine_noise}")
-        _check(self.async_level >= 0, "--async-level", f"must be >= 0 (0: synchronous), got {self.async_level}")
-        _check(self.inference_gpus >= 0, "--inference-gpus", f"must be >= 0 (0: colocated), got {self.inference_gpus}")
-        _check(math.isfinite(self.call_timeout) and self.call_timeout > 0, "--call-timeout",
-               f"must be a finite number of seconds > 0, got {self.call_timeout}")
-        _check(1 <= self.max_turns <= 1000, "--max-turns", f"must be in [1, 1000], got {self.max_turns}")
         _check(not self.env or self.task.startswith("jsonl:"), "--env", "needs --task jsonl:FILE (the rows its episodes start from)")
-        _check(self.lora_rank >= 0, "--lora-rank", f"must be >= 0 (0: full fine-tuning), got {self.lora_rank}")
-        _check(self.lora_alpha > 0, "--lora-alpha", f"must be > 0, got {self.lora_alpha:g}")
-        _check(len(self.lora_targets) > 0, "--lora-targets", f"needs at least one layer name (e.g. {' '.join(LORA_TARGETS)})")
-        _check(len(set(self.lora_targets)) == len(self.lora_targets), "--lora-targets",
-               f"names a layer twice: {' '.join(self.lora_targets)}")
-        _check(self.dist_timeout > 0, "--dist-timeout", f"must be > 0 seconds, got {self.dist_timeout:g}")
-        _check(all(math.isfinite(w) for w in self.reward_weights), "--reward-weights",
-               f"must be finite numbers, got {' '.join(f'{w:g}' for w in self.reward_weights)}")
-        _check(not self.reward_weights or any(self.reward_weights), "--reward-weights",
-               "are all 0: every sample's total reward would be 0, and nothing would train")
         _check(self.stage == "sft" or self.group_size >= 2, "--group-size",
                "1 trains nothing: every loss centers the advantages within a prompt's group (A = r - the group's "
                "mean reward), and a group of one is its own mean; use 2 or more")
@@ -268,6 +264,22 @@ class Config:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
+
+    def changed(self) -> str:
+        """The flags that differ from their defaults (resolved values included: the device, the learning
+        rate), as one command line's worth: what a start-up prints."""
+        default = Config()
+        flags = []
+        for f in dataclasses.fields(self):
+            v, flag = getattr(self, f.name), f"--{f.name.replace('_', '-')}"
+            if v != getattr(default, f.name):
+                flags.append(flag if v is True else f"--no-{flag[2:]}" if v is False else f"{flag} {shown(v)}")
+        return "flags: " + (" ".join(flags) or "the defaults")
+
+
+def shown(v) -> str:
+    """A flag's value as a command line writes it."""
+    return " ".join(map(str, v)) if isinstance(v, tuple) else f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def _check(ok: bool, flag: str, what: str) -> None:

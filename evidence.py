@@ -23,7 +23,8 @@ from torch import Tensor
 
 from config import Config
 from data import MicroBatch, RunError, entry_rows
-from loss import Metrics, any_by, sum_by, trained
+from loss import trained
+from masks import Metrics, any_by, sum_by
 
 CHECKS = {  # name: what the error says
     "offsets": "support offsets are not non-decreasing from 0 to nnz",  # structural: always raises

@@ -40,42 +40,125 @@ Simplifications and decisions:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from config import Config
+from config import FP32_MAX, Config, ConfigError
 from data import MicroBatch, TokenSupport, entry_rows, truncated
+from masks import (METRIC_CLAMP, Masks, Metrics, any_by, k3, keep_mask, kl_flags, outside, seq_flags, stat,
+                   sum_by)
 
-Metrics = dict[str, tuple[Tensor, Tensor]]
-METRIC_CLAMP = 20.0  # |log r| cap for metrics and KL masks only
+
 MAX_TURN_METRICS = 8  # episodes' by-turn metrics cover the first 8 model turns (a turn's count 0: not logged)
 
 
 @dataclass(frozen=True)
+class Check:
+    """A range check on flags a loss reads: `ok(*their values)`, else the line `--a/--b message`, the
+    message formatted with the values by field name."""
+
+    flags: tuple[str, ...]
+    ok: Callable[..., bool]
+    message: str
+
+
+@dataclass(frozen=True)
 class Loss:
-    """What a --loss needs from the rest of floe, said once: train.py, the head's sparse backward
-    and the evidence checks ask this table (through the functions below) instead of its name."""
+    """A --loss, said once: its weight or term, the flags it reads and their checks, and what the rest
+    of floe needs from it. train.py, the head's sparse backward, the evidence checks, the start checks
+    (`check_flags`, start.unread) and --correction-metrics-only ask this table, never the loss's name."""
 
     centered: bool  # a weight w(r) = f(p/q) with score centering: reads every loss token's support row
     sparse_draws: bool  # under K draws its gradient lies on label and support rows only (G_t = 0, lm_head.py)
     clipped: bool  # clipped against pi_old: with --epochs > 1 train.py computes pi_old before the first pass
-    reads: tuple[str, ...] = ()  # its own flags (Config fields); with another --loss nothing reads them (`unread`)
+    reads: tuple[str, ...] = ()  # its own flags (Config fields), in the order `weight` takes them; with another --loss nothing reads them
+    checks: tuple[Check, ...] = ()  # their range checks; a float flag is also checked finite, unless in `no_cap`
+    no_cap: tuple[str, ...] = ()  # its flags whose inf means "no cap"
+    weight: Callable | None = None  # centered: (log p, log q, *flags) -> (w, outside low, outside high), detached
+    bound: str = ""  # what its bounds do to a token, for the metric's name: "mask" (masked_fraction), "clip" (clip_fraction)
+    sides: bool = True  # its metric also reports the low and the high side
+    sequence_ratio: bool = False  # clipped: one ratio per sequence, exp(mean of log rho) (gspo)
+    weighted_log_p: bool = False  # clipped: sg(clip(rho)) * log p (cispo) instead of ppo's min(rho A, clip(rho) A)
 
 
-CLIP = ("clip_low", "clip_high", "icepop")  # with --icepop a clipped loss also reads icepop's bounds
+def icepop_weight(logp: Tensor, logq: Tensor, alpha: float, beta: float):
+    """IcePop's M: weight r inside [alpha, beta] (inclusive), 0 outside."""
+    log_r = logp - logq
+    low, high, _, _ = outside(log_r, alpha, beta)
+    return torch.where(low | high, -math.inf, log_r).exp(), low, high
+
+
+def ipo_weight(logp: Tensor, logq: Tensor, eps: float, cap: float):
+    """r capped at `cap`, 0 where |p - q| > eps."""
+    drop = (logp.exp() - logq.exp()).abs() > eps
+    capped = (logp - logq).clamp(max=math.log(cap))
+    low = drop & (logp < logq)
+    return torch.where(drop, -math.inf, capped).exp(), low, drop & ~low
+
+
+def tis_weight(logp: Tensor, logq: Tensor, cap: float, floor: float):
+    """Truncated importance sampling: r clamped to [floor, cap]."""
+    log_r = logp - logq
+    low, high, lo, hi = outside(log_r, floor, cap)
+    return log_r.clamp(lo, hi).exp(), low, high
+
+
+def unit_weight(logp: Tensor, logq: Tensor):
+    none = torch.zeros_like(logp, dtype=torch.bool)
+    return torch.ones_like(logp), none, none
+
+
+ICEPOP = ("icepop_alpha", "icepop_beta")
+ICEPOP_CHECKS = (Check(ICEPOP, lambda a, b: 0 <= a < b, "need 0 <= alpha < beta, got alpha={icepop_alpha} beta={icepop_beta}"),)
+CLIP = ("clip_low", "clip_high", "icepop_mask")  # with --icepop-mask a clipped loss also reads icepop's bounds
+CLIP_CHECKS = (Check(("clip_low",), lambda low: 0 <= low < 1, "must be in [0, 1), got {clip_low}"),
+               Check(("clip_high",), lambda high: high >= 0, "must be >= 0, got {clip_high}"))
 LOSSES = {
-    "reinforce": Loss(centered=True, sparse_draws=True, clipped=False),  # w = 1
-    "icepop": Loss(centered=True, sparse_draws=False, clipped=False,  # w = r inside [alpha, beta], else 0
-                   reads=("icepop_alpha", "icepop_beta")),
-    "ipo": Loss(centered=True, sparse_draws=False, clipped=False,  # w = min(r, cap), 0 where |p - q| > eps
-                reads=("ipo_eps", "max_importance_ratio")),
-    "tis": Loss(centered=True, sparse_draws=False, clipped=False, reads=("tis_cap", "tis_floor")),  # w = r in [floor, cap]
-    "ppo": Loss(centered=False, sparse_draws=False, clipped=True, reads=CLIP),  # min(rho*A, clip(rho)*A)
-    "cispo": Loss(centered=False, sparse_draws=False, clipped=True, reads=CLIP),  # sg(clip(rho)) * log p
-    "gspo": Loss(centered=False, sparse_draws=False, clipped=True, reads=CLIP),  # ppo's clip on the sequence's mean ratio
+    "reinforce": Loss(centered=True, sparse_draws=True, clipped=False, weight=unit_weight),  # w = 1
+    "icepop": Loss(centered=True, sparse_draws=False, clipped=False, reads=ICEPOP, checks=ICEPOP_CHECKS,
+                   weight=icepop_weight, bound="mask"),
+    "ipo": Loss(centered=True, sparse_draws=False, clipped=False, reads=("ipo_eps", "max_importance_ratio"),
+                checks=(Check(("ipo_eps",), lambda eps: eps > 0, "must be > 0, got {ipo_eps}"),
+                        Check(("max_importance_ratio",), lambda cap: cap >= 1, "must be >= 1, got {max_importance_ratio}")),
+                no_cap=("max_importance_ratio",), weight=ipo_weight, bound="mask", sides=False),
+    "tis": Loss(centered=True, sparse_draws=False, clipped=False, reads=("tis_cap", "tis_floor"),
+                checks=(Check(("tis_floor", "tis_cap"), lambda floor, cap: 0 <= floor <= 1 <= cap,
+                              "need 0 <= floor <= 1 <= cap, got floor={tis_floor} cap={tis_cap}"),),
+                no_cap=("tis_cap",), weight=tis_weight, bound="clip"),
+    "ppo": Loss(centered=False, sparse_draws=False, clipped=True, reads=CLIP, checks=CLIP_CHECKS),  # min(rho*A, clip(rho)*A)
+    "cispo": Loss(centered=False, sparse_draws=False, clipped=True, reads=CLIP, checks=CLIP_CHECKS,  # sg(clip(rho)) * log p
+                  weighted_log_p=True),
+    "gspo": Loss(centered=False, sparse_draws=False, clipped=True, reads=CLIP, checks=CLIP_CHECKS,  # ppo's clip on the
+                 sequence_ratio=True),  # sequence's mean ratio
 }
+
+
+def check_flags(cfg: Config) -> None:
+    """Every loss's flags in range, whichever --loss runs (a sweep keeps one set of flags), at the start
+    checks: config.py sits below this table, so it cannot ask it. One ConfigError naming the flag."""
+    for loss in LOSSES.values():
+        for f in loss.reads:
+            v = getattr(cfg, f)
+            flag = f"--{f.replace('_', '-')}"
+            if type(v) is float and f not in loss.no_cap and not (math.isfinite(v) and abs(v) <= FP32_MAX):
+                raise ConfigError(f"{flag} must be a finite number" + (f" in float32 (at most {FP32_MAX:.1e})" * math.isfinite(v))
+                                  + f", got {v:g}")
+        for c in loss.checks:
+            if not c.ok(*(getattr(cfg, f) for f in c.flags)):
+                flags = "/".join(f"--{f.replace('_', '-')}" for f in c.flags)
+                raise ConfigError(f"{flags} {c.message.format(**{f: getattr(cfg, f) for f in c.flags})}")
+
+
+def flag_values(loss: Loss, cfg: Config) -> tuple:
+    return tuple(getattr(cfg, f) for f in loss.reads)
+
+
+def bound_name(name: str) -> str:
+    """The metric key of a loss's bounds: `icepop/masked_fraction`, `tis/clip_fraction`."""
+    return f"{name}/{'clip' if LOSSES[name].bound == 'clip' else 'masked'}_fraction"
 
 
 def trained(cfg: Config) -> Loss:
@@ -84,14 +167,14 @@ def trained(cfg: Config) -> Loss:
 
 
 def reads(cfg: Config) -> set[str]:
-    """The LOSSES flags this config's loss reads: its own (with --icepop a clipped loss's include
+    """The LOSSES flags this config's loss reads: its own (with --icepop-mask a clipped loss's include
     icepop's bounds); under --correction-metrics-only every correction's bounds, which it reports."""
     if cfg.stage == "sft":
         return set()
     if cfg.correction_metrics_only:
         return {f for loss in LOSSES.values() if loss.centered for f in loss.reads}
     own = set(LOSSES[cfg.loss].reads)
-    return own | set(LOSSES["icepop"].reads) if LOSSES[cfg.loss].clipped and cfg.icepop else own
+    return own | set(ICEPOP) if LOSSES[cfg.loss].clipped and cfg.icepop_mask else own
 
 
 def reads_support(cfg: Config) -> bool:
@@ -113,16 +196,6 @@ def sparse_ok(cfg: Config, support: TokenSupport | None) -> bool:
     if support is None:
         return False
     return truncated(cfg.top_p, cfg.top_k) or (trained(cfg).sparse_draws and cfg.kl_coeff == 0)
-
-
-def sum_by(idx: Tensor, x: Tensor, size: int) -> Tensor:
-    """[size, ...]: the sum of x's entries with each index (index_add, no host sync)."""
-    return x.new_zeros((size, *x.shape[1:])).index_add(0, idx, x)
-
-
-def any_by(idx: Tensor, flags: Tensor, size: int) -> Tensor:
-    """[size] bool: OR of `flags` over the entries with each index."""
-    return sum_by(idx, flags.long(), size) > 0
 
 
 def group_advantages(rewards: list[float], group_size: int, std_norm: bool = False) -> list[float]:
@@ -155,81 +228,20 @@ def denominators(micro_batches: list[MicroBatch]) -> Denominators:
     return Denominators(int(tokens), int(seqs))
 
 
-# ----------------------------------------------------------------------------- weights
-
-def _outside(log_r: Tensor, low: float, high: float) -> tuple[Tensor, Tensor, float, float]:
-    """(log r < log low, log r > log high, log low, log high); inclusive bounds, low = 0: none."""
-    lo, hi = (math.log(low) if low > 0 else -math.inf), math.log(high)
-    return log_r < lo, log_r > hi, lo, hi
-
-
-def _weight(logp: Tensor, logq: Tensor, loss: str, cfg: Config) -> tuple[Tensor, Tensor, Tensor]:
-    """w for a centered --loss, or icepop's for M(k), from detached log-probs; (w, masked or clipped low, high)."""
-    log_r = logp - logq
-    if loss == "icepop":  # IcePop's M: weight r inside [alpha, beta] (inclusive), 0 outside
-        low, high, _, _ = _outside(log_r, cfg.icepop_alpha, cfg.icepop_beta)
-        return torch.where(low | high, -math.inf, log_r).exp(), low, high
-    if loss == "ipo":
-        drop = (logp.exp() - logq.exp()).abs() > cfg.ipo_eps
-        capped = log_r.clamp(max=math.log(cfg.max_importance_ratio))
-        low = drop & (logp < logq)
-        return torch.where(drop, -math.inf, capped).exp(), low, drop & ~low
-    if loss == "tis":  # truncated importance sampling, with an optional floor
-        low, high, lo, hi = _outside(log_r, cfg.tis_floor, cfg.tis_cap)
-        return log_r.clamp(lo, hi).exp(), low, high
-    none = torch.zeros_like(log_r, dtype=torch.bool)
-    return torch.ones_like(log_r), none, none
-
-
-# ----------------------------------------------------------------------------- sequence and KL masks
-
-def _seq_flags(logp: Tensor, logq: Tensor, mb: MicroBatch, cfg: Config, mask: Tensor) -> dict[str, Tensor]:
-    """Loss tokens of the sequences each --seq-mask removes: the geometric mean of the ratios
-    (a mean in log space, finite at any length), or any one ratio, outside [low, high]."""
-    log_r = logp - logq
-    x = torch.stack([mask.to(log_r.dtype), torch.where(mask, log_r, 0.0)], 1)
-    n, total = sum_by(mb.doc_ids, x, len(x)).unbind(1)  # per sequence
-    geo = _outside((total / n.clamp(min=1))[mb.doc_ids], cfg.seq_mask_low, cfg.seq_mask_high)
-    worst = _outside(log_r, cfg.seq_mask_low, cfg.seq_mask_high)
-    worst = any_by(mb.doc_ids, mask & (worst[0] | worst[1]), mask.numel())[mb.doc_ids]
-    return {"seq_geometric": mask & (geo[0] | geo[1]), "seq_max": mask & worst}
-
-
-def _kl_flags(logp: Tensor, logq: Tensor, mb: MicroBatch, cfg: Config, mask: Tensor) -> dict[str, Tensor]:
-    """Loss tokens each --kl-mask removes (OR-ed per sequence under --seq-mask): an estimate
-    of KL(q||p) at the sampled token above the threshold; log r clamped to +-20."""
-    lr = (logp - logq).clamp(-METRIC_CLAMP, METRIC_CLAMP)
-    l1q, l1p = ((-x.clamp(max=0).expm1()).log().clamp(min=-METRIC_CLAMP) for x in (logq, logp))  # log(1 - e^x)
-    est = {"k1": lr.abs(), "k3": _k3(lr), "binary": logq.exp() * -lr + l1q.exp() * (l1q - l1p)}
-    flags = {f"kl_{k}": mask & (v > cfg.kl_mask_threshold) for k, v in est.items()}
-    if cfg.seq_mask == "off":
-        return flags
-    return {k: mask & any_by(mb.doc_ids, v, mask.numel())[mb.doc_ids] for k, v in flags.items()}
-
-
-def _keep(logp: Tensor, logq: Tensor, mb: MicroBatch, cfg: Config, mask: Tensor, metrics: Metrics) -> Tensor:
-    """False on the tokens that --seq-mask and --kl-mask take out of the policy term."""
-    drop = torch.zeros_like(mask)
-    for kind, choice, flags in (("kl", cfg.kl_mask, _kl_flags), ("seq", cfg.seq_mask, _seq_flags)):
-        if choice != "off":
-            f = flags(logp, logq, mb, cfg, mask)[f"{kind}_{choice}"]
-            metrics[f"{kind}_mask/masked_fraction"] = _stat(f.to(logp.dtype), mask)
-            drop = drop | f
-    return ~drop
-
-
-def _would_mask(lp: Tensor, logq: Tensor, mb: MicroBatch, cfg: Config, mask: Tensor) -> Metrics:
-    """--correction-metrics-only: the share of loss tokens each correction would mask (tis: clip)
-    with the current bounds, the mean ratio, chi^2 = E[r^2] - 1 and ESS/n per sequence."""
-    flags = {k: mask & torch.stack(_weight(lp, logq, name, cfg)[1:]).any(0)
-             for k, name in (("icepop", "icepop"), ("ipo", "ipo"), ("tis_clip", "tis"))}
-    flags |= _seq_flags(lp, logq, mb, cfg, mask) | _kl_flags(lp, logq, mb, cfg, mask)
-    out = {f"correction/would_mask/{k}": _stat(v.to(lp.dtype), mask) for k, v in flags.items()}
+def _would_mask(lp: Tensor, logq: Tensor, doc_ids: Tensor, mask: Tensor, cfg: Config) -> Metrics:
+    """--correction-metrics-only: the share of loss tokens each bounded centered loss (LOSSES: icepop,
+    ipo; tis as a clip) and each mask would remove with the current bounds, the mean ratio,
+    chi^2 = E[r^2] - 1 and ESS/n per sequence."""
+    flags = {name + "_clip" * (loss.bound == "clip"): mask & torch.stack(loss.weight(lp, logq, *flag_values(loss, cfg))[1:]).any(0)
+             for name, loss in LOSSES.items() if loss.centered and loss.bound}
+    m = Masks.of(cfg)
+    flags |= seq_flags(lp, logq, doc_ids, mask, m) | kl_flags(lp, logq, doc_ids, mask, m)
+    out = {f"correction/would_mask/{k}": stat(v.to(lp.dtype), mask) for k, v in flags.items()}
     r = (lp - logq).clamp(-METRIC_CLAMP, METRIC_CLAMP).exp()
     x = torch.stack([torch.ones_like(r), r, r * r], 1) * mask[:, None]  # r is finite: a product is safe
-    n, s1, s2 = sum_by(mb.doc_ids, x, len(x)).unbind(1)  # per sequence
-    out["correction/ratio"], out["correction/chi2"] = _stat(r, mask), _stat(r * r - 1, mask)
-    out["correction/ess"] = _stat(s1 * s1 / (n * s2), n > 0)  # (sum r)^2 / (n sum r^2), per sequence
+    n, s1, s2 = sum_by(doc_ids, x, len(x)).unbind(1)  # per sequence
+    out["correction/ratio"], out["correction/chi2"] = stat(r, mask), stat(r * r - 1, mask)
+    out["correction/ess"] = stat(s1 * s1 / (n * s2), n > 0)  # (sum r)^2 / (n sum r^2), per sequence
     return out
 
 
@@ -262,19 +274,14 @@ def _rows(sup: TokenSupport, support_logp: Tensor, mask: Tensor) -> _Rows:
 
 # ----------------------------------------------------------------------------- metrics
 
-def _stat(values: Tensor, on: Tensor) -> tuple[Tensor, Tensor]:
-    """(sum over the tokens `on`, their count); where, not a product, keeps an inf elsewhere out."""
-    return torch.where(on, values.detach(), 0.0).sum(), on.sum().to(values.dtype)
-
-
 def _masked_stats(name: str, low: Tensor, high: Tensor, mask: Tensor, dtype: torch.dtype,
                   turns: Tensor | None = None) -> Metrics:
-    """Fractions of loss tokens a mask removed (tis: clipped); the count is every loss token, never 1 - mean.
-    With `turns` (episodes) also by model turn: whether later turns drift."""
-    key = f"{name}/clip_fraction" if name == "tis" else f"{name}/masked_fraction"
-    out = {key: _stat((low | high).to(dtype), mask)}
-    if name != "ipo":
-        out[f"{key}/low"], out[f"{key}/high"] = _stat(low.to(dtype), mask), _stat(high.to(dtype), mask)
+    """Fractions of loss tokens a loss's bounds removed (or clipped: `Loss.bound`); the count is every loss
+    token, never 1 - mean. With `turns` (episodes) also by model turn: whether later turns drift."""
+    key = bound_name(name)
+    out = {key: stat((low | high).to(dtype), mask)}
+    if LOSSES[name].sides:
+        out[f"{key}/low"], out[f"{key}/high"] = stat(low.to(dtype), mask), stat(high.to(dtype), mask)
     out.update(_by_turn(f"by_turn/{key.replace('/', '_')}", (low | high).to(dtype), mask, turns))
     return out
 
@@ -283,71 +290,68 @@ def _by_turn(name: str, values: Tensor, mask: Tensor, turns: Tensor | None) -> M
     """`name/k`: the mean of `values` over the loss tokens of each model turn k (0-based) of an episode."""
     if turns is None:
         return {}
-    return {f"{name}/{k}": _stat(values, mask & (turns == k)) for k in range(MAX_TURN_METRICS)}
+    return {f"{name}/{k}": stat(values, mask & (turns == k)) for k in range(MAX_TURN_METRICS)}
 
 
-def _k3(log_r: Tensor) -> Tensor:
-    """r - 1 - log r, an estimate of KL(q||p) from a draw of q; expm1: no -1e-9 at r ~ 1."""
-    lr = log_r.clamp(-METRIC_CLAMP, METRIC_CLAMP)
-    return (torch.expm1(lr) - lr).clamp(min=0)
-
-
-def _token_stats(log_r: Tensor, entropy: Tensor, age: Tensor, cfg: Config, mask: Tensor,
-                 turns: Tensor | None = None) -> Metrics:
+def _token_stats(log_r: Tensor, entropy: Tensor, age: Tensor, mask: Tensor, turns: Tensor | None,
+                 stale: bool, kl_on: bool) -> Metrics:
     """Entropy and the sampler mismatch; with --async-level also the mean age and KL(q||p) on age-0 tokens
     (k3; with --kl-coeff _kl_term logs its estimator), telling engine mismatch from staleness. The
     synchronous loop leaves them out: every age is 0 there and kl/age0 would repeat mismatch/kl."""
-    out = {"entropy": _stat(entropy.to(log_r.dtype), mask), "mismatch/kl": _stat(_k3(log_r), mask),
-           "mismatch/abs_logratio": _stat(log_r.clamp(-METRIC_CLAMP, METRIC_CLAMP).abs(), mask)}
-    out.update(_by_turn("by_turn/mismatch_kl", _k3(log_r), mask, turns))
-    if cfg.async_level > 0:
-        out["staleness/mean"] = _stat(age, mask)
-        if cfg.kl_coeff == 0:
-            out["kl/age0"] = _stat(_k3(log_r), mask & (age == 0))
+    out = {"entropy": stat(entropy.to(log_r.dtype), mask), "mismatch/kl": stat(k3(log_r), mask),
+           "mismatch/abs_logratio": stat(log_r.clamp(-METRIC_CLAMP, METRIC_CLAMP).abs(), mask)}
+    out.update(_by_turn("by_turn/mismatch_kl", k3(log_r), mask, turns))
+    if stale:  # --async-level > 0
+        out["staleness/mean"] = stat(age, mask)
+        if not kl_on:
+            out["kl/age0"] = stat(k3(log_r), mask & (age == 0))
     return out
 
 
 # ----------------------------------------------------------------------------- the loss terms
 
-def _centered_term(logp: Tensor, logq: Tensor, adv: Tensor, rows: _Rows | None, support_logp: Tensor,
-                   cfg: Config, keep: Tensor, mask: Tensor, metrics: Metrics, turns: Tensor | None = None) -> Tensor:
-    """reinforce/icepop/ipo/tis: -A*(w(a)*log p(a) - sum_v sg[u_v*w(v)]*log p(v)), w = 0 off `keep`."""
-    w, low, high = _weight(logp.detach(), logq, cfg.loss, cfg)
-    if cfg.loss != "reinforce":
-        metrics.update(_masked_stats(cfg.loss, low, high, mask, logp.dtype, turns))
+def _centered_term(logp: Tensor, logq: Tensor, adv: Tensor, rows: _Rows | None, support_logp: Tensor, name: str,
+                   bounds: tuple, keep: Tensor, mask: Tensor, metrics: Metrics, turns: Tensor | None = None) -> Tensor:
+    """reinforce/icepop/ipo/tis: -A*(w(a)*log p(a) - sum_v sg[u_v*w(v)]*log p(v)), w = 0 off `keep`;
+    `bounds`: the flags LOSSES[name].weight reads."""
+    weight = LOSSES[name].weight
+    w, low, high = weight(logp.detach(), logq, *bounds)
+    if LOSSES[name].bound:
+        metrics.update(_masked_stats(name, low, high, mask, logp.dtype, turns))
     score = torch.where(keep, w, 0.0) * logp
     if rows is not None:
-        wv = torch.where(keep[rows.row], _weight(rows.logp, rows.logq, cfg.loss, cfg)[0], 0.0)
+        wv = torch.where(keep[rows.row], weight(rows.logp, rows.logq, *bounds)[0], 0.0)
         score = score - rows.sum((rows.u * wv).detach() * support_logp)
         r = (rows.logp - rows.logq).clamp(-METRIC_CLAMP, METRIC_CLAMP).exp()
         centered = mask & (rows.counts > 0)
-        metrics["score_centering/support_mass"] = _stat(rows.sum(rows.u * r), centered)
-        metrics["score_centering/mask_tv"] = _stat(0.5 * rows.sum(rows.u * (r - wv).abs()), centered)
+        metrics["score_centering/support_mass"] = stat(rows.sum(rows.u * r), centered)
+        metrics["score_centering/mask_tv"] = stat(0.5 * rows.sum(rows.u * (r - wv).abs()), centered)
     return -adv * score
 
 
-def _clipped_term(logp: Tensor, logq: Tensor, adv: Tensor, old: Tensor, mb: MicroBatch, cfg: Config,
-                  keep: Tensor, mask: Tensor, metrics: Metrics) -> Tensor:
-    """ppo/cispo/gspo: the clip on rho = p/pi_old, times M(k), k = pi_old/q, with --icepop; 0 off `keep`.
-    gspo's rho is its sequence's: exp(mean of log p/pi_old over the tokens M keeps), with grad."""
-    lo, hi = math.log1p(-cfg.clip_low), math.log1p(cfg.clip_high)
+def _clipped_term(logp: Tensor, logq: Tensor, adv: Tensor, old: Tensor, doc_ids: Tensor, loss: Loss, clip: tuple,
+                  icepop: tuple | None, keep: Tensor, mask: Tensor, metrics: Metrics, turns: Tensor | None) -> Tensor:
+    """ppo/cispo/gspo: the clip on rho = p/pi_old to [1 - clip[0], 1 + clip[1]], times M(k), k = pi_old/q,
+    when `icepop` gives its bounds (--icepop-mask); 0 off `keep`. A sequence ratio (gspo) is
+    exp(mean of log p/pi_old over the tokens M keeps), with grad."""
+    lo, hi = math.log1p(-clip[0]), math.log1p(clip[1])
     # Which tokens M keeps is decided in log space, never from M > 0 after exp: with --icepop-alpha 0
     # a kept k = e^-200 underflows to 0 in fp32 but stays in gspo's mean and ppo's M*rho.
     on, log_m = keep, torch.zeros_like(logp)  # keep: False where a sequence or KL mask removes the token
-    if cfg.icepop:
-        _, low, high = _weight(old, logq, "icepop", cfg)
+    if icepop is not None:
+        _, low, high = icepop_weight(old, logq, *icepop)
         on, log_m = on & ~(low | high), old - logq
-        metrics.update(_masked_stats("icepop", low, high, mask, logp.dtype, mb.turns if cfg.env else None))
+        metrics.update(_masked_stats("icepop", low, high, mask, logp.dtype, turns))
     log_m = torch.where(on, log_m, -math.inf)
     m = log_m.exp()
     log_rho = logp - old
-    if cfg.loss == "gspo":  # one ratio per sequence (a document of the micro-batch)
+    if loss.sequence_ratio:  # one ratio per sequence (a document of the micro-batch)
         mean_of = mask & on
         x = torch.stack([mean_of.to(logp.dtype), torch.where(mean_of, log_rho, 0.0)], 1)
-        n, total = sum_by(mb.doc_ids, x, len(x)).unbind(1)
-        log_rho = (total / n.clamp(min=1))[mb.doc_ids]
+        n, total = sum_by(doc_ids, x, len(x)).unbind(1)
+        log_rho = (total / n.clamp(min=1))[doc_ids]
     clipped_rho = log_rho.detach().clamp(lo, hi).exp()
-    if cfg.loss == "cispo":
+    if loss.weighted_log_p:
         clipped = (log_rho < lo) | (log_rho > hi)
         term = -adv * (m * clipped_rho) * logp
     else:
@@ -358,25 +362,27 @@ def _clipped_term(logp: Tensor, logq: Tensor, adv: Tensor, old: Tensor, mb: Micr
         # alone cannot zero its product with a large rho (fp32 and fp64 agree)
         m_rho = torch.where(live, log_m + log_rho, -math.inf).exp()
         term = -adv * torch.where(clipped, m * clipped_rho, m_rho)
-    metrics["ppo/clip_fraction"] = _stat(clipped.to(logp.dtype), mask)
+    metrics["ppo/clip_fraction"] = stat(clipped.to(logp.dtype), mask)
     return term
 
 
-def _kl_term(logp: Tensor, logq: Tensor, rows: _Rows | None, support_logp: Tensor, age: Tensor, cfg: Config,
-             mask: Tensor, metrics: Metrics) -> Tensor:
-    """beta_t * KL_t(q||p): exact over the support row, or k1 on the sampled token."""
+def _kl_term(logp: Tensor, logq: Tensor, rows: _Rows | None, support_logp: Tensor, age: Tensor, coeff: float,
+             exact: bool, inv_sqrt: bool, mask: Tensor, metrics: Metrics) -> Tensor:
+    """beta_t * KL_t(q||p): exact over the support row, or k1 on the sampled token; beta_t = coeff, or
+    coeff / sqrt(1 + age) with `inv_sqrt` (--kl-staleness)."""
     kl = logq - logp
-    if cfg.kl_estimator == "exact" and rows is not None:
+    if exact and rows is not None:
         kl = torch.where(rows.counts > 0, rows.sum(rows.u * (rows.logq - support_logp)), kl)
-    beta = cfg.kl_coeff * ((1 + age).rsqrt() if cfg.kl_staleness == "inv_sqrt" else torch.ones_like(age))
-    metrics.update({"kl": _stat(kl, mask), "kl/beta": _stat(beta, mask), "kl/age0": _stat(kl, mask & (age == 0))})
+    beta = coeff * ((1 + age).rsqrt() if inv_sqrt else torch.ones_like(age))
+    metrics.update({"kl": stat(kl, mask), "kl/beta": stat(beta, mask), "kl/age0": stat(kl, mask & (age == 0))})
     return beta * kl
 
 
-def _normalization(mb: MicroBatch, cfg: Config, denom: Denominators, dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
-    """Per-token coefficient of the global loss; (coef, this micro-batch's count, global count)."""
+def _normalization(mb: MicroBatch, agg: str, denom: Denominators, dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
+    """Per-token coefficient of the global loss (--loss-agg token or sequence); (coef, this micro-batch's
+    count, global count)."""
     f = mb.loss_mask.to(dtype)
-    if cfg.loss_agg == "token":
+    if agg == "token":
         return f / max(denom.tokens, 1), f.sum(), max(denom.tokens, 1)
     per_doc, d = sum_by(mb.doc_ids, f, f.numel()), max(denom.seqs, 1)
     return f / (per_doc[mb.doc_ids].clamp(min=1) * d), (per_doc > 0).sum().to(dtype), d
@@ -384,7 +390,8 @@ def _normalization(mb: MicroBatch, cfg: Config, denom: Denominators, dtype: torc
 
 def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch, cfg: Config,
             denom: Denominators, step: int | Tensor, old_logp: Tensor | None = None) -> tuple[Tensor, Metrics]:
-    """This micro-batch's share of the global loss, and its (sum, count) metrics; no host sync.
+    """This micro-batch's share of the global loss, and its (sum, count) metrics; no host sync. The flags
+    are read here, once; the terms below get the values they use.
 
     logp [T] and support_logp [nnz] carry grad (renormalized over the row where replayed);
     entropy [T] is a metric; old_logp [T] is pi_old for ppo/cispo (None: sg(logp))."""
@@ -393,23 +400,29 @@ def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch,
     logq = torch.where(mask, mb.logq.to(lp.dtype), lp)
     age = (step - mb.versions).clamp(min=0).to(lp.dtype)  # a token carries the version that drew it (engines.py); step may be 0-d
     turns = mb.turns if cfg.env else None  # episodes: the mismatch and the masks by model turn too
-    metrics = _token_stats(lp - logq, entropy, age, cfg, mask, turns)
+    metrics = _token_stats(lp - logq, entropy, age, mask, turns, cfg.async_level > 0, cfg.kl_coeff > 0)
+    name, masks = cfg.loss, Masks.of(cfg)
     if cfg.correction_metrics_only:  # plain reinforce; the corrections only say what they would mask
-        metrics.update(_would_mask(lp, logq, mb, cfg, mask))
-        cfg = replace(cfg, loss="reinforce", seq_mask="off", kl_mask="off", correction_metrics_only=False)
-    centered = LOSSES[cfg.loss].centered
-    old = lp if centered or old_logp is None else torch.where(mask, old_logp.detach().to(lp.dtype), lp)
-    keep = _keep(old, logq, mb, cfg, mask, metrics)  # judges p/q, or pi_old/q for ppo/cispo
-    needs_rows = centered or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")
-    rows = _rows(mb.support, support_logp, mask) if mb.support is not None and needs_rows else None
-    per_token = (_centered_term(logp, logq, adv, rows, support_logp, cfg, keep, mask, metrics, turns) if centered
-                 else _clipped_term(logp, logq, adv, old, mb, cfg, keep, mask, metrics))
+        metrics.update(_would_mask(lp, logq, mb.doc_ids, mask, cfg))
+        name, masks = "reinforce", Masks()
+    loss = LOSSES[name]
+    old = lp if loss.centered or old_logp is None else torch.where(mask, old_logp.detach().to(lp.dtype), lp)
+    keep = keep_mask(old, logq, mb.doc_ids, mask, masks, metrics)  # judges p/q, or pi_old/q for ppo/cispo
+    exact = cfg.kl_estimator == "exact"
+    rows = _rows(mb.support, support_logp, mask) if mb.support is not None and (loss.centered or cfg.kl_coeff > 0 and exact) else None
+    if loss.centered:
+        per_token = _centered_term(logp, logq, adv, rows, support_logp, name, flag_values(loss, cfg), keep, mask, metrics, turns)
+    else:
+        icepop = (cfg.icepop_alpha, cfg.icepop_beta) if cfg.icepop_mask else None
+        per_token = _clipped_term(logp, logq, adv, old, mb.doc_ids, loss, (cfg.clip_low, cfg.clip_high), icepop, keep,
+                                  mask, metrics, turns)
     if cfg.kl_coeff > 0:  # never masked: a regularizer, not a correction
-        per_token = per_token + _kl_term(logp, logq, rows, support_logp, age, cfg, mask, metrics)
-    coef, count, d = _normalization(mb, cfg, denom, lp.dtype)
-    loss = (coef * torch.where(mask, per_token, 0.0)).sum()
-    metrics["loss"] = (loss.detach() * d, count)
-    return loss, metrics
+        per_token = per_token + _kl_term(logp, logq, rows, support_logp, age, cfg.kl_coeff, exact,
+                                         cfg.kl_staleness == "inv_sqrt", mask, metrics)
+    coef, count, d = _normalization(mb, cfg.loss_agg, denom, lp.dtype)
+    loss_value = (coef * torch.where(mask, per_token, 0.0)).sum()
+    metrics["loss"] = (loss_value.detach() * d, count)
+    return loss_value, metrics
 
 
 def sft_loss(logp: Tensor, mb: MicroBatch, denom: Denominators) -> tuple[Tensor, Metrics]:

@@ -1,6 +1,7 @@
-"""A run's log: the line printed per step, metrics.jsonl (one JSON row per step and eval), and
-wandb when asked for. A resume reads the rows back (`read_rows`) and keeps those its checkpoint
-covers; `Logger` rewrites them through a temporary file, so a kill never empties the history.
+"""A run's log: the line printed per step, metrics.jsonl (one JSON row per step and eval), wandb
+when asked for, the end summary, and the lines a run that cannot go on stops with. A resume reads
+the rows back (`read_rows`) and keeps those its checkpoint covers; `Logger` rewrites them through a
+temporary file, so a kill never empties the history.
 
     python -m pytest -q tests/test_train.py tests/test_faults.py -k "resume or metrics"
 """
@@ -10,9 +11,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import time
 import uuid
 from pathlib import Path
+
+import torch
 
 import config as C
 import parallel as P
@@ -101,7 +105,43 @@ class Logger:
             P.print0(f"  async | rollout {r:.2f}s + train {t:.2f}s = {r + t:.2f}s | wall {m['time/step']:.2f}s "
                    f"| age {m.get('staleness/mean', 0.0):.2f}")
 
+    def summary(self) -> dict:
+        """The end summary: eval reward at the start and the end, total time, peak memory."""
+        evals = [r for r in self.rows if "eval/reward" in r]
+        peak = (torch.cuda.max_memory_allocated() if self.cfg.device == "cuda"
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        summary = {"steps": self.cfg.steps, "time_s": round(time.time() - self.t0, 1),
+                   "peak_memory_gib": round(peak / 2**30, 3)}
+        if evals:
+            summary.update({"eval/reward@0": evals[0]["eval/reward"], "eval/reward": evals[-1]["eval/reward"]})
+        P.print0("summary " + json.dumps(summary))
+        return summary
+
     def close(self):
         self.file.close()
         if self.wandb:
             self.wandb.finish()
+
+
+# ----------------------------------------------------------------------------- the lines a run stops with
+
+def nonfinite_cause(batch: list, m: dict) -> str:
+    """What made a step's gradient non-finite, for the line that stops the run."""
+    if any(not math.isfinite(s.advantage) for s in batch):
+        top = max((abs(s.reward) for s in batch), default=0.0)
+        return f"non-finite advantages (rewards up to {top:.3g} overflow the group statistics)"
+    if not math.isfinite(m.get("loss", 0.0)):
+        return "a non-finite loss (check --adv-tau, --kl-coeff and the sampler's log-probs)"
+    return "a non-finite gradient norm"
+
+
+def idle_cause(batch: list, m: dict) -> str:
+    """Why a step trained nothing (no sample, or a non-finite update), for the lines that stop a run."""
+    if batch:
+        return f"skipped for {nonfinite_cause(batch, m)}"
+    counts = f"skipped/reward_error {m.get('skipped/reward_error', 0):.2f}, skipped/too_long {m.get('skipped/too_long', 0):.2f}"
+    if m.get("skipped/too_long") == 1.0:
+        return f"every prompt is longer than the context ({counts})"
+    if m.get("skipped/env_error") == 1.0:
+        return "every episode failed (skipped/env_error 1.00; see the warnings above)"
+    return f"every reward call raised or returned None/NaN ({counts})"

@@ -54,6 +54,7 @@ class Start:
 
 def check_start(cfg: C.Config) -> Start:
     """Flags, run directory, checkpoint, model directory, tokenizer, task and rewards, engine choice."""
+    L.check_flags(cfg)  # the loss's own flags, from its LOSSES row
     check_same_flags(cfg)
     check_read(cfg)
     if cfg.lora_rank and serves_adapter(cfg):  # a rank vLLM's LoRA path cannot serve, before the model loads
@@ -100,6 +101,16 @@ def check_start(cfg: C.Config) -> Start:
     return Start(out, src, resume_from, kept, seen, codec, task, model, env)
 
 
+def settled(cfg: C.Config) -> C.Config:
+    """The derived values the flags alone cannot decide (Config.resolve settles those), settled once
+    before anything is built, so every part of the run reads the same config: --adapter's rank, alpha
+    and targets, and --compile on turned off on a CPU with no C++ compiler (saying so)."""
+    cfg = adapter_flags(cfg)
+    if cfg.compile == "on" and not can_compile(cfg.device):
+        cfg = C.dataclasses.replace(cfg, compile="off")
+    return cfg
+
+
 def adapter_flags(cfg: C.Config) -> C.Config:
     """--adapter DIR: the adapter's rank, alpha and targets become --lora-rank, --lora-alpha and
     --lora-targets (a value given that differs is refused); without it, `cfg` as it is."""
@@ -114,8 +125,8 @@ def adapter_flags(cfg: C.Config) -> C.Config:
              "lora_targets": (tuple(sorted(cfg.lora_targets)), tuple(sorted(default.lora_targets)), spec.targets)}
     for k, (value, unset, theirs) in given.items():
         if value != unset and value != theirs:
-            raise C.ConfigError(f"--{k.replace('_', '-')} {_shown(value)} is not --adapter {cfg.adapter}'s "
-                                f"{_shown(theirs)} (its {lora.CONFIG}); leave the flag out")
+            raise C.ConfigError(f"--{k.replace('_', '-')} {C.shown(value)} is not --adapter {cfg.adapter}'s "
+                                f"{C.shown(theirs)} (its {lora.CONFIG}); leave the flag out")
     return C.dataclasses.replace(cfg, lora_rank=spec.rank, lora_alpha=spec.alpha, lora_targets=spec.targets)
 
 
@@ -143,10 +154,6 @@ def add_adapters(cfg: C.Config, model: M.Transformer, src: Path | None) -> None:
             raise ValueError(f"--adapter {cfg.adapter} was trained on {base}, whose weights differ from --model "
                              f"{cfg.model}'s; give that base as --model")
     lora.load_adapter(model, tensors)
-
-
-def _shown(v) -> str:
-    return " ".join(v) if isinstance(v, tuple) else f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def check_same_flags(cfg: C.Config) -> None:
@@ -215,7 +222,7 @@ def check_read(cfg: C.Config) -> None:
         value = getattr(cfg, field)
         if value == C.Config.__dataclass_fields__[field].default:
             continue
-        flag = f"--{field.replace('_', '-')}" + ("" if value is True else f" {_shown(value)}")
+        flag = f"--{field.replace('_', '-')}" + ("" if value is True else f" {C.shown(value)}")
         if refused:
             raise C.ConfigError(f"{flag} {why}")
         print0(f"note: {flag} {why}; the run goes on without it")
@@ -259,8 +266,6 @@ def write_scratch(cfg: C.Config, out: Path, model: M.Transformer, task: T.Task) 
 def build(cfg: C.Config, src: Path, model: M.Transformer, codec: TextCodec, link: P.Link | None = None):
     """Engine, sharded model, optimizer and the (compiled) forward, around the loaded model; `link`
     (setup_distributed's, --inference-gpus) reaches the sampling ranks."""
-    if cfg.compile == "on" and not can_compile(cfg.device):
-        cfg = C.dataclasses.replace(cfg, compile="off")  # the engine's decode step too
     if cfg.inference_gpus:  # the last ranks sample (remote.py): they load `src` once rank 0 says so
         engine = RemoteEngine(link, cfg.seed + RANK, cfg.engine_dtype, model.lora)
         if RANK == 0:

@@ -13,24 +13,15 @@ Simplifications:
 2. The loss is normalized over the global batch before the micro-batch loop starts
    (loss.denominators), so any split into micro-batches gives the same gradient.
 3. Metrics stay on the device as (sum, count) pairs and are read once per step.
-4. torch.compile wraps the trainer forward only (static [T] shapes); on the CPU it is
-   off by default: for the tiny 80-step job it is a wash (docs/experiments.md "2026-11-30:
-   torch.compile on the CPU"), and off needs no C++ toolchain.
-5. Under torchrun the trainer is FSDP2 (`shard`) and every rank runs its own engine (seed +
-   rank; a full copy refreshed one gathered tensor at a time) on its share of the prompts,
-   so rollouts scale with the ranks instead of waiting on rank 0. The ranks then swap
-   samples and each packs and validates the whole batch: the denominators are global with
-   no all_reduce, a bad sample stops every rank with the same message, and the micro-batches
-   are dealt out evenly. Metrics are summed over ranks in one all_reduce per step. Eval runs
-   on rank 0 alone (the one-process number for the same weights); rank 0 writes the files.
-   With --inference-gpus k the last k ranks only sample (remote.py): rank 0 sends them the
-   whole batch's prompts through a `RemoteEngine`, and everything else here is unchanged.
-6. `--async-level a` (pipeline.AsyncRollouts): step s trains on a batch sampled with the weights
-   after step s-1-a (exactly that version: a fixed seed repeats the run), made on a thread
-   while earlier steps train; a = 0 is the synchronous step, which samples its own. Each rank has its own
-   thread; gathers, weight pushes and eval stay on the main thread. The timeline line shows
-   the overlap (wall time below rollout + train); a resume refills the pipeline from the
-   checkpoint's weights, so for a >= 1 it is valid but not bit-identical.
+4. torch.compile wraps the trainer forward only (static [T] shapes); off by default on a CPU, where
+   it is a wash (docs/experiments.md "2026-11-30: torch.compile on the CPU") and needs a C++ compiler.
+5. Under torchrun the trainer is FSDP2 (`shard`) and every rank samples its share of the prompts
+   with its own engine; the ranks swap samples and each packs and validates the whole batch, so
+   the denominators are global with no all_reduce and a bad sample stops every rank with the same
+   line. Eval runs on rank 0 alone; rank 0 writes the files. --inference-gpus k: the last k ranks
+   only sample (remote.py). docs/scale.md has the whole picture.
+6. `--async-level a` (pipeline.AsyncRollouts): step s trains on a batch sampled, on a thread, with
+   the weights after step s-1-a (exactly that version: a fixed seed repeats the run).
 
     python train.py --loss icepop --icepop-beta 2.0                 # CPU, the tiny model
     python train.py --task arithmetic --model checkpoints/arith-tiny --lr 2e-4 --eval-prompts 256  # a 0/1 reward
@@ -47,9 +38,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import math
 import random
-import resource
 import sys
 import threading
 import time
@@ -77,8 +66,8 @@ from pipeline import AsyncRollouts, RolloutRNG
 from precision import DTYPES, LossScale
 from remote import RemoteEngine, dismiss, serve
 from rundir import claimed, way_on, write_file
-from runlog import Logger
-from start import Start, adapter_flags, build, check_start, write_scratch
+import runlog
+from start import Start, build, check_start, settled, write_scratch
 
 
 # ----------------------------------------------------------------------------- the trainer's side
@@ -159,33 +148,13 @@ def optimizer_step(cfg, model, opt, step, scale: LossScale | None = None, loss=N
     return m
 
 
-def nonfinite_cause(batch: list, m: dict) -> str:
-    """What made a step's gradient non-finite, for the line that stops the run."""
-    if any(not math.isfinite(s.advantage) for s in batch):
-        top = max((abs(s.reward) for s in batch), default=0.0)
-        return f"non-finite advantages (rewards up to {top:.3g} overflow the group statistics)"
-    if not math.isfinite(m.get("loss", 0.0)):
-        return "a non-finite loss (check --adv-tau, --kl-coeff and the sampler's log-probs)"
-    return "a non-finite gradient norm"
-
-
-def idle_cause(batch: list, m: dict) -> str:
-    """Why a step trained nothing (no sample, or a non-finite update), for the lines that stop a run."""
-    if batch:
-        return f"skipped for {nonfinite_cause(batch, m)}"
-    counts = f"skipped/reward_error {m.get('skipped/reward_error', 0):.2f}, skipped/too_long {m.get('skipped/too_long', 0):.2f}"
-    if m.get("skipped/too_long") == 1.0:
-        return f"every prompt is longer than the context ({counts})"
-    if m.get("skipped/env_error") == 1.0:
-        return "every episode failed (skipped/env_error 1.00; see the warnings above)"
-    return f"every reward call raised or returned None/NaN ({counts})"
-
-
 # ----------------------------------------------------------------------------- main
 
-def fail(e: Exception, code: int):
-    """One line naming what was wrong, and the exit status: 2 bad input, 1 a step that cannot go on."""
-    print0(f"floe: error: {e}", file=sys.stderr)
+def fail(e: Exception, code: int, every_rank: bool = False):
+    """One line naming what was wrong, and the exit status: 2 bad input, 1 a step that cannot go on. A
+    wait at a collective that ran out (--dist-timeout) is said by every rank that waited (`every_rank`):
+    rank 0 may be the one that stopped."""
+    (print if every_rank else print0)(f"floe: error: {e}", file=sys.stderr)  # stderr: line-buffered
     raise SystemExit(code) from None
 
 
@@ -207,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
     P.pin_inference_gpu(cfg.inference_gpus)
     link = None
     try:
-        cfg = adapter_flags(cfg.resolve(torch.cuda.is_available()))
+        cfg = settled(cfg.resolve(torch.cuda.is_available()))
         link = setup_distributed(cfg.device, cfg.inference_gpus, cfg.dist_timeout)
         if P.serving(cfg.inference_gpus):  # an --inference-gpus rank: it samples for the trainers until they stop it
             serve(cfg, link)
@@ -224,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
     except (C.ConfigError, FileNotFoundError, ValueError) as e:  # bad flags, run directory, model, task or reward
         fail(e, 2)
     except P.CollectiveTimeout as e:
-        lost(e)
+        fail(e, 1, every_rank=True)
     except KeyboardInterrupt:
         interrupted(Path(cfg.out_dir), None)
     try:
@@ -234,18 +203,11 @@ def main(argv: list[str] | None = None) -> dict:
     except OSError as e:  # a read-only or full disk: one line, and what was written before stays
         fail(f"cannot write the run in {s.out}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else ""), 1)
     except P.CollectiveTimeout as e:
-        lost(e)
+        fail(e, 1, every_rank=True)
     except Interrupted as e:
         interrupted(s.out, e.step)
     except KeyboardInterrupt:  # before the loop: what the start wrote is taken back (rundir.claimed)
         interrupted(s.out, None)
-
-
-def lost(e: P.CollectiveTimeout):
-    """A wait at a collective ran out (--dist-timeout): every rank that waited says so, rank 0 among
-    them or not (it may be the one that stopped)."""
-    print(f"floe: error: {e}", file=sys.stderr, flush=True)
-    raise SystemExit(1) from None
 
 
 def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
@@ -255,7 +217,7 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
     hashes = T.reward_hashes(s.task.rewards)
     if s.resume_from:
         note_changed_rewards(s.out, hashes)
-    print0(cfg.to_json())
+    print0(cfg.changed())  # the flags that differ from their defaults; config.json gets them all
     with claimed(s.out, s.seen) as lock:  # everything was checked: rank 0 holds the directory, the run may write
         src = s.src or write_scratch(cfg, s.out, s.model, s.task)  # the engine loads from a directory
         try:
@@ -279,7 +241,7 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
                + (f", LoRA rank {cfg.lora_rank}: {trained / 1e6:.3f}M trained" if cfg.lora_rank else "")
                + (f", sampling on {cfg.inference_gpus} more" if cfg.inference_gpus else "")
                + (f" | resuming at step {start}" if start else "") + (" | compiling, ~1 min" if cfg.compile == "on" else ""))
-        log = Logger(cfg, start, s.kept)  # an OSError here (a full disk) reaches main's one line
+        log = runlog.Logger(cfg, start, s.kept)  # an OSError here (a full disk) reaches main's one line
         stop = threading.Event()  # set at shutdown: a reward or environment call still running is abandoned
         for r in s.task.rewards:
             r.stop = stop
@@ -305,7 +267,7 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
             engine.stop()
         if lock is not None:
             lock.release()
-    summary = finish(cfg, log)
+    summary = log.summary()
     P.teardown(link, cfg.inference_gpus)
     return summary
 
@@ -321,7 +283,7 @@ class Run:
     opt: torch.optim.Optimizer
     engine: object  # an engines.Engine (or a remote.RemoteEngine): samples with a copy of the weights
     rng: random.Random  # draws the prompts
-    log: Logger
+    log: runlog.Logger
     out: Path  # --out-dir
     src: Path  # the model directory the engine loaded; checkpoints copy its tokenizer
     scale: LossScale  # --train-dtype fp16's dynamic loss scale (1.0 otherwise)
@@ -356,7 +318,7 @@ def loop(run: Run, start: int) -> None:
                 m, batch = rl_step(run, step, ahead)
             skipped = skipped + 1 if m.get("skipped/nonfinite_step") else 0
             if skipped == 3:
-                raise D.RunError(f"3 steps in a row skipped for {nonfinite_cause(batch, m)}; "
+                raise D.RunError(f"3 steps in a row skipped for {runlog.nonfinite_cause(batch, m)}; "
                                  "none of them was applied or saved")
             failed = failed + 1 if m.get("skipped/env_error") == 1.0 else 0
             if failed == 3:  # before the empty-step rule, which such steps also meet: this names the cause
@@ -364,12 +326,12 @@ def loop(run: Run, start: int) -> None:
                 raise D.RunError(f"--env {run.play.spec.name}: every episode failed 3 steps in a row (the last: {last})")
             empty = empty + 1 if m.get("skipped/empty_step") else 0
             if empty == 3:  # a run of such steps would end "done" with its start weights
-                raise D.RunError(f"3 steps in a row had no sample to train on: {idle_cause(batch, m)}; nothing trained "
+                raise D.RunError(f"3 steps in a row had no sample to train on: {runlog.idle_cause(batch, m)}; nothing trained "
                                  f"since step {step - 3}")
             trained = trained or bool(batch) and not m.get("skipped/nonfinite_step") and not m.get("skipped/overflow")
             if step == cfg.steps and not trained:  # whatever the step count: a run that trained nothing fails
                 raise D.RunError(f"no step of this run trained (steps {start + 1}..{step}; the last: "
-                                 f"{idle_cause(batch, m)}); its weights are the ones it started from")
+                                 f"{runlog.idle_cause(batch, m)}); its weights are the ones it started from")
             if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                 # the RNGs as the next batch finds them (with a thread: as this one's left them, AsyncRollouts.rng_after)
                 st = RolloutRNG(run.rng, run.engine.gen) if ahead is None else ahead.rng_after(step)
@@ -428,18 +390,6 @@ def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[di
     run.log.row(step, m)
     run.log.line(step, m, n_tok, t2 - t0)
     return m, batch
-
-
-def finish(cfg: C.Config, log: Logger) -> dict:
-    """The end summary: eval reward at the start and the end, total time, peak memory."""
-    evals = [r for r in log.rows if "eval/reward" in r]
-    peak = (torch.cuda.max_memory_allocated() if cfg.device == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    summary = {"steps": cfg.steps, "time_s": round(time.time() - log.t0, 1), "peak_memory_gib": round(peak / 2**30, 3)}
-    if evals:
-        summary.update({"eval/reward@0": evals[0]["eval/reward"], "eval/reward": evals[-1]["eval/reward"]})
-    print0("summary " + json.dumps(summary))
-    return summary
 
 
 if __name__ == "__main__":

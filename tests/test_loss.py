@@ -225,7 +225,7 @@ def ref_icepop_m(cfg: Config, t: Tok, old_a: float, keep: bool, st: Stats) -> tu
     """(M, whether M keeps the token): M(k) = k inside [alpha, beta], else 0 (with --icepop; 1 without),
     times the sequence/KL masks; kept is the interval test, not M > 0 (a kept k may underflow)."""
     m, kept = 1.0, keep
-    if cfg.icepop:
+    if cfg.icepop_mask:
         k = math.exp(old_a - t.lq_a)
         inside = cfg.icepop_alpha <= k <= cfg.icepop_beta
         m, kept = (k if inside else 0.0), kept and inside
@@ -414,7 +414,7 @@ def test_matches_dense_reference(variant, kind, kl, agg):
     loss_type, icepop, old = VARIANTS[variant]
     # gspo clips whole sequences: seed 1's clip on both kinds, on the side each advantage pushes
     seed = 1 if loss_type == "gspo" else None
-    want_m = compare_with_reference(cfg_for(loss_type, icepop=icepop, loss_agg=agg, **KLS[kl]), kind, old, seed)
+    want_m = compare_with_reference(cfg_for(loss_type, icepop_mask=icepop, loss_agg=agg, **KLS[kl]), kind, old, seed)
     # the masks must actually act, or this test could not catch a wrong one
     for name in ("icepop/masked_fraction", "ipo/masked_fraction"):
         if name in want_m:
@@ -452,7 +452,7 @@ def test_corrections_match_dense_reference(name, kind, kl, agg):
     """TIS, sequence masks, KL masks and the metrics-only mode: loss, gradient and metrics."""
     variant, extra = CORRECTIONS[name]
     loss_type, icepop, old = VARIANTS[variant]
-    want_m = compare_with_reference(cfg_for(loss_type, icepop=icepop, loss_agg=agg, **KLS[kl], **extra), kind, old)
+    want_m = compare_with_reference(cfg_for(loss_type, icepop_mask=icepop, loss_agg=agg, **KLS[kl], **extra), kind, old)
     for k in ("tis/clip_fraction", "kl_mask/masked_fraction", "seq_mask/masked_fraction"):
         if k in want_m:  # the masks must act, and not on everything
             assert 0 < want_m[k] < 1, k
@@ -565,7 +565,7 @@ SPLITS = {"icepop": ("icepop", {}), "ipo": ("ipo", {}), "cispo+icepop": ("cispo+
 def test_one_vs_four_micro_batches(name, agg):
     variant, extra = SPLITS[name]
     loss_type, icepop, old = VARIANTS[variant]
-    cfg = cfg_for(loss_type, icepop=icepop, loss_agg=agg, **KLS["exact"], **extra)
+    cfg = cfg_for(loss_type, icepop_mask=icepop, loss_agg=agg, **KLS["exact"], **extra)
     docs = make_docs("replayed", seed=7, shapes=[(2, 4), (3, 3), (2, 0), (3, 5), (2, 2), (4, 3), (2, 6), (3, 1)])
     leaves = [d.logits for d in docs]
     one = [assemble(docs, T=64)]
@@ -591,7 +591,7 @@ def test_log_ratio_of_1000(variant, kl, masks):
     loss_type, icepop, _ = VARIANTS[variant]
     extra = {"off": {}, "seq+kl": dict(seq_mask="geometric", kl_mask="binary"),
              "metrics-only": dict(correction_metrics_only=True, seq_mask="max", kl_mask="k1")}[masks]
-    cfg = cfg_for(loss_type, icepop=icepop, **KLS[kl], **extra)
+    cfg = cfg_for(loss_type, icepop_mask=icepop, **KLS[kl], **extra)
     docs = make_docs("draws", seed=3)
     d, hi, lo = docs[0], 3, 4  # two completion positions of sample 0
     with torch.no_grad():  # hi: p(a) ~ 1, the sampler says log q = -1000; lo: log p(a) ~ -1000, q = 1
@@ -616,7 +616,7 @@ def test_log_ratio_of_1000(variant, kl, masks):
 @pytest.mark.parametrize("loss_type", ["ppo", "cispo", "gspo"])
 def test_masked_token_with_overflowing_rho(loss_type):
     """pi_old = p * e^-1000 on one token: rho overflows, M(k) masks it; it must add exactly 0."""
-    cfg = cfg_for(loss_type, icepop=True)
+    cfg = cfg_for(loss_type, icepop_mask=True)
     docs = make_docs("replayed")
     mb, logits, _ = assemble(docs, T=24)
     pos = doc_pos(docs, 0, 1)
@@ -694,7 +694,7 @@ def test_gspo_keeps_a_token_whose_weight_underflows_in_the_mean(dtype, depth):
     (decided in log space, not from M > 0 after exp). One sample, log q = [-1, -1], A = 1, epochs 1,
     log p = [-1, -1 - depth]: s = 1 and dL/dlog p = -A*(M_1 + M_2)/(|y| * N) = -0.25 on both tokens."""
     mb, logp = docs_batch([[-1.0, -1.0 - depth]], [[-1.0, -1.0]], [1.0], dtype=dtype)
-    cfg = Config(loss="gspo", icepop=True, icepop_alpha=0.0)
+    cfg = Config(loss="gspo", icepop_mask=True, icepop_alpha=0.0)
     loss, m = L.rl_loss(logp, logp.new_zeros(0), torch.zeros_like(logp), mb, cfg, L.denominators([mb]), STEP)
     g = torch.autograd.grad(loss, logp)[0]
     assert g.tolist() == pytest.approx([-0.25, -0.25], rel=1e-6)
@@ -708,7 +708,7 @@ def test_ppo_weight_that_underflows_meets_a_large_ratio(dtype, depth):
     (the unclipped side): the term -M*rho*A = 1 and its gradient 1, however either factor rounds alone."""
     mb, logp = docs_batch([[-1.0]], [[-1.0]], [-1.0], dtype=dtype)
     old = logp.detach() - depth
-    cfg = Config(loss="ppo", icepop=True, icepop_alpha=0.0)
+    cfg = Config(loss="ppo", icepop_mask=True, icepop_alpha=0.0)
     loss, _ = L.rl_loss(logp, logp.new_zeros(0), torch.zeros_like(logp), mb, cfg, L.denominators([mb]), STEP,
                         old_logp=old)
     g = torch.autograd.grad(loss, logp)[0]
@@ -722,7 +722,7 @@ def test_metrics_only_trains_plain_reinforce():
         mb, logits, noise = assemble(docs, T=24)
         out = []
         for cfg in (cfg_for("reinforce", **KLS["exact"]),
-                    cfg_for("ppo", icepop=True, seq_mask="geometric", kl_mask="k3", correction_metrics_only=True,
+                    cfg_for("ppo", icepop_mask=True, seq_mask="geometric", kl_mask="k3", correction_metrics_only=True,
                             **KLS["exact"])):
             loss, m = run_loss([mb], [logits], cfg, old_list=[noise])
             out.append((loss, torch.autograd.grad(loss, logits)[0], m))
@@ -766,11 +766,17 @@ def test_would_mask_fractions_by_hand(seq_mask):
 
 
 def test_correction_flags_are_checked():
+    """The masks' flags at parse time (Config); a loss's own flags from its LOSSES row (loss.check_flags, at
+    the start checks), each with the line naming the flag."""
     for kw, flag in ((dict(tis_cap=0.9), "--tis-floor/--tis-cap"), (dict(tis_floor=1.5), "--tis-floor/--tis-cap"),
+                     (dict(ipo_eps=0.0), "--ipo-eps must be > 0"), (dict(clip_low=1.0), "--clip-low must be in"),
+                     (dict(icepop_alpha=float("nan")), "--icepop-alpha must be a finite number, got nan"),
+                     (dict(tis_floor=1e39), "--tis-floor must be a finite number in float32"),
                      (dict(seq_mask_low=1.0), "--seq-mask-low"), (dict(seq_mask_high=0.9), "--seq-mask-high"),
                      (dict(kl_mask_threshold=0.0), "--kl-mask-threshold")):
         with pytest.raises(ConfigError, match=flag):
-            Config(**kw)
+            L.check_flags(Config(**kw))
+    L.check_flags(Config(tis_cap=float("inf"), max_importance_ratio=float("inf")))  # inf: no cap
 
 
 def test_icepop_bounds_are_inclusive():
@@ -794,7 +800,7 @@ def test_garbage_outside_the_loss_is_ignored():
     logits = [torch.randn(16, V, dtype=F64, requires_grad=True) for _ in mbs]
     for variant in ("ipo", "ppo+icepop"):
         loss_type, icepop, _ = VARIANTS[variant]
-        loss, m = run_loss(mbs, logits, cfg_for(loss_type, icepop=icepop, **KLS["k1"]))
+        loss, m = run_loss(mbs, logits, cfg_for(loss_type, icepop_mask=icepop, **KLS["k1"]))
         assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in torch.autograd.grad(loss, logits))
         assert all(math.isfinite(v) for v in m.values())
 
@@ -1013,7 +1019,7 @@ class HostWaits(TorchDispatchMode):
 
 def test_host_syncs(monkeypatch):
     _, _, mbs = evidence_batches()
-    cfg = cfg_for("ppo", icepop=True, bad_evidence="drop", **KLS["exact"])
+    cfg = cfg_for("ppo", icepop_mask=True, bad_evidence="drop", **KLS["exact"])
     logits = [torch.randn(16, V, dtype=F64, requires_grad=True) for _ in mbs]
     heads = [head(lg, mb) for lg, mb in zip(logits, mbs)]
     with HostWaits(monkeypatch) as w:

@@ -21,6 +21,7 @@ import model as M
 import hfdir
 import rollout
 import train
+from conftest import one_line
 from engines import TorchEngine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,6 +137,45 @@ def test_resume_with_a_changed_flag_is_refused(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--steps", "2", "--out-dir", str(tmp_path), "--resume",
                         "--loss", "ppo", *SMALL], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--loss" in r.stderr
+
+
+def _as_an_older_floe_wrote_it(out, **keys):
+    """config.json with `keys` put back under their old names (config.RENAMED's inverse): what a run
+    saved before a flag's rename holds."""
+    old = {new: old for old, new in train.C.RENAMED.items()}
+    saved = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({old.get(k, k): v for k, v in {**saved, **keys}.items()}, indent=2))
+
+
+def test_a_run_saved_before_the_mask_flags_rename_resumes_under_either_name(tmp_path, monkeypatch):
+    """A run written with `"icepop": true` (the mask flag's old name) resumes exactly with --icepop (the
+    alias) or --icepop-mask, is refused with a contradicting value, and config.json then holds the new
+    key. A key no flag maps to is refused in one line. compile is free on resume: a run that compiled
+    resumes on a machine with no C++ compiler."""
+    import shutil
+
+    flags = ["--loss", "ppo", "--icepop", "--icepop-alpha", "0.9", "--icepop-beta", "1.1", *SMALL]
+    train.main(["--steps", "3", "--out-dir", str(tmp_path / "a"), *flags])
+    for name, alias in (("b", "--icepop"), ("c", "--icepop-mask")):
+        train.main(["--steps", "2", "--out-dir", str(tmp_path / name), *flags])
+        _as_an_older_floe_wrote_it(tmp_path / name, compile="on")
+        assert '"icepop": true' in (tmp_path / name / "config.json").read_text()
+        monkeypatch.setattr(shutil, "which", lambda _: None)  # no C++ compiler here: --compile on runs eager
+        train.main(["--steps", "3", "--out-dir", str(tmp_path / name), "--resume", "--compile", "on",
+                    *[f if f != "--icepop" else alias for f in flags]])
+        monkeypatch.undo()
+        assert _rows(tmp_path / "a") == _rows(tmp_path / name)
+        saved = json.loads((tmp_path / name / "config.json").read_text())
+        assert saved["icepop_mask"] is True and "icepop" not in saved
+    _as_an_older_floe_wrote_it(tmp_path / "b")
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--steps", "4", "--out-dir", str(tmp_path / "b"),
+                        "--resume", *[f for f in flags if f != "--icepop"]], capture_output=True, text=True, timeout=120)
+    one_line(r, 2, "--icepop-mask is False but the run", "used True")
+    saved = json.loads((tmp_path / "b" / "config.json").read_text())
+    (tmp_path / "b" / "config.json").write_text(json.dumps({**saved, "ice_pop": True}))
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--steps", "4", "--out-dir", str(tmp_path / "b"),
+                        "--resume", *flags], capture_output=True, text=True, timeout=120)
+    one_line(r, 2, "sets 'ice_pop', which is no flag of this floe")
 
 
 KILLER = """
