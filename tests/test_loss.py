@@ -1084,3 +1084,21 @@ def test_every_loss_name_is_declared_once():
     import typing
 
     assert set(typing.get_args(typing.get_type_hints(Config)["loss"])) == set(L.LOSSES)
+
+
+def test_the_docs_loss_table_names_every_loss_and_the_flags_it_reads():
+    """docs/design.md's table of corrections is the docs' one loss table: each LOSSES entry has its
+    `--loss NAME` there, in a row that shows every flag the loss reads; no other loss is named."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "design.md").read_text()
+    table = doc[doc.index("| correction | formula | floe flag |"):]
+    rows = [r for r in table[:table.index("\n\n")].splitlines() if r.startswith("| ")]
+    named = {m for r in rows for m in re.findall(r"--loss (\w+)", r)}
+    assert named == set(L.LOSSES)
+    for name, loss in L.LOSSES.items():
+        row = next(r for r in rows if f"--loss {name}" in r)
+        for flag in loss.reads:
+            assert f"--{flag.replace('_', '-')}" in row, (name, flag)
+
