@@ -1,6 +1,8 @@
 """torch.compile'd trainer forward against eager (compile is the default on CUDA), and the
 GPU checks bench/gpu.sh runs (skipped without CUDA)."""
 
+import json
+
 import pytest
 import torch
 
@@ -124,6 +126,10 @@ def test_compile_on_a_cpu_without_a_compiler_runs_eager_with_one_line(tmp_path, 
     monkeypatch.setattr(shutil, "which", lambda name: None)  # no g++, no clang++, no $CXX
     train.main(["--compile", "on", "--steps", "1", "--prompts-per-step", "2", "--group-size", "2",
                 "--max-new-tokens", "4", "--eval-every", "0", "--out-dir", str(tmp_path)])
-    notes = [line for line in capsys.readouterr().out.splitlines() if "C++ compiler" in line]
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if "C++ compiler" in line]
     assert len(notes) == 1 and notes[0].startswith("note: --compile on")
     assert (tmp_path / "final").exists()
+    # settled once at the start (start.settled): every part of the run saw "off", the log line and
+    # the run's record included
+    assert "compiling" not in out and json.loads((tmp_path / "config.json").read_text())["compile"] == "off"
