@@ -72,14 +72,15 @@ def instrument(prof) -> set[str]:
         if places and phase not in done:  # a function moved: follow it here, or the table loses the phase
             names = ", ".join(f"{getattr(o, '__name__', o)}.{a}" for o, a in places)
             raise SystemExit(f"bench/phases.py: phase {phase.strip()!r}: none of {names} exists in this checkout")
-    log_row = train.Logger.row
+    logger = importlib.import_module("runlog").Logger if os.path.exists("runlog.py") else train.Logger  # older: in train
+    log_row = logger.row
 
     def row(self, step, m):  # one metrics row per step: profile from the end of the warm-up step on
         log_row(self, step, m)
         if step == 1:
             prof.start()
             prof.t0 = time.perf_counter()
-    train.Logger.row = row
+    logger.row = row
     return done
 
 
