@@ -61,7 +61,8 @@ from config import Config, ConfigError
 from data import Prompt, RunError, Sample, TokenSupport, is_messages
 from textcodec import TextCodec
 from engines import Completion, Sampling
-from tasks import Task, eval_metrics, score_groups
+from rewards import score_groups
+from tasks import Task, eval_metrics
 
 ENDS = ("done", "max_turns", "length", "budget", "timeout", "error", "bad_reply", "dropped")
 FAULTS = ("timeout", "error", "bad_reply")  # the ends that take their group out
