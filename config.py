@@ -49,7 +49,7 @@ AT_LEAST = {"steps": 1, "top_k": 0, "score_centering_k": 1, "prompts_per_step": 
 OFF = {"top_k": " (0: off)", "eval_every": " (0: no eval)", "async_level": " (0: synchronous)",
        "inference_gpus": " (0: colocated)", "lora_rank": " (0: full fine-tuning)"}  # what 0 means, in the message
 RENAMED = {"icepop": "icepop_mask"}  # a flag's old field name -> its new one: config.json of an older run still resumes
-BOUNDS = {"score_centering_k": 1024, "max_words": 1000, "eval_prompts": 2**16, "micro_batch_tokens": 2**20}
+BOUNDS = {"score_centering_k": 1024, "eval_prompts": 2**16, "micro_batch_tokens": 2**20}
 
 
 @dataclass
@@ -68,8 +68,8 @@ class Config:
     eval_prompts: int = 64  # held-out prompts per eval, 4 samples each at the training sampling settings
     wandb_project: str = ""  # log to wandb when given (WANDB_MODE=offline works); nothing is sent otherwise
 
-    # --- the task (tasks.py: the Task contract, the built-in tasks and rewards)
-    task: str = "reverse-text"  # reverse-text | arithmetic | jsonl:PATH (prompts from a JSON-lines file)
+    # --- the task (tasks.py: the Task contract and the built-in tasks; rewards.py: the rewards)
+    task: str = "reverse-text"  # a built-in task (tasks.TASKS: reverse-text, arithmetic, ...) or jsonl:PATH (prompts from a file)
     reward: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()  # repeatable: a built-in (numeric_match, exact_match, similarity), path/to/file.py:fn or module:fn; none: the task's own
     reward_weights: tuple[float, ...] = ()  # one weight per --reward (the total is the weighted sum); none: 1 each
     eval_file: str = ""  # jsonl task: the held-out prompts; empty: --eval-prompts rows of the file, held out by a fixed seed

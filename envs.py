@@ -3,9 +3,11 @@
 An environment plays one episode: floe makes one instance per episode (with no arguments),
 starts it from a row of `--task jsonl:FILE`, and then alternates the model's turn and the
 environment's reply until the environment says it is done, the turn cap (--max-turns) or the
-token budget is reached. The reward comes at the end. Three methods, two of them optional:
+token budget is reached. The reward comes at the end. Three methods, two of them optional, and
+the row columns `reset` reads:
 
     class MyEnv:
+        columns = ("secret",)  # checked in every row at start-up (optional; `prompt` always is)
         def reset(self, row: dict, seed: int) -> str | list[dict] | None:
             # row: every column of the jsonl row, `prompt` included; seed: for any randomness.
             # Return the first prompt (a string or chat messages), or None for the row's prompt.
@@ -23,10 +25,12 @@ RNG, so a resumed run repeats it): `reset` must give them the same first prompt.
 with a timeout (--call-timeout) on a thread of its own (usercode.py), on copies of floe's data.
 
 Built in: `--env guess-letter` (`GuessLetter`), the environment bench/agents.py and
-docs/agents.md's multi-turn job train on, and its control `--env guess-letter-blind`; `write_rows` makes its jsonl file,
-reference episodes for the SFT warm-up included.
+docs/agents.md's multi-turn job train on, and its control `--env guess-letter-blind`. A new
+built-in environment is its class and its `BUILTIN` entry; the class's `rows(n, seed)` writes
+its jsonl file (reference episodes for the SFT warm-up included), and `columns` names what
+`reset` reads from a row.
 
-    python envs.py examples/guess.jsonl          # the rows of the built-in environment
+    python envs.py guess-letter examples/guess.jsonl    # the rows of a built-in environment (NAME FILE)
 """
 
 from __future__ import annotations
@@ -40,6 +44,13 @@ SECRETS = "abcdefghijklmno"  # the secret is one of these 15 (2^4 - 1): bisectio
 
 class Environment:
     """The contract, as a base class to subclass (any class with these methods works too)."""
+
+    columns: tuple[str, ...] = ()  # the row columns reset reads; a row without one is refused at start-up
+
+    @classmethod
+    def rows(cls, n: int, seed: int) -> list[dict]:
+        """A built-in environment's n jsonl rows from `seed`, for `python envs.py NAME FILE`."""
+        raise NotImplementedError
 
     def reset(self, row: dict, seed: int) -> str | list[dict] | None:
         return None
@@ -57,6 +68,15 @@ class GuessLetter(Environment):
     uses the replies can always win, and one that cannot read them at most 4 times in 15."""
 
     informative = True
+    columns = ("secret",)
+
+    @classmethod
+    def rows(cls, n: int = 1024, seed: int = 0) -> list[dict]:
+        """n rows: a secret letter each, and a reference episode (the `episode` column, which
+        `--stage sft` trains on: the model turns only). The blind control plays the same rows."""
+        rng = random.Random(seed)
+        secrets = [rng.choice(SECRETS) for _ in range(n)]
+        return [{"prompt": [{"role": "user", "content": PROMPT}], "secret": s, "episode": bisection(s)} for s in secrets]
 
     def reset(self, row: dict, seed: int) -> None:
         self.secret, self.won = row["secret"], False
@@ -104,16 +124,19 @@ def bisection(secret: str) -> list[dict]:
         lo, hi = (mid + 1, hi) if later else (lo, mid - 1)
 
 
-def write_rows(path: str, n: int = 1024, seed: int = 0) -> None:
-    """n rows: a secret letter each, and a reference episode (the `episode` column, which
-    `--stage sft` trains on: the model turns only)."""
-    rng = random.Random(seed)
+def write_rows(name: str, path: str, n: int = 1024, seed: int = 0) -> None:
+    """The built-in environment `name`'s rows, one JSON object a line."""
     with open(path, "w") as f:
-        for _ in range(n):
-            secret = rng.choice(SECRETS)
-            row = {"prompt": [{"role": "user", "content": PROMPT}], "secret": secret, "episode": bisection(secret)}
-            f.write(json.dumps(row) + "\n")
+        f.writelines(json.dumps(row) + "\n" for row in BUILTIN[name].rows(n, seed))
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2 or argv[0] not in BUILTIN:  # one line and exit status 2, as train.py's bad flags
+        why = f"no built-in environment {argv[0]!r}" if len(argv) == 2 else f"2 arguments, got {len(argv)}"
+        print(f"envs.py: {why}; usage: python envs.py NAME FILE, NAME one of {', '.join(BUILTIN)}", file=sys.stderr)
+        raise SystemExit(2)
+    write_rows(*argv)
 
 
 if __name__ == "__main__":
-    write_rows(sys.argv[1] if len(sys.argv) > 1 else "examples/guess.jsonl")
+    main(sys.argv[1:])

@@ -61,7 +61,8 @@ from config import Config, ConfigError
 from data import Prompt, RunError, Sample, TokenSupport, is_messages
 from textcodec import TextCodec
 from engines import Completion, Sampling
-from tasks import Task, eval_metrics, score_groups
+from rewards import score_groups
+from tasks import Task, eval_metrics
 
 ENDS = ("done", "max_turns", "length", "budget", "timeout", "error", "bad_reply", "dropped")
 FAULTS = ("timeout", "error", "bad_reply")  # the ends that take their group out
@@ -82,8 +83,9 @@ class EnvSpec:
 
 
 def load_env(cfg: Config, task: Task) -> EnvSpec | None:
-    """--env, checked before the run writes anything: it imports, is a class with `step`, and the
-    episodes have a reward (the environment's `reward`, or --reward functions)."""
+    """--env, checked before the run writes anything: it imports, is a class with `step`, every row
+    holds the columns it declares its `reset` reads, and the episodes have a reward (the
+    environment's `reward`, or --reward functions)."""
     if not cfg.env:
         return None
     try:
@@ -95,11 +97,24 @@ def load_env(cfg: Config, task: Task) -> EnvSpec | None:
     for method in ("step",) + tuple(m for m in ("reset", "reward") if hasattr(cls, m)):
         if not callable(getattr(cls, method, None)):
             raise ConfigError(f"--env {cfg.env}: {cls.__name__}.{method} is not a method (envs.py has the contract)")
+    check_columns(cfg.env, cls, getattr(task, "train", []) + task.eval_set)
     has_reward = callable(getattr(cls, "reward", None))
     if not has_reward and not task.rewards:
         raise ConfigError(f"--env {cfg.env}: {cls.__name__} has no reward() and no --reward is given: "
                           "an episode needs one")
     return EnvSpec(cfg.env, cls, path, has_reward)
+
+
+def check_columns(name: str, cls: type, rows: list[Prompt]) -> None:
+    """Every row holds the columns the class declares its reset reads (`columns`), as it holds those a
+    reward asks for: a row without one would fail its group's reset at every step that drew it."""
+    columns = getattr(cls, "columns", ())
+    if not isinstance(columns, (tuple, list)) or not all(isinstance(c, str) for c in columns):
+        raise ConfigError(f"--env {name}: {cls.__name__}.columns must be a tuple of column names, got {columns!r}")
+    for p in rows:
+        if missing := [c for c in columns if c != "prompt" and c not in p.columns]:
+            raise ConfigError(f"{p.where}: --env {name} needs the column(s) {missing}, which this row lacks "
+                              f"(it has {sorted(p.columns) or 'none'})")
 
 
 def _start(cls: type, row: dict, seed: int):

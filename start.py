@@ -56,6 +56,7 @@ def check_start(cfg: C.Config) -> Start:
     """Flags, run directory, checkpoint, model directory, tokenizer, task and rewards, engine choice."""
     L.check_flags(cfg)  # the loss's own flags, from its LOSSES row
     check_same_flags(cfg)
+    T.check_flags(cfg)  # --task and its flags: config.py cannot see the task table
     check_read(cfg)
     if cfg.lora_rank and serves_adapter(cfg):  # a rank vLLM's LoRA path cannot serve, before the model loads
         vllm_lora_rank(cfg.lora_rank)
@@ -169,8 +170,7 @@ def check_same_flags(cfg: C.Config) -> None:
                         "the same command)")
 
 
-# flags of one task, or of the rl stage alone: with another, nothing reads them
-TASK_FLAGS = {"min_words": "reverse-text", "max_words": "reverse-text", "max_operand": "arithmetic"}
+# flags of the rl stage alone: under sft nothing reads them
 RL_FLAGS = ("async_level", "engine_noise", "score_centering_k")
 
 
@@ -208,8 +208,7 @@ def check_read(cfg: C.Config) -> None:
     is still what the user asked for (another loss's or task's flag, an rl flag under sft), an error
     where it would lack what the flag tunes (a mask's bounds with the mask off: `unread`)."""
     found = unread(cfg)
-    found += [(f, f"is not read with --task {cfg.task} (it is --task {t}'s)", False) for f, t in TASK_FLAGS.items()
-               if cfg.task != t]
+    found += T.unread(cfg)  # another task's flags
     found += [(f, "is not read with --stage sft (it is for rl rollouts)", False) for f in RL_FLAGS if cfg.stage == "sft"]
     if cfg.device == "cuda":
         found.append(("dist_timeout", "is not read on CUDA (NCCL keeps torch's 10-minute watchdog)", False))

@@ -1,16 +1,20 @@
-"""Tasks: what train.py needs from one, the ones floe ships, and rewards you plug in by name.
+"""Tasks: what train.py needs from one, the ones floe ships, and the table that names them.
 
 A task is four things (the `Task` base class holds the shared parts):
 - `sample(n, rng)`: n training prompts drawn from a seeded `random.Random` (the trainer's, so
   a checkpoint saves where the draws stand);
 - `eval_set`: a fixed held-out list of prompts that training never draws;
 - `score(prompts, completions, group)`: one reward per completion, from the task's reward
-  functions; NaN marks a sample that could not be scored (it is skipped and counted);
+  functions (rewards.py: their contract, the built-in ones); NaN marks a sample that could not
+  be scored (it is skipped and counted);
 - `Prompt.reference`: the reference completion for `--stage sft`, where the task has one.
 
 Built in: `--task reverse-text` (the default: reverse a few words, scored by difflib's
 similarity ratio), `--task arithmetic` (a + b or a - b, scored by numeric match: a 0/1 reward,
-so eval reports pass@1 and pass@4), and `--task jsonl:PATH`, prompts from a file.
+so eval reports pass@1 and pass@4), and `--task jsonl:PATH`, prompts from a file. A new
+built-in task is its class plus one entry in `TASKS` (its flags and their range checks) and one
+Config field per flag: the `--task` check, the range checks, the "not read" note, the alphabet
+of `--model scratch` and `build` all read that entry.
 
 A jsonl row is a JSON object with a `prompt`: a string (used as it is) or a chat `messages`
 list ([{"role": "user", "content": ...}], rendered with the model directory's chat template).
@@ -18,29 +22,13 @@ Every other column goes to the reward functions; a `completion` column is the re
 `--stage sft`. The held-out set is `--eval-file`, or `--eval-prompts` rows of the file chosen by
 a fixed seed, which training then never draws.
 
-A reward function has TRL's shape: it gets `prompts` (as the task gave them), `completions`
-(text, cut at the stop token), `completion_ids`, and each other column as a keyword argument
-holding a list aligned with the completions; it returns one float per completion:
-
-    def reward(prompts, completions, answer, **kwargs) -> list[float]
-
-`--reward path/to/file.py:fn` or `--reward module:fn` loads one (repeat the flag for several,
-`--reward-weights` to weigh them; the total is the weighted sum). Built-in names need no code:
-`numeric_match` and `exact_match` against an `answer` column, `similarity` against `target`.
-
 Simplifications:
-1. A reward function is called once per prompt group (its `--group-size` completions), so a
-   call that raises skips one group, not the step; the failure is printed and counted
-   (`skipped/reward_error`). A None or NaN skips that sample; a wrong-length return, or a value
-   that is not a real number (usercode.number), stops the run with one line naming the function.
-   A step's calls run at once, each on its own thread (`score_groups`): a hung reward costs a step
-   one --call-timeout, not one per group, and a function may run in several threads together.
-2. Generated tasks hold out their eval set by value (training rejects those texts), so the
+1. Generated tasks hold out their eval set by value (training rejects those texts), so the
    split needs no bookkeeping; a file is split by row.
-3. Everything is checked when the task is built, before the run writes anything: the file's
-   rows, that each prompt renders and fits the tokenizer, that each reward function imports
-   (its file's top-level code runs then, and again on --resume: it is an import) and that
-   every row has the columns it asks for by name (a parameter with a default may be missing).
+2. Everything is checked before the run writes anything: --task and the built-in tasks' flags
+   (`check_flags`, at the start checks), then, when the task is built, the file's rows, that
+   each prompt renders and fits the tokenizer, that each reward function (rewards.py) imports,
+   and that every row has the columns it asks for by name.
 
     python train.py --task arithmetic --model checkpoints/arith-tiny
     python train.py --task jsonl:examples/sums.jsonl --model checkpoints/arith-tiny --reward examples/rewards.py:close
@@ -48,23 +36,17 @@ Simplifications:
 
 from __future__ import annotations
 
-import asyncio
-import difflib
-import hashlib
-import inspect
 import json
 import math
 import random
-import re
 import string
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import usercode
 from config import Config, ConfigError
 from data import Prompt, RunError
+from rewards import BUILTIN, CALL_ARGS, Reward, load_rewards, numeric_match, score_groups, similarity
 from textcodec import LETTERS, TextCodec
 
 # fmt: off
@@ -103,133 +85,6 @@ yard yeah year your zero zone
 DIGITS = LETTERS + "0123456789+-="  # arith-tiny's alphabet
 PRINTABLE = "".join(c for c in string.printable if c not in "\r\x0b\x0c")  # --model scratch for a jsonl task
 EVAL_SEED = 10_000  # one held-out set for every --seed, so runs compare
-CALL_ARGS = ("prompts", "completions", "completion_ids", "messages")
-
-
-# ----------------------------------------------------------------------------- rewards
-
-def similarity(prompts, completions, target, **kwargs) -> list[float]:
-    """difflib's SequenceMatcher ratio between the completion and the `target` column."""
-    return [difflib.SequenceMatcher(None, c, t).ratio() for c, t in zip(completions, target)]
-
-
-def exact_match(prompts, completions, answer, **kwargs) -> list[float]:
-    """1 when the completion, stripped, is the `answer` column's text, else 0."""
-    return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answer)]
-
-
-def numeric_match(prompts, completions, answer, **kwargs) -> list[float]:
-    """1 when the completion's answer (the last \\boxed{} content, else the last number in it)
-    equals the `answer` column as a number (GSM8K-style: commas dropped), else 0."""
-    return [float(_same_number(final_number(c), a)) for c, a in zip(completions, answer)]
-
-
-BUILTIN = {"similarity": similarity, "exact_match": exact_match, "numeric_match": numeric_match}
-NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-
-def final_number(text: str) -> str | None:
-    boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
-    found = NUMBER.findall(boxed[-1] if boxed else text)
-    return found[-1] if found else None
-
-
-def _same_number(x: str | None, answer) -> bool:
-    if x is None or answer is None:
-        return False
-    try:
-        a, b = float(x.replace(",", "")), float(str(answer).replace(",", "").strip())
-    except ValueError:
-        return False
-    return abs(a - b) <= 1e-6 * max(1.0, abs(b))
-
-
-@dataclass
-class Reward:
-    """One reward function, its weight in the total, and the file it came from (hashed with the run)."""
-
-    name: str  # as given to --reward
-    fn: Callable
-    weight: float = 1.0
-    source: Path | None = None  # None for the built-ins
-    timeout: float = 60.0  # --call-timeout: seconds one call may take (usercode.py)
-    stop: threading.Event | None = None  # set when the run shuts down: a call still running is abandoned at once
-
-    def needs(self) -> list[str]:
-        """The columns the function asks for by name (parameters without a default)."""
-        params = inspect.signature(self.fn).parameters.values()
-        return [p.name for p in params if p.default is p.empty and p.name not in CALL_ARGS
-                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-
-    def call(self, prompts: list[Prompt], texts: list[str], ids: list[list[int]],
-             extra: dict[str, list] | None = None) -> Callable[[], object]:
-        """One group's call, ready for usercode.call_all; the function gets copies: what it changes is
-        not what floe trains on."""
-        columns = {k: [p.columns.get(k) for p in prompts] for k in dict.fromkeys(k for p in prompts for k in p.columns)}
-        kwargs = usercode.copied({"prompts": [p.prompt for p in prompts], "completions": texts,
-                                  "completion_ids": ids, **columns, **(extra or {})})
-        if inspect.iscoroutinefunction(self.fn):  # an async reward (TRL takes them too) runs to completion there
-            return lambda: asyncio.run(self.fn(**kwargs))
-        return lambda: self.fn(**kwargs)
-
-    def values(self, res: usercode.Result, n: int) -> list[float]:
-        """One float per completion from a call's result; NaN for each sample of a call that raised or
-        timed out, and for None/NaN. A value that is not a number stops the run (usercode.number)."""
-        if not res.ok and self.stop is not None and self.stop.is_set():
-            return [math.nan] * n  # the run is shutting down: the batch is never trained on
-        if not res.ok:  # a user's function: an outage skips its samples, loudly
-            why = f"took longer than --call-timeout {self.timeout:g}s" if res.timed_out else f"raised {res.error}"
-            print(f"warning: reward {self.name} {why} ({n} samples skipped, counted in skipped/reward_error)", flush=True)
-            return [math.nan] * n
-        out = res.value
-        if not isinstance(out, (list, tuple)) and not (hasattr(out, "__len__") and hasattr(out, "__iter__")):
-            raise RunError(f"reward {self.name} returned {type(out).__name__} {str(out)[:40]!r}, not a list "
-                           "(it must return one float per completion)")
-        out = list(out)
-        if len(out) != n:
-            raise RunError(f"reward {self.name} returned {len(out)} values for {n} completions "
-                           "(it must return one float per completion)")
-        try:
-            return [math.nan if v is None else usercode.number(v) for v in out]
-        except TypeError as e:
-            raise RunError(f"reward {self.name} returned {e} for a completion (a real number, or None to skip it)") from None
-
-def score_groups(rewards: list[Reward], groups: list[tuple]) -> list[list[float]]:
-    """Each group's weighted reward sum per completion; `groups` holds each one's (prompts, texts, ids, extra).
-    Every function's call on every group runs at once (usercode.call_all), so a step whose rewards hang
-    waits one --call-timeout, not one per group; each call keeps its own thread, copies and result."""
-    calls = [r.call(*g) for g in groups for r in rewards]
-    results = iter(usercode.call_all(calls, max((r.timeout for r in rewards), default=0.0),
-                                     rewards[0].stop if rewards else None))
-    out = []
-    for g in groups:
-        total = [0.0] * len(g[1])
-        for r in rewards:
-            total = [t + r.weight * v for t, v in zip(total, r.values(next(results), len(g[1])))]
-        out.append(total)
-    return out
-
-
-def load_reward(spec: str, weight: float = 1.0, timeout: float = 60.0) -> Reward:
-    """A built-in name, `path/to/file.py:fn` or `module:fn`; ConfigError (one line) when it does not load."""
-    try:
-        fn, path = usercode.load(spec, "--reward", BUILTIN, "function")
-    except usercode.LoadError as e:
-        raise ConfigError(str(e)) from None
-    if not callable(fn):
-        raise ConfigError(f"--reward {spec}: {spec.rpartition(':')[0]} has no function {spec.rpartition(':')[2]!r}")
-    return Reward(spec, fn, weight, path, timeout)
-
-
-def load_rewards(specs: tuple[str, ...], weights: tuple[float, ...], timeout: float = 60.0) -> list[Reward]:
-    if weights and len(weights) != len(specs):
-        raise ConfigError(f"--reward-weights: {len(weights)} weights for {len(specs)} --reward functions")
-    return [load_reward(s, w, timeout) for s, w in zip(specs, weights or [1.0] * len(specs))]
-
-
-def reward_hashes(rewards: list[Reward]) -> dict[str, str]:
-    """sha256 of each reward's source file, saved with the run (--resume says when one changed)."""
-    return {r.name: hashlib.sha256(r.source.read_bytes()).hexdigest() for r in rewards if r.source}
 
 
 def conversation(prompt: str | list[dict]) -> list[dict]:
@@ -422,11 +277,60 @@ class JsonlTask(Task):
         return [rng.choice(self.train) for _ in range(n)]
 
 
-# ----------------------------------------------------------------------------- from the flags
+# ----------------------------------------------------------------------------- the built-in tasks, from the flags
+
+@dataclass(frozen=True)
+class Check:
+    """One range check over the flags: `ok(cfg)`, else the one line `says`, filled in from the config."""
+
+    ok: Callable[[Config], bool]
+    says: str  # names the flag and what it got, e.g. "--max-operand must be >= 1, got {max_operand}"
+
+
+@dataclass(frozen=True)
+class Builtin:
+    """A built-in task, said once: what reads --task (check_flags, unread, alphabet, build) asks its
+    entry in TASKS, never its name. A new task is its class, an entry and a Config field per flag."""
+
+    cls: type[Task]  # takes each flag as the keyword of its name; `cls.alphabet` serves --model scratch
+    flags: tuple[str, ...] = ()  # the Config fields it reads
+    checks: tuple[Check, ...] = ()  # their ranges, checked whatever --task is (a typo is a typo)
+
+
+TASKS = {
+    "reverse-text": Builtin(ReverseText, ("min_words", "max_words"), (
+        # a bound, not a range: ReverseText counts its distinct prompts as a sum of --max-words powers
+        Check(lambda c: c.max_words <= 1000, "--max-words must be <= 1,000, got {max_words:,}"),
+        Check(lambda c: 1 <= c.min_words <= c.max_words,
+              "--min-words/--max-words need 1 <= min <= max, got {min_words}, {max_words}"))),
+    "arithmetic": Builtin(Arithmetic, ("max_operand",), (
+        Check(lambda c: c.max_operand >= 1, "--max-operand must be >= 1, got {max_operand}"),)),
+}
+
+
+def check_flags(cfg: Config) -> None:
+    """--task is a built-in name or jsonl:PATH, and every built-in task's flags are in range; else
+    ConfigError, one line naming the flag (the start checks run this first: config.py cannot see TASKS)."""
+    if cfg.task not in TASKS and not (cfg.task.startswith("jsonl:") and len(cfg.task) > len("jsonl:")):
+        raise ConfigError(f"--task must be {', '.join(TASKS)} or jsonl:PATH, got {cfg.task!r}")
+    for check in (c for t in TASKS.values() for c in t.checks):
+        if not check.ok(cfg):
+            raise ConfigError(check.says.format_map(vars(cfg)))
+
+
+def unread(cfg: Config) -> list[tuple[str, str, bool]]:
+    """The built-in tasks' flags that --task leaves unread, as start.check_read takes them: a note each."""
+    readers: dict[str, list[str]] = {}
+    for name, t in TASKS.items():
+        for f in t.flags:
+            readers.setdefault(f, []).append(name)
+    return [(f, f"is not read with --task {cfg.task} (it is --task {', '.join(names)}'s)", False)
+            for f, names in readers.items() if cfg.task not in names]
+
 
 def alphabet(cfg: Config) -> str:
     """The characters a --model scratch tokenizer needs for --task."""
-    return {"reverse-text": ReverseText, "arithmetic": Arithmetic}.get(cfg.task, Task).alphabet
+    return TASKS[cfg.task].cls.alphabet if cfg.task in TASKS else JsonlTask.alphabet
 
 
 def build(cfg: Config, codec: TextCodec) -> Task:
@@ -434,10 +338,9 @@ def build(cfg: Config, codec: TextCodec) -> Task:
     rewards = load_rewards(cfg.reward, cfg.reward_weights, cfg.call_timeout)
     kwargs = json.loads(cfg.chat_template_kwargs)
     try:
-        if cfg.task == "reverse-text":
-            task = ReverseText(codec, rewards, cfg.min_words, cfg.max_words, cfg.eval_prompts, kwargs)
-        elif cfg.task == "arithmetic":
-            task = Arithmetic(codec, rewards, cfg.max_operand, cfg.eval_prompts, kwargs)
+        if builtin := TASKS.get(cfg.task):
+            flags = {f: getattr(cfg, f) for f in builtin.flags}
+            task = builtin.cls(codec, rewards, eval_size=cfg.eval_prompts, template_kwargs=kwargs, **flags)
         else:
             task = JsonlTask(codec, rewards, cfg.task.removeprefix("jsonl:"), cfg.eval_file, cfg.eval_prompts, kwargs,
                              env=bool(cfg.env))

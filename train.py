@@ -65,6 +65,7 @@ from parallel import RANK, full, gather, print0, setup_distributed, sum_over_ran
 from pipeline import AsyncRollouts, RolloutRNG
 from precision import DTYPES, LossScale
 from remote import RemoteEngine, dismiss, serve
+from rewards import reward_hashes
 from rundir import claimed, way_on, write_file
 import runlog
 from start import Start, build, check_start, settled, write_scratch
@@ -214,7 +215,7 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
     """Lock the run directory, build the engine and optimizer, write the run's config, resume if
     asked, loop, summarize. A start that fails before the loop (the engine refuses, a full disk)
     leaves --out-dir as it was; the lock is held until the run ends, however it ends."""
-    hashes = T.reward_hashes(s.task.rewards)
+    hashes = reward_hashes(s.task.rewards)
     if s.resume_from:
         note_changed_rewards(s.out, hashes)
     print0(cfg.changed())  # the flags that differ from their defaults; config.json gets them all

@@ -8,6 +8,7 @@ import pytest
 
 import config as C
 import start
+import train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
     (["--top-p", "1.5"], "--top-p"),
     (["--temperature", "0"], "--temperature"),
     (["--steps", "-1"], "--steps"),
+    (["--task", "nope"], "--task must be reverse-text, arithmetic or jsonl:PATH, got 'nope'"),  # at the start checks
 ])
 def test_bad_flag_exits_2_with_one_line(args, flag, tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, "--out-dir", str(tmp_path / "run")],
@@ -52,7 +54,6 @@ def test_the_default_learning_rate_is_the_default_jobs_best_and_lora_gets_its_ow
     (["--stage", "sft", "--loss", "ppo"], "--loss ppo has no effect with --stage sft"),
     (["--epochs", "2", "--loss", "reinforce"], "--epochs 2 with plain reinforce"),
     (["--epochs", "2", "--correction-metrics-only"], "--epochs 2 with plain reinforce"),
-    (["--task", "nope"], "--task must be reverse-text, arithmetic or jsonl:PATH"),
     (["--eval-file", "x.jsonl"], "--eval-file is for --task jsonl:PATH"),
     (["--chat-template-kwargs", "[1]"], "--chat-template-kwargs must be a JSON object"),
 ])
@@ -83,7 +84,6 @@ def test_caps_whose_inf_means_no_cap_stay_accepted():
     (["--prompts-per-step", str(10**12)], "--prompts-per-step x --group-size asks for"),
     (["--stage", "sft", "--prompts-per-step", str(10**12)], "--prompts-per-step asks for"),
     (["--score-centering-k", str(10**12)], "--score-centering-k must be <= 1,024"),
-    (["--max-words", str(10**12)], "--max-words must be <= 1,000"),
     (["--eval-prompts", str(10**12)], "--eval-prompts must be <= 65,536"),
     (["--micro-batch-tokens", str(10**12)], "--micro-batch-tokens must be <= 1,048,576"),
     (["--dist-timeout", "0"], "--dist-timeout must be > 0"),
@@ -93,6 +93,28 @@ def test_meaningless_or_unbounded_values_are_refused(args, words, capsys):
         C.parse(args)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and words in err[0], err
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--task", "nope"], "--task must be reverse-text, arithmetic or jsonl:PATH, got 'nope'"),
+    (["--task", "jsonl:"], "--task must be reverse-text, arithmetic or jsonl:PATH, got 'jsonl:'"),
+    (["--max-words", str(10**12)], "--max-words must be <= 1,000, got 1,000,000,000,000"),
+    (["--min-words", "3", "--max-words", "2"], "--min-words/--max-words need 1 <= min <= max, got 3, 2"),
+    (["--min-words", "0"], "--min-words/--max-words need 1 <= min <= max, got 0, 3"),
+    (["--task", "arithmetic", "--max-operand", "0"], "--max-operand must be >= 1, got 0"),
+    (["--task", "arithmetic", "--min-words", "3", "--max-words", "2"], "--min-words/--max-words need"),  # a typo whatever --task
+])
+def test_a_bad_task_or_task_flag_is_refused_at_the_start_checks(args, words, tmp_path, capsys):
+    """tasks.py's table holds the task names and their flags' checks, and tasks.py imports config.py: so
+    they run first at the start checks (tasks.check_flags), not at parse time; the same one line, exit
+    status 2, and nothing written."""
+    C.parse(args)  # parses: config.py cannot see the table
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        train.main([*args, "--out-dir", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"floe: error: {words}"), err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("args,words", [

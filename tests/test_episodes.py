@@ -8,7 +8,9 @@ Llama 3.1's header tokens, a system header with a knowledge date, <|eot_id|> end
 tool results as `ipython`), not copied from either project.
 """
 
+import json
 import math
+import random
 import subprocess
 import sys
 import textwrap
@@ -22,10 +24,12 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 import config as C
 import data as D
 from textcodec import CHATML, LETTERS, TextCodec
+import envs
 import episodes as E
 import loss as L
 import model as M
 import train
+from conftest import one_line
 from engines import Completion, Sampling, TorchEngine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -505,6 +509,67 @@ def test_a_bad_env_is_refused_before_the_first_byte(tmp_path, capsys, spec, word
     with pytest.raises(SystemExit) as e:
         train.main([*FLAGS, "--env", spec, "--out-dir", str(out)])
     assert e.value.code == 2 and words in capsys.readouterr().err and not out.exists()
+
+
+def test_a_row_without_a_column_the_environment_declares_is_refused_at_its_line(tmp_path, capsys):
+    """GuessLetter.columns names `secret`: a row without it (the 41st, say) would fail its group's reset at
+    every draw, so the start refuses it by its line, before the first byte, as a reward's columns are."""
+    rows = (ROOT / "examples" / "guess.jsonl").read_text().splitlines()[:80]
+    bad = json.loads(rows[40])
+    del bad["secret"]
+    rows[40] = json.dumps(bad)
+    f = tmp_path / "rows.jsonl"
+    f.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        train.main([*FLAGS, "--task", f"jsonl:{f}", "--env", "guess-letter", "--eval-prompts", "8", "--out-dir", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and not out.exists()
+    assert err == [f"floe: error: {f}:41: --env guess-letter needs the column(s) ['secret'], which this row lacks "
+                   "(it has ['episode'])"], err
+
+
+def test_columns_that_are_not_names_are_refused(tmp_path, capsys):
+    f = _env_file(tmp_path, """
+        from envs import GuessLetter
+        class OneString(GuessLetter):
+            columns = "secret"
+    """)
+    with pytest.raises(SystemExit) as e:
+        train.main([*FLAGS, "--env", f"{f}:OneString", "--out-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "OneString.columns must be a tuple of column names, got 'secret'" in err[0]
+
+
+def _old_guess_rows(n: int, seed: int) -> list[dict]:
+    """What envs.write_rows wrote before every built-in environment wrote its own rows."""
+    rng, out = random.Random(seed), []
+    for _ in range(n):
+        secret = rng.choice(envs.SECRETS)
+        out.append({"prompt": [{"role": "user", "content": envs.PROMPT}], "secret": secret,
+                    "episode": envs.bisection(secret)})
+    return out
+
+
+def test_every_builtin_environment_writes_its_rows_by_name(tmp_path):
+    """`python envs.py NAME FILE`: guess-letter's rows are the old writer's, byte for byte the committed
+    examples/guess.jsonl; the blind control plays the same rows; each holds the columns its class declares."""
+    for name, cls in envs.BUILTIN.items():
+        f = tmp_path / f"{name}.jsonl"
+        r = subprocess.run([sys.executable, "envs.py", name, str(f)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert r.returncode == 0 and not r.stderr, r.stderr
+        assert f.read_bytes() == (ROOT / "examples" / "guess.jsonl").read_bytes()
+        assert cls.columns and all(set(cls.columns) <= row.keys() for row in cls.rows(16, 0))
+    assert envs.GuessLetter.rows(20, 3) == _old_guess_rows(20, 3)
+
+
+@pytest.mark.parametrize("args,words", [(["nope", "x.jsonl"], "no built-in environment 'nope'"),
+                                       (["examples/x.jsonl"], "2 arguments, got 1")])
+def test_envs_py_with_an_unknown_name_says_its_usage_in_one_line(tmp_path, args, words):
+    r = subprocess.run([sys.executable, str(ROOT / "envs.py"), *args], capture_output=True, text=True, timeout=60,
+                       cwd=tmp_path)
+    one_line(r, 2, words, "usage: python envs.py NAME FILE, NAME one of guess-letter, guess-letter-blind")
+    assert not list(tmp_path.iterdir())  # nothing written
 
 
 @pytest.mark.parametrize("turn", [{"role": "assistant"}, {"role": "user"}, {"content": "later"}])

@@ -635,7 +635,7 @@ def test_a_sigint_while_the_rollout_thread_waits_on_a_hung_reward_exits_at_once(
     with its one line in seconds, not after the call's timeout."""
     out, hung = tmp_path / "run", tmp_path / "hung"
     (tmp_path / "slow.py").write_text(
-        "import pathlib, time\nfrom tasks import similarity\ncalls = 0\n"
+        "import pathlib, time\nfrom rewards import similarity\ncalls = 0\n"
         "def score(prompts, completions, target, **kwargs):\n    global calls\n    calls += 1\n"
         f"    if calls >= 2:\n        pathlib.Path({str(hung)!r}).touch()\n        time.sleep(3600)\n"
         "    return similarity(prompts, completions, target)\n")

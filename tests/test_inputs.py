@@ -16,6 +16,7 @@ import torch
 from textcodec import TextCodec
 import model as M
 import hfdir
+import rewards
 import tasks as T
 import train
 from engines import TorchEngine
@@ -66,7 +67,7 @@ def test_config_that_does_not_match_the_weights(tmp_path):
 
 
 def test_a_reward_that_raises_skips_and_counts(tmp_path, monkeypatch):
-    real, calls = T.similarity, [0]
+    real, calls = rewards.similarity, [0]
 
     def flaky(prompts, completions, target, **kwargs):
         calls[0] += 1
@@ -74,7 +75,7 @@ def test_a_reward_that_raises_skips_and_counts(tmp_path, monkeypatch):
             raise RuntimeError("reward server down")
         return real(prompts, completions, target)
 
-    monkeypatch.setitem(T.BUILTIN, "similarity", flaky)
+    monkeypatch.setitem(rewards.BUILTIN, "similarity", flaky)
     train.main(["--steps", "2", "--out-dir", str(tmp_path), *SMALL, "--group-size", "4", "--prompts-per-step", "3",
                 "--reward", "similarity"])
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -136,7 +137,7 @@ def _reward(monkeypatch, fn):
         calls[0] += 1
         return fn(calls[0], target)
 
-    monkeypatch.setitem(T.BUILTIN, "similarity", patched)
+    monkeypatch.setitem(rewards.BUILTIN, "similarity", patched)
 
 
 def _metrics(out):
@@ -344,14 +345,14 @@ def _jsonl(path, rows):
 
 def test_a_column_missing_from_some_rows_or_the_eval_file_is_refused(tmp_path):
     """The union of the rows' columns hid a row without one: its reward call failed at every draw."""
-    codec, rewards = TextCodec.load(ROOT / "checkpoints" / "arith-tiny"), T.load_rewards(("numeric_match",), ())
+    codec, fns = TextCodec.load(ROOT / "checkpoints" / "arith-tiny"), rewards.load_rewards(("numeric_match",), ())
     rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} if i % 3 else {"prompt": f"{i}+1="} for i in range(1, 10)]
     train_file = _jsonl(tmp_path / "t.jsonl", rows)
     with pytest.raises(T.ConfigError) as e:
-        T.JsonlTask(codec, rewards, train_file, eval_size=2)
+        T.JsonlTask(codec, fns, train_file, eval_size=2)
     assert str(e.value) == (f"{train_file}:3: --reward numeric_match needs the column(s) ['answer'], which this row "
                             "lacks (it has none)")
     good = _jsonl(tmp_path / "good.jsonl", [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)])
     held = _jsonl(tmp_path / "eval.jsonl", [{"prompt": "1+1=", "target": "2"}] * 2)
     with pytest.raises(T.ConfigError, match=f"{held}:1: --reward numeric_match needs the column"):
-        T.JsonlTask(codec, rewards, good, eval_file=held, eval_size=2)
+        T.JsonlTask(codec, fns, good, eval_file=held, eval_size=2)

@@ -5,6 +5,7 @@ import hashlib
 import json
 import math
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,8 @@ import pytest
 import config as C
 import data as D
 from textcodec import TextCodec, char_tokenizer
+import rewards
+import start
 import tasks as T
 from conftest import one_line
 
@@ -100,10 +103,10 @@ def test_a_messages_prompt_without_a_template_is_refused(tmp_path):
 
 
 def test_numeric_and_exact_match():
-    out = T.numeric_match(None, ["so 12", "3 then 4", "\\boxed{1,234} and 9", "none", "-5"],
+    out = rewards.numeric_match(None, ["so 12", "3 then 4", "\\boxed{1,234} and 9", "none", "-5"],
                           ["12", 4, "1234", "1", "-5.0"])
     assert out == [1.0, 1.0, 1.0, 0.0, 1.0]
-    assert T.exact_match(None, [" 42 ", "42."], ["42", "42"]) == [1.0, 0.0]
+    assert rewards.exact_match(None, [" 42 ", "42."], ["42", "42"]) == [1.0, 0.0]
 
 
 def _rows(path: Path, rows) -> Path:
@@ -133,8 +136,8 @@ def test_jsonl_task_splits_renders_and_passes_columns(tmp_path):
         return [float(c == a) for c, a in zip(completions, answer)]
 
     codec = TextCodec.load(ARITH)
-    task = T.JsonlTask(codec, [T.Reward("spy", spy)], path, eval_size=4)
-    again = T.JsonlTask(codec, [T.Reward("spy", spy)], path, eval_size=4)
+    task = T.JsonlTask(codec, [rewards.Reward("spy", spy)], path, eval_size=4)
+    again = T.JsonlTask(codec, [rewards.Reward("spy", spy)], path, eval_size=4)
     assert [p.prompt for p in task.eval_set] == [p.prompt for p in again.eval_set]  # a fixed split
     held = {json.dumps(p.prompt) + json.dumps(p.columns) for p in task.eval_set}
     assert len(task.train) == 27 and not held & {json.dumps(p.prompt) + json.dumps(p.columns) for p in task.train}
@@ -144,8 +147,8 @@ def test_jsonl_task_splits_renders_and_passes_columns(tmp_path):
     assert chat.ids == codec.render(chat.prompt) and chat.reference == chat.columns["answer"]
     drawn = task.sample(2, random.Random(1))
     right = codec.encode(drawn[0].columns["answer"]) + [2]
-    rewards = task.score([drawn[0]] * 2 + [drawn[1]] * 2, [right, [5, 6, 2], right, [2]], group=2)
-    assert rewards[0] == 1.0 and rewards[1] == 0.0 and rewards[3] == 0.0
+    scores = task.score([drawn[0]] * 2 + [drawn[1]] * 2, [right, [5, 6, 2], right, [2]], group=2)
+    assert scores[0] == 1.0 and scores[1] == 0.0 and scores[3] == 0.0
     assert seen["prompts"] == [drawn[1].prompt] * 2 and seen["answer"] == [drawn[1].columns["answer"]] * 2
     assert seen["level"] == [drawn[1].columns.get("level")] * 2 and seen["completions"][1] == ""
     assert seen["ids"] == [right, [2]]
@@ -153,10 +156,10 @@ def test_jsonl_task_splits_renders_and_passes_columns(tmp_path):
 
 def test_eval_file_is_the_held_out_set(tmp_path):
     train, held = _rows(tmp_path / "a.jsonl", _sums(10)), _rows(tmp_path / "b.jsonl", _sums(6))
-    task = T.JsonlTask(TextCodec.load(ARITH), T.load_rewards(("numeric_match",), ()), train, held, eval_size=4)
+    task = T.JsonlTask(TextCodec.load(ARITH), rewards.load_rewards(("numeric_match",), ()), train, held, eval_size=4)
     assert len(task.train) == 10 and [p.prompt for p in task.eval_set] == [r["prompt"] for r in _sums(4)]
     with pytest.raises(C.ConfigError, match="fewer than --eval-prompts 8"):
-        T.JsonlTask(TextCodec.load(ARITH), T.load_rewards(("numeric_match",), ()), train, held, eval_size=8)
+        T.JsonlTask(TextCodec.load(ARITH), rewards.load_rewards(("numeric_match",), ()), train, held, eval_size=8)
 
 
 def test_a_reward_that_raises_skips_its_group_and_none_or_nan_skip_a_sample(capsys):
@@ -168,7 +171,7 @@ def test_a_reward_that_raises_skips_its_group_and_none_or_nan_skip_a_sample(caps
             raise RuntimeError("server down")
         return [None, math.nan, 0.5]
 
-    task = T.ReverseText(TextCodec.load(TINY), [T.Reward("flaky", flaky)], eval_size=2)
+    task = T.ReverseText(TextCodec.load(TINY), [rewards.Reward("flaky", flaky)], eval_size=2)
     ps = task.sample(3, random.Random(0))
     out = task.score([ps[0]] * 3 + [ps[1]] * 3 + [ps[2]] * 3, [[3, 2]] * 9, group=3)
     assert [math.isnan(x) for x in out] == [True, True, False, True, True, True, True, True, False]
@@ -176,7 +179,7 @@ def test_a_reward_that_raises_skips_its_group_and_none_or_nan_skip_a_sample(caps
 
 
 def test_a_wrong_length_reward_stops_naming_the_function():
-    task = T.ReverseText(TextCodec.load(TINY), [T.Reward("short", lambda prompts, completions, **k: [1.0])],
+    task = T.ReverseText(TextCodec.load(TINY), [rewards.Reward("short", lambda prompts, completions, **k: [1.0])],
                          eval_size=2)
     with pytest.raises(D.RunError, match="reward short returned 1 values for 2 completions"):
         task.score(task.eval_set[:1] * 2, [[2], [2]], group=2)
@@ -184,24 +187,24 @@ def test_a_wrong_length_reward_stops_naming_the_function():
 
 def test_rewards_load_by_path_module_and_name(tmp_path, monkeypatch):
     (tmp_path / "myreward.py").write_text("def f(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
-    by_path = T.load_reward(f"{tmp_path / 'myreward.py'}:f", 0.5)
+    by_path = rewards.load_reward(f"{tmp_path / 'myreward.py'}:f", 0.5)
     monkeypatch.syspath_prepend(str(tmp_path))
-    by_module = T.load_reward("myreward:f")
+    by_module = rewards.load_reward("myreward:f")
     assert by_path.weight == 0.5 and by_path.fn(None, ["a"]) == by_module.fn(None, ["a"]) == [1.0]
-    assert T.reward_hashes([by_path, T.load_reward("similarity")]) == {
+    assert rewards.reward_hashes([by_path, rewards.load_reward("similarity")]) == {
         by_path.name: hashlib.sha256((tmp_path / "myreward.py").read_bytes()).hexdigest()}
     for spec, words in ((f"{tmp_path}/nope.py:f", "no such file"), (f"{tmp_path / 'myreward.py'}:g", "no function 'g'"),
                         ("no_such_module_here:f", "ModuleNotFoundError"), ("numeric", "not a built-in")):
         with pytest.raises(C.ConfigError, match=words):
-            T.load_reward(spec)
+            rewards.load_reward(spec)
     with pytest.raises(C.ConfigError, match="2 weights for 1"):
-        T.load_rewards(("similarity",), (1.0, 2.0))
+        rewards.load_rewards(("similarity",), (1.0, 2.0))
 
 
 def test_a_reward_asking_for_a_missing_column_is_refused(tmp_path):
     path = _rows(tmp_path / "t.jsonl", [{"prompt": "1+1=", "answer": "2"}] * 6)
     with pytest.raises(C.ConfigError, match=r"needs the column\(s\) \['target'\]"):
-        T.JsonlTask(TextCodec.load(ARITH), T.load_rewards(("similarity",), ()), path, eval_size=2)
+        T.JsonlTask(TextCodec.load(ARITH), rewards.load_rewards(("similarity",), ()), path, eval_size=2)
 
 
 def test_eval_metrics_pass_at_k():
@@ -222,13 +225,38 @@ def test_the_word_list_cannot_hang_the_sampler():
 def test_arithmetic_is_checkable_and_held_out():
     task = T.Arithmetic(TextCodec.load(ARITH), eval_size=8)
     p = task.sample(1, random.Random(3))[0]
-    a, op, b = T.re.fullmatch(r"(\d+)([+-])(\d)=", p.prompt).groups()
+    a, op, b = re.fullmatch(r"(\d+)([+-])(\d)=", p.prompt).groups()
     assert p.columns["answer"] == str(int(a) + int(b) if op == "+" else int(a) - int(b)) == p.reference
     codec = task.codec
     right, wrong = codec.encode(p.reference) + [2], codec.encode("1000") + [2]
     assert task.score([p, p], [right, wrong], group=2) == [1.0, 0.0]
     assert p.ids == task.codec.encode(p.prompt)  # a plain prompt, no chat wrapper
     assert {q.prompt for q in task.sample(200, random.Random(0))}.isdisjoint({q.prompt for q in task.eval_set})
+
+
+def test_the_task_table_drives_the_task_check_the_flag_checks_the_note_the_alphabet_and_build(monkeypatch, capsys):
+    """A built-in task is its class and its TASKS entry: an entry added here, and nothing else, is a
+    --task whose flag is checked, noted when unread, and passed to its class; its alphabet is the class's."""
+    class Toy(T.Arithmetic):
+        alphabet = T.DIGITS + "?"
+
+    toy = T.Builtin(Toy, ("max_operand",), (T.Check(lambda c: c.max_operand <= 50, "--max-operand must be <= 50 "
+                                                   "for toy, got {max_operand}"),))
+    monkeypatch.setitem(T.TASKS, "toy", toy)
+    cfg = _cfg(task="toy", max_operand=20)
+    T.check_flags(cfg)
+    task = T.build(cfg, TextCodec.load(ARITH))
+    assert type(task) is Toy and task.max_operand == 20 and len(task.eval_set) == 4
+    assert T.alphabet(cfg) == Toy.alphabet and T.alphabet(_cfg(task="jsonl:x.jsonl")) == T.PRINTABLE
+    with pytest.raises(C.ConfigError, match=r"^--task must be reverse-text, arithmetic, toy or jsonl:PATH, got 'nope'$"):
+        T.check_flags(_cfg(task="nope"))
+    with pytest.raises(C.ConfigError, match=r"^--max-operand must be <= 50 for toy, got 60$"):
+        T.check_flags(_cfg(task="arithmetic", max_operand=60))  # every entry's checks, whatever --task
+    assert T.unread(cfg) == [(f, "is not read with --task toy (it is --task reverse-text's)", False)
+                             for f in ("min_words", "max_words")]
+    start.check_read(_cfg(task="reverse-text", max_operand=20))
+    assert capsys.readouterr().out.strip() == ("note: --max-operand 20 is not read with --task reverse-text (it is "
+                                               "--task arithmetic, toy's); the run goes on without it")
 
 
 # ----------------------------------------------------------------------------- from the command line

@@ -12,6 +12,7 @@ import pytest
 import data as D
 
 from textcodec import TextCodec
+import rewards
 import tasks as T
 import usercode
 from config import ConfigError
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _task(fn, timeout=5.0):
     codec = TextCodec.tiny()
-    return T.ReverseText(codec, [T.Reward("r", fn, timeout=timeout)], eval_size=4)
+    return T.ReverseText(codec, [rewards.Reward("r", fn, timeout=timeout)], eval_size=4)
 
 
 def _score(task, n=2, group=None):
@@ -84,7 +85,7 @@ def test_a_reward_file_that_exits_at_import_is_refused_in_one_line(tmp_path):
     f = tmp_path / "r.py"
     f.write_text("import sys\nsys.exit(3)\ndef score(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
     with pytest.raises(ConfigError, match=r"importing .* raised SystemExit\(3\)"):
-        T.load_reward(f"{f}:score")
+        rewards.load_reward(f"{f}:score")
     r = subprocess.run([sys.executable, "train.py", "--task", "jsonl:examples/sums.jsonl", "--model", "checkpoints/arith-tiny",
                         "--reward", f"{f}:score", "--out-dir", str(tmp_path / "run")],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
