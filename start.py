@@ -54,9 +54,9 @@ class Start:
 
 def check_start(cfg: C.Config) -> Start:
     """Flags, run directory, checkpoint, model directory, tokenizer, task and rewards, engine choice."""
-    L.check_flags(cfg)  # the loss's own flags, from its LOSSES row
-    check_same_flags(cfg)
-    T.check_flags(cfg)  # --task and its flags: config.py cannot see the task table
+    check_same_flags(cfg)  # first: under torchrun every rank then refuses what follows alike
+    L.check_flags(cfg)  # the loss's own flags, from its LOSSES row (config.py cannot see the table)
+    T.check_flags(cfg)  # --task and its flags, from tasks.TASKS
     check_read(cfg)
     if cfg.lora_rank and serves_adapter(cfg):  # a rank vLLM's LoRA path cannot serve, before the model loads
         vllm_lora_rank(cfg.lora_rank)
