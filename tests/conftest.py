@@ -8,15 +8,19 @@ sys.path.insert(0, str(ROOT))
 
 
 def bench_module(name: str):
-    """bench/NAME.py imported as `bench_NAME`, by path. bench/ never goes on sys.path: its scripts share
+    """bench/NAME.py imported as `bench_NAME`, by path. bench/ never stays on sys.path: its scripts share
     names with the flat modules (bench/lora.py, lora.py), and whichever import came next would get the
-    wrong one."""
+    wrong one; while the script runs it is there, after the repo, for the script's own siblings."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
+    sys.path.append(str(ROOT / "bench"))  # last, for the script's own siblings (bench/lora.py's experiment)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
     return module
 
 
