@@ -13,40 +13,34 @@ which TRL and verl use too):
         '''
         return a + b
 
-This module owns everything between that function and the episode loop, and nothing else:
-1. `schema(fn)`: the JSON schema the chat template prints (`tools=[...]`). floe builds it
-   itself, so transformers stays a test-only dependency, and it equals `get_json_schema(fn)`
-   key for key and in key order: the template prints it with `tojson`, which keeps the order,
-   so any difference would be a different prompt. What JSON cannot carry is refused in one
-   line naming the function and the parameter, where `get_json_schema` would guess "object".
-2. Two formats, the two families it serves: `hermes` (Qwen3, Qwen2.5: `<tool_call>` blocks
-   holding {"name", "arguments"}, several a turn) and `llama3-json` (Llama 3.1, 3.2: the whole
-   turn is one {"name", "parameters"} object, after an optional <|python_tag|>). `detect_format`
-   reads which one from the chat template. `parse` reads the turn's text (decoded with special
-   tokens kept): a turn holding no call attempt is an answer; a malformed attempt is never taken
-   for an answer (TRL's parser falls back to one) but answered with one error line, counted by kind.
-3. `write_calls` is the inverse: OpenAI-shaped `tool_calls` (an SFT reference) as the exact
-   text `parse` reads back.
-4. `Runner` runs the calls: each on a usercode.py worker thread with a timeout (TRL and verl's
-   function tools have none), on deep copies of its arguments, a coroutine function run to
-   completion there. A tool's own failures (it raises, hangs, returns what JSON cannot hold)
-   are results the model reads, not faults: every peer feeds them back, and they are mistakes
-   a model can learn to avoid. The calls of one episode run in the order written (a stateful
-   tool sees them in order), the episodes of a turn at once: calls that wait on I/O overlap
-   (a CPU-bound tool cannot, under the GIL). A hung call's thread cannot be killed; it is
-   abandoned and counted, and more than `MAX_ABANDONED` alive stop the run.
-5. Results become `{"role": "tool", "name", "content"}` messages: a str as it is, numbers,
-   bools, None, lists and dicts as JSON; cut past a length with an ASCII marker, before the
-   template renders them, so its closing tags survive.
+This module owns what lies between such a function and the episode loop:
+1. `schema(fn)`: the JSON schema the chat template prints. floe builds it itself (transformers
+   stays a test-only dependency) equal to `get_json_schema(fn)` key for key and in key order: the
+   template prints it with `tojson`, which keeps the order, so any difference is another prompt.
+   What JSON cannot carry is refused in one line, where `get_json_schema` would guess "object".
+2. Two call formats: `hermes` (Qwen3, Qwen2.5: `<tool_call>` blocks of {"name", "arguments"},
+   several a turn) and `llama3-json` (Llama 3.1, 3.2: the whole turn one {"name", "parameters"}
+   object, after an optional <|python_tag|>); `detect_format` reads which from the template.
+   `parse` reads a turn decoded with special tokens kept: no call attempt is an answer; a
+   malformed attempt is answered with one error line and counted, never taken for an answer
+   (TRL's parser falls back to one). `write_calls` writes OpenAI-shaped `tool_calls` (an SFT
+   reference) as the exact text `parse` reads back.
+3. `Runner` runs calls on usercode.py's worker threads with a timeout (TRL and verl's function
+   tools have none), on deep copies of their arguments, a coroutine run to completion there. A
+   tool that raises, hangs or returns what JSON cannot hold gives a result the model reads, not
+   a fault: every peer feeds these back, and a model can learn to avoid them. One episode's calls
+   run in the order written (a stateful tool sees that order), a turn's episodes at once, so
+   calls waiting on I/O overlap (CPU-bound ones cannot, under the GIL). A hung thread cannot be
+   killed: it is abandoned and counted, and more than MAX_ABANDONED alive stop the run.
+4. Results: a str as it is; numbers, bools, None, lists and dicts as JSON; cut past a length
+   with an ASCII marker before the template renders them, so its closing tags survive.
 
 Simplifications:
-1. Arguments are checked against the schema's JSON types (integer, number, string, boolean,
-   null, array items, object values, enum) and nothing more: a tool that needs a finer check
-   (a range, a pattern) makes it itself and raises.
-2. An argument given as a JSON string of an object ("arguments": "{\\"a\\": 1}", as OpenAI's API
-   writes it) is decoded; a missing "arguments" is {} (a tool of no parameters).
-3. Every attempt counts towards the episode's call limit, malformed ones too, so a model that
-   repeats a broken call runs out of calls as one that repeats a good one does.
+1. Arguments are checked for their schema's JSON types (array items, object values and enums
+   included) and nothing finer: a tool that needs a range checks it itself and raises.
+2. Arguments given as a JSON string (as OpenAI's API writes them) are decoded; a call without
+   arguments has {} (a tool of no parameters).
+3. Every attempt counts towards the episode's call limit, malformed ones too.
 
 This module is layer 1: the standard library and usercode.py. Tests: tests/test_toolcalls.py.
 """
@@ -86,18 +80,11 @@ _CHOICES = re.compile(r"\(choices:\s*(.*?)\)\s*$", re.IGNORECASE)
 
 @dataclass
 class Tool:
-    """A declared tool: the function and the schema the chat template prints for it."""
+    """A declared tool: its name, the function, and the schema the chat template prints for it."""
 
+    name: str
     fn: Callable
     schema: dict  # {"type": "function", "function": {"name", "description", "parameters"[, "return"]}}
-
-    @property
-    def name(self) -> str:
-        return self.schema["function"]["name"]
-
-    @property
-    def properties(self) -> dict:
-        return self.schema["function"]["parameters"]["properties"]
 
 
 def _type_schema(hint, where: str) -> dict:
@@ -118,15 +105,13 @@ def _type_schema(hint, where: str) -> dict:
         if NoneType in args:
             out["nullable"] = True
         return out
-    if origin is typing.Literal and all(type(a) in (int, float, str, bool, NoneType) for a in args):
-        kinds = list(dict.fromkeys(_BASIC[type(a)]["type"] for a in args))
-        return {"type": kinds[0] if len(kinds) == 1 else kinds, "enum": list(args)}
     if origin is list and len(args) == 1:
         return {"type": "array", "items": _type_schema(args[0], where)}
     if origin is dict and len(args) == 2 and args[0] is str:  # JSON object keys are strings
         return {"type": "object", "additionalProperties": _type_schema(args[1], where)}
-    raise ValueError(f"{where}: type {getattr(hint, '__name__', hint)} has no JSON schema (int, float, str, bool, "
-                     "Any, list[T], dict[str, V], Literal[...], X | None)")
+    shown = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+    raise ValueError(f"{where}: type {shown} has no JSON schema (int, float, str, bool, "
+                     "Any, list[T], dict[str, V], X | None)")
 
 
 def _docstring(doc: str) -> tuple[str, dict[str, str], str | None]:
@@ -155,10 +140,7 @@ def _parameter(name: str, hint, text: str, where: str) -> dict:
     """One property: its type, the enum its description ends with (`(choices: [...])`), the description."""
     out = _type_schema(hint, where)
     if m := _CHOICES.search(text):
-        try:
-            choices = json.loads(m.group(1))
-        except ValueError:
-            choices = None
+        choices = _loads(m.group(1))
         if not isinstance(choices, list):
             raise ValueError(f"{where}: (choices: {m.group(1)}) is not a JSON list")
         out["enum"] = [c.strip() if isinstance(c, str) else c for c in choices]
@@ -214,7 +196,8 @@ def toolset(fns: list[Callable]) -> dict[str, Tool]:
     """Tools by name, each schema built; ValueError for two of one name (a call names one)."""
     out: dict[str, Tool] = {}
     for fn in fns:
-        t = Tool(fn, schema(fn))
+        s = schema(fn)
+        t = Tool(s["function"]["name"], fn, s)
         if t.name in out:
             raise ValueError(f"two tools are named {t.name} ({out[t.name].fn!r} and {fn!r}): a call names one")
         out[t.name] = t
@@ -224,33 +207,13 @@ def toolset(fns: list[Callable]) -> dict[str, Tool]:
 # ----------------------------------------------------------------------------- formats
 
 def detect_format(template: str | None) -> str | None:
-    """The call format a chat template's source writes (`--tool-format auto`), None when neither."""
+    """The call format a chat template's source writes (`--tool-format auto`); None when neither, and
+    the caller asks for --tool-format."""
     if template and "<tool_call>" in template:
         return "hermes"
     if template and ("ipython" in template or PYTHON_TAG in template):
         return "llama3-json"
     return None
-
-
-def choose_format(flag: str, template: str | None) -> str:
-    """--tool-format resolved: a named format as it is, `auto` from the template; ValueError in one line."""
-    if flag in FORMATS:
-        return flag
-    if flag != "auto":
-        raise ValueError(f"--tool-format {flag}: not auto, {' or '.join(FORMATS)}")
-    found = detect_format(template)
-    if found is None:
-        raise ValueError("--tool-format auto: the chat template writes neither <tool_call> (hermes) nor ipython or "
-                         "<|python_tag|> (llama3-json); give --tool-format hermes or llama3-json")
-    return found
-
-
-def per_turn(fmt: str, flag: int) -> int:
-    """--max-tool-calls-per-turn resolved (0: the format's own); ValueError above what the format holds."""
-    if flag < 0 or (fmt == "llama3-json" and flag > 1):
-        raise ValueError(f"--max-tool-calls-per-turn {flag}: {fmt} takes 0 (its own: {PER_TURN[fmt]})"
-                         + (" or 1 (one call is the whole turn)" if fmt == "llama3-json" else " or more"))
-    return flag or PER_TURN[fmt]
 
 
 # ----------------------------------------------------------------------------- parsing a turn
@@ -287,6 +250,14 @@ def _outside_think(text: str) -> str:
     return re.sub(r"<think>.*?(?:</think>|\Z)", "", text, flags=re.DOTALL)
 
 
+def _loads(text: str):
+    """JSON text's value, None when it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
 def _call(obj, key: str) -> Call:
     """A decoded JSON value as a call: an object with a "name" string and its arguments under `key`."""
     if not isinstance(obj, dict):
@@ -295,11 +266,7 @@ def _call(obj, key: str) -> Call:
     if not isinstance(name, str) or not name:
         return _bad("parse", 'a tool call needs a "name" string')
     args = obj.get(key, {})
-    if isinstance(args, str):  # OpenAI's API writes arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except ValueError:
-            pass
+    args = _loads(args) if isinstance(args, str) else args  # OpenAI's API writes arguments as a JSON string
     if not isinstance(args, dict):
         return _bad("parse", f'the "{key}" of a call of {name} must be a JSON object', name)
     return Call(name, args)
@@ -350,13 +317,9 @@ def _expect(s: dict) -> str:
     """What a schema accepts, in words, for an error line."""
     if "enum" in s:
         return "one of " + json.dumps(s["enum"])
-    if "anyOf" in s:
-        words = " or ".join(_expect(x) for x in s["anyOf"])
-    else:
-        t = s.get("type", "any value")
-        words = " or ".join(t) if isinstance(t, list) else t
-        if t == "array" and "items" in s:
-            words = f"array of {_expect(s['items'])}"
+    t = s.get("type", "any value")
+    words = " or ".join(_expect(x) for x in s["anyOf"]) if "anyOf" in s else " or ".join(t) if isinstance(t, list) else t
+    words = f"array of {_expect(s['items'])}" if "items" in s else words
     return words + (" or null" if s.get("nullable") else "")
 
 
@@ -391,7 +354,8 @@ def check_call(c: Call, tools: dict[str, Tool]) -> Call:
     tool = tools.get(c.name)
     if tool is None:
         return _bad("unknown", f"no tool named {c.name!r} (tools: {', '.join(tools) or 'none'})", c.name, c.arguments)
-    props, required = tool.properties, tool.schema["function"]["parameters"].get("required", [])
+    parameters = tool.schema["function"]["parameters"]
+    props, required = parameters["properties"], parameters.get("required", [])
     for k in c.arguments:
         if k not in props:
             return _bad("args", f"{c.name} has no argument {k!r} (it takes {', '.join(props) or 'none'})", c.name, c.arguments)
@@ -514,7 +478,11 @@ class Runner:
                 if res.timed_out:
                     self.abandoned_calls.append((c.name, d))
                 self._result(c, res)
-            self._check_abandoned()
+            if self.abandoned() > MAX_ABANDONED:  # each holds a thread until the process ends
+                name, n = Counter(n for n, _ in self.abandoned_calls).most_common(1)[0]
+                raise HungTools(f"{len(self.abandoned_calls)} timed-out tool calls are still running ({n} of them "
+                                f"calls of {name}): make {name} return, or give it longer with --tool-timeout "
+                                f"(now {self.timeout:g} s)")
         return time.monotonic() - start
 
     def _result(self, c: Call, res: usercode.Result) -> None:
@@ -529,19 +497,12 @@ class Runner:
             if self.check is not None:
                 self.check(c.content)
         except (TypeError, ValueError) as e:
-            c.kind, c.content = "result", error_line(f"{c.name} returned what cannot be its result: {e}")
+            c.kind, c.truncated, c.content = "result", 0, error_line(f"{c.name} returned what cannot be its result: {e}")
 
     def abandoned(self) -> int:
         """Calls that timed out and are still running (each holds a thread)."""
         self.abandoned_calls = [(n, d) for n, d in self.abandoned_calls if not d.is_set()]
         return len(self.abandoned_calls)
-
-    def _check_abandoned(self) -> None:
-        if self.abandoned() > MAX_ABANDONED:
-            name, n = Counter(n for n, _ in self.abandoned_calls).most_common(1)[0]
-            raise HungTools(f"{len(self.abandoned_calls)} tool calls that timed out are still running ({n} of them "
-                            f"{name}): the tool hangs; make it return, or give it more time with --tool-timeout "
-                            f"(now {self.timeout:g} s)")
 
 
 # ----------------------------------------------------------------------------- counts
