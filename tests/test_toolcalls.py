@@ -20,7 +20,7 @@ from typing import Any, Literal
 import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-import data as D
+import textcodec as D
 import tasks
 import toolcalls as T
 
