@@ -537,10 +537,10 @@ def test_sampled_call_ids_decoded_with_special_tokens_kept_parse(tmp_path, famil
     for stop in codec.stop_ids:
         ids = codec.encode(text) + [stop]
         assert len(ids) < len(text)  # the family's tokens are single ids
-        decoded = codec.tok.decode(ids, skip_special_tokens=False)
-        stop_text = codec.tok.decode([stop], skip_special_tokens=False)
-        assert decoded == text + stop_text
+        decoded, stop_text = codec.decode_turn(ids + codec.encode("tail"))  # cut at the stop id
+        assert decoded == text and stop_text == codec.tok.id_to_token(stop)
         assert _calls(fmt, decoded, stop=stop_text) == [("add", {"a": 1, "b": 2}, "", "")]
+    assert codec.decode_turn(codec.encode(text)) == (text, "")  # cut by length: no stop token
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama31"])
