@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 
 import envs
+import toolcalls
 import usercode
 from config import Config, ConfigError
 from data import Prompt, RunError, Sample, TokenSupport, is_messages
@@ -68,6 +69,7 @@ ENDS = ("done", "max_turns", "length", "budget", "timeout", "error", "bad_reply"
 FAULTS = ("timeout", "error", "bad_reply")  # the ends that take their group out
 DUMMY = [{"role": "user", "content": "floe-dummy-user"}]  # the fixed history a reply is rendered after
 MARK = "floe-dummy-turn"  # the dummy assistant turn's content: the reply is what the template puts after it
+TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>")  # stop tokens that end an assistant turn (ChatML, Qwen; Llama 3)
 
 
 # ----------------------------------------------------------------------------- the environment
@@ -148,19 +150,36 @@ def _first(value):
 
 def reply_ids(codec: TextCodec, messages: list[dict], last: int, template_kwargs: dict) -> list[int]:
     """The ids that follow a model turn ending with token `last`: the template's text after an
-    assistant turn in a fixed dummy conversation, then `messages`, then the next assistant header,
-    less the stop token the model already sampled. ValueError if the template hides the turn's
-    content or the text holds characters the tokenizer lacks."""
+    assistant turn in a fixed dummy conversation, then `messages`, then the next assistant header.
+    The reply never holds a second end of the assistant turn: when `last` is a stop token that ends a
+    turn (the one the template writes, or any of TURN_ENDS: a Llama turn may end on <|eom_id|> where
+    the template writes <|eot_id|>), the template's leading end of turn is dropped; a turn that ended
+    on a stop token that ends a document (<|endoftext|>) is followed by the template's. ValueError if
+    the template hides the turn's content or the text holds characters the tokenizer lacks."""
+    after = _after_turn(codec, messages, template_kwargs)
+    if last in codec.stop_ids:  # the model sampled its end of turn: the template's copy of it is not repeated
+        stop = codec.tok.decode([last], skip_special_tokens=False)
+        ends = [stop] + (list(TURN_ENDS) if stop in TURN_ENDS else [])
+        lead = next((t for t in ends if t and after.startswith(t)), "")
+        after = after[len(lead):]
+    return codec.encode(after)
+
+
+def _after_turn(codec: TextCodec, messages: list[dict], template_kwargs: dict) -> str:
     text = codec.render_text(DUMMY + [{"role": "assistant", "content": MARK}] + messages, True, **template_kwargs)
     at = text.find(MARK)
     if at < 0:
         raise ValueError("the chat template does not render an assistant turn's content as it is")
-    after = text[at + len(MARK):]
-    if last in codec.stop_ids:  # the model sampled its end of turn: the template's copy of it is not repeated
-        stop = codec.tok.decode([last], skip_special_tokens=False)
-        if stop and after.startswith(stop):
-            after = after[len(stop):]
-    return codec.encode(after)
+    return text[at + len(MARK):]
+
+
+def end_of_turn(codec: TextCodec, template_kwargs: dict) -> int:
+    """The stop id the template writes after an assistant turn (Qwen <|im_end|>, Llama <|eot_id|>),
+    read from the rendered dummy turn: what a reference turn ends with. Llama-3.1-Instruct's first stop
+    id is <|end_of_text|>, which no assistant turn ends with; a template that writes no stop id there
+    gets the first stop id (generation must be able to stop)."""
+    ids = codec.encode(_after_turn(codec, [], template_kwargs))
+    return ids[0] if ids and ids[0] in codec.stop_ids else codec.stop_ids[0]
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -403,16 +422,18 @@ def evaluate(cfg: Config, task: Task, pl: Play, n: int = 4) -> dict[str, float]:
     return out
 
 
-def reference(codec: TextCodec, prompt: Prompt, turns: list[dict], template_kwargs: dict) -> Sample:
+def reference(codec: TextCodec, prompt: Prompt, turns: list[dict], template_kwargs: dict, fmt: str = "") -> Sample:
     """A reference episode for --stage sft (a row's `episode` column: the messages after the
-    prompt, assistant turns among them) under the token rule: each assistant turn is its text's
-    ids and the first stop id (trained), each other message the ids `reply_ids` gives (context)."""
+    prompt, assistant turns among them) under the token rule: each assistant turn is its text's ids
+    and the stop id the template ends an assistant turn with (trained), each other message the ids
+    `reply_ids` gives (context). An assistant turn with OpenAI-shaped `tool_calls` is the call text
+    of the tools' format `fmt` (toolcalls.write_calls: exactly what the parser reads back)."""
     if not is_messages(turns) or not turns:
         raise ValueError("an `episode` is a list of {'role': str, 'content': str} messages, each turn's content "
                          f"its text: {str(turns)[:80]}")
     if turns[0].get("role") != "assistant":
         raise ValueError("an `episode` must start with an assistant turn (the prompt is the row's `prompt`)")
-    completion, mask, stop, pending = [], [], codec.stop_ids[0], []
+    completion, mask, stop, pending = [], [], end_of_turn(codec, template_kwargs), []
     for m in turns:
         if m.get("role") != "assistant":
             pending.append(m)
@@ -420,6 +441,11 @@ def reference(codec: TextCodec, prompt: Prompt, turns: list[dict], template_kwar
         if pending:  # the replies since the last assistant turn, as a played episode would have them
             ids = reply_ids(codec, pending, stop, template_kwargs)
             completion, mask, pending = completion + ids, mask + [False] * len(ids), []
-        ids = codec.encode(m["content"]) + [stop]
+        text = m["content"]
+        if m.get("tool_calls"):
+            if not fmt:
+                raise ValueError("an assistant turn with `tool_calls` needs tools (--tool, or an environment's tools())")
+            text = toolcalls.write_calls(fmt, m["tool_calls"], text)
+        ids = codec.encode(text) + [stop]
         completion, mask = completion + ids, mask + [True] * len(ids)
     return Sample(prompt, completion, [0.0] * len(completion), [0] * len(completion), "stop", mask=mask)
