@@ -25,15 +25,11 @@ This module owns what lies between such a function and the episode loop:
    malformed attempt is answered with one error line and counted, never taken for an answer
    (TRL's parser falls back to one). `write_calls` writes OpenAI-shaped `tool_calls` (an SFT
    reference) as the exact text `parse` reads back.
-3. `Runner` runs calls on usercode.py's worker threads with a timeout (TRL and verl's function
-   tools have none), on deep copies of their arguments, a coroutine run to completion there. A
-   tool that raises, hangs or returns what JSON cannot hold gives a result the model reads, not
-   a fault: every peer feeds these back, and a model can learn to avoid them. One episode's calls
-   run in the order written (a stateful tool sees that order), a turn's episodes at once, so
-   calls waiting on I/O overlap (CPU-bound ones cannot, under the GIL). A hung thread cannot be
-   killed: it is abandoned and counted, and more than MAX_ABANDONED alive stop the run.
-4. Results: a str as it is; numbers, bools, None, lists and dicts as JSON; cut past a length
+3. Results: a str as it is; numbers, bools, None, lists and dicts as JSON; cut past a length
    with an ASCII marker before the template renders them, so its closing tags survive.
+4. `load`: the --tool functions, by path or module, as rewards are given.
+
+toolrun.py runs the calls (a timeout each, on usercode.py's threads) and counts them.
 
 Simplifications:
 1. Arguments are checked for their schema's JSON types (array items, object values and enums
@@ -47,16 +43,12 @@ This module is layer 1: the standard library and usercode.py. Tests: tests/test_
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 import re
-import threading
-import time
 import types
 import typing
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import usercode
@@ -65,7 +57,6 @@ KINDS = ("parse", "unknown", "args", "raised", "timeout", "result", "limit")  # 
 FORMATS = ("hermes", "llama3-json")
 PER_TURN = {"hermes": 4, "llama3-json": 1}  # calls a turn by default; Llama's template refuses a second
 PYTHON_TAG = "<|python_tag|>"
-MAX_ABANDONED = 256  # hung calls alive at once before the run stops: each holds a thread for good
 
 
 # ----------------------------------------------------------------------------- schemas
@@ -202,6 +193,21 @@ def toolset(fns: list[Callable]) -> dict[str, Tool]:
             raise ValueError(f"two tools are named {t.name} ({out[t.name].fn!r} and {fn!r}): a call names one")
         out[t.name] = t
     return out
+
+
+def load(specs: tuple[str, ...]) -> list[Callable]:
+    """The --tool functions (`path/to/file.py:fn` or `module:fn`, as rewards are given); ValueError,
+    one line, for one that does not import, names nothing, or is not a function."""
+    fns = []
+    for spec in specs:
+        try:
+            fn, _ = usercode.load(spec, "--tool")
+        except usercode.LoadError as e:
+            raise ValueError(str(e)) from None
+        if not (inspect.isfunction(fn) or inspect.ismethod(fn)):
+            raise ValueError(f"--tool {spec}: {fn!r} is not a function")
+        fns.append(fn)
+    return fns
 
 
 # ----------------------------------------------------------------------------- formats
@@ -436,107 +442,3 @@ def assistant_message(text: str, calls: list[Call]) -> dict:
     """A call turn as TRL hands it to reward functions: the sampled text and the OpenAI-shaped calls."""
     return {"role": "assistant", "content": text,
             "tool_calls": [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
-
-
-# ----------------------------------------------------------------------------- running calls
-
-class HungTools(RuntimeError):
-    """More abandoned calls alive than MAX_ABANDONED: the message is the line that stops the run."""
-
-
-def _invoke(fn: Callable, args: dict, done: threading.Event) -> Any:
-    """One call on its worker thread, an async tool run to completion there; `done` marks its end,
-    so an abandoned call is known to have finished."""
-    try:
-        value = fn(**args)
-        return asyncio.run(value) if inspect.iscoroutine(value) else value
-    finally:
-        done.set()
-
-
-@dataclass
-class Runner:
-    """Runs a turn's well-formed calls, episodes at once, each episode's calls in order."""
-
-    tools: dict[str, Tool]
-    timeout: float = 10.0  # --tool-timeout
-    max_chars: int = 2000  # --max-tool-result-chars
-    check: Callable[[str], Any] | None = None  # raises ValueError for content the tokenizer cannot encode
-    stop: threading.Event | None = None  # set when the run shuts down: a call still running is abandoned at once
-    abandoned_calls: list[tuple[str, threading.Event]] = field(default_factory=list)
-
-    def run(self, batch: list[list[Call]]) -> float:
-        """Fill in each well-formed call's result (kind and content), in place; the wall seconds taken.
-        Round k runs the k-th calls of every episode at once, each with the whole timeout."""
-        start = time.monotonic()
-        for k in range(max((len(calls) for calls in batch), default=0)):
-            todo = [calls[k] for calls in batch if k < len(calls) and not calls[k].kind]
-            done = [threading.Event() for _ in todo]
-            fns = [(lambda c=c, d=d, a=usercode.copied(c.arguments): _invoke(self.tools[c.name].fn, a, d))
-                   for c, d in zip(todo, done)]
-            for c, d, res in zip(todo, done, usercode.call_all(fns, self.timeout, self.stop)):
-                if res.timed_out:
-                    self.abandoned_calls.append((c.name, d))
-                self._result(c, res)
-            if self.abandoned() > MAX_ABANDONED:  # each holds a thread until the process ends
-                name, n = Counter(n for n, _ in self.abandoned_calls).most_common(1)[0]
-                raise HungTools(f"{len(self.abandoned_calls)} timed-out tool calls are still running ({n} of them "
-                                f"calls of {name}): make {name} return, or give it longer with --tool-timeout "
-                                f"(now {self.timeout:g} s)")
-        return time.monotonic() - start
-
-    def _result(self, c: Call, res: usercode.Result) -> None:
-        if res.timed_out:
-            c.kind, c.content = "timeout", error_line(f"{c.name} timed out after {self.timeout:g} s")
-            return
-        if res.error is not None:
-            c.kind, c.content = "raised", error_line(f"{c.name} raised {res.error}")
-            return
-        try:
-            c.content, c.truncated = truncate(render_result(res.value), self.max_chars)
-            if self.check is not None:
-                self.check(c.content)
-        except (TypeError, ValueError) as e:
-            c.kind, c.truncated, c.content = "result", 0, error_line(f"{c.name} returned what cannot be its result: {e}")
-
-    def abandoned(self) -> int:
-        """Calls that timed out and are still running (each holds a thread)."""
-        self.abandoned_calls = [(n, d) for n, d in self.abandoned_calls if not d.is_set()]
-        return len(self.abandoned_calls)
-
-
-# ----------------------------------------------------------------------------- counts
-
-@dataclass
-class Counts:
-    """A step's tool counts, for (sum, count) metrics: `add` each model turn's calls as they end."""
-
-    turns: int = 0  # model turns seen
-    turns_with_calls: int = 0
-    calls: int = 0
-    errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
-    truncated: int = 0
-    by_name: dict[str, int] = field(default_factory=dict)  # calls that reached their tool
-    seconds: float = 0.0  # wall time in Runner.run
-
-    def add(self, calls: list[Call]) -> None:
-        self.turns += 1
-        self.turns_with_calls += bool(calls)
-        self.calls += len(calls)
-        for c in calls:
-            if c.kind:
-                self.errors[c.kind] += 1
-            if c.kind in ("", "raised", "timeout", "result"):
-                self.by_name[c.name] = self.by_name.get(c.name, 0) + 1
-            self.truncated += c.truncated > 0
-
-    def metrics(self, episodes: int, abandoned: int = 0) -> dict[str, tuple[float, float]]:
-        calls = float(self.calls)
-        out = {"tools/calls": (calls, float(episodes)),
-               "tools/turns_with_calls": (float(self.turns_with_calls), float(self.turns)),
-               "tools/truncated": (float(self.truncated), calls),
-               "tools/abandoned": (float(abandoned), 1.0),
-               "time/tools": (self.seconds, 1.0)}
-        out.update({f"tools/errors/{k}": (float(n), calls) for k, n in self.errors.items()})
-        out.update({f"tools/calls/{k}": (float(n), float(episodes)) for k, n in sorted(self.by_name.items())})
-        return out

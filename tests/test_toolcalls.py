@@ -23,6 +23,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 import textcodec as D
 import tasks
 import toolcalls as T
+import toolrun as R
 
 QWEN3_TOOLS = r"""
 {%- set first = 1 if messages[0].role == 'system' else 0 -%}
@@ -637,13 +638,19 @@ class Faults:
         return q.upper()
 
 
-def _runner(f: Faults, **kw) -> T.Runner:
-    return T.Runner(T.toolset([f.div, f.hang, f.leave, f.odd, f.log, f.together, f.shout]), **kw)
+def _runner(f: Faults, **kw) -> R.Runner:
+    r = R.Runner(**kw)
+    r.tools = T.toolset([f.div, f.hang, f.leave, f.odd, f.log, f.together, f.shout])
+    return r
 
 
-def _turn(fmt_calls: list[tuple[str, dict]], r: T.Runner) -> list[T.Call]:
+def _turn(fmt_calls: list[tuple[str, dict]], r: R.Runner) -> list[T.Call]:
     text = T.write_calls("hermes", [{"function": {"name": n, "arguments": a}} for n, a in fmt_calls])
     return T.parse("hermes", text, r.tools, max_calls=99)
+
+
+def _run(r: R.Runner, batch: list[list[T.Call]]) -> float:
+    return r.run(batch, [r.tools] * len(batch))
 
 
 def test_a_tools_failures_are_results_with_their_lines_and_kinds():
@@ -654,7 +661,7 @@ def test_a_tools_failures_are_results_with_their_lines_and_kinds():
     r = _runner(f, timeout=0.2, max_chars=40, check=check)
     turn = _turn([("div", {"a": 1, "b": 0}), ("leave", {}), ("hang", {}), ("odd", {"kind": "set"})], r)
     turn2 = _turn([("odd", {"kind": "huge"}), ("odd", {"kind": "accent"}), ("shout", {"q": "hi"}), ("nope", {})], r)
-    r.run([turn, turn2])
+    _run(r, [turn, turn2])
     assert [(c.kind, c.content) for c in turn] == [
         ("raised", "error: div raised ZeroDivisionError: division by zero"),
         ("raised", "error: leave raised SystemExit(3) (user code may not exit the run)"),
@@ -667,15 +674,12 @@ def test_a_tools_failures_are_results_with_their_lines_and_kinds():
     assert r.abandoned() == 1
     f.gate.set()  # released, the abandoned call returns and is no longer counted
     assert all(done.wait(5) for _, done in r.abandoned_calls) and r.abandoned() == 0
-    counts = T.Counts()
-    counts.add(turn)
-    counts.add(turn2)
-    counts.add([])
-    m = counts.metrics(episodes=2, abandoned=0)
+    m = R.metrics([turn, turn2], turns=3, turns_with_calls=2, result_tokens=5, seconds=0.5, abandoned=0)
     assert m["tools/calls"] == (8.0, 2.0) and m["tools/turns_with_calls"] == (2.0, 3.0)
     assert {k: m[f"tools/errors/{k}"][0] for k in T.KINDS} == {"parse": 0, "unknown": 1, "args": 0, "raised": 2,
                                                                  "timeout": 1, "result": 2, "limit": 0}
     assert m["tools/truncated"] == (1.0, 8.0) and m["tools/calls/odd"] == (3.0, 2.0) and "tools/calls/nope" not in m
+    assert m["tools/result_tokens"] == (5.0, 2.0) and m["time/tools"] == (0.5, 1.0)
 
 
 def test_calls_run_in_order_within_an_episode_on_copies_and_episodes_at_once():
@@ -683,7 +687,7 @@ def test_calls_run_in_order_within_an_episode_on_copies_and_episodes_at_once():
     r = _runner(f, timeout=10)
     eps = [_turn([("log", {"item": [k], "tag": f"{k}a"}), ("together", {"k": k}), ("log", {"item": [k], "tag": f"{k}b"})], r)
            for k in range(3)]
-    r.run(eps)
+    _run(r, eps)
     assert [[c.content for c in e] for e in eps][0][1] == "0" and all(e[1].kind == "" for e in eps)  # the barrier met
     order = [tag for tag, _ in f.seen]
     for k in range(3):
@@ -696,10 +700,10 @@ def test_more_than_256_abandoned_calls_stop_the_run_naming_the_tool():
     f = Faults()
     r = _runner(f, timeout=0.05)
     try:
-        r.run([_turn([("hang", {})], r) for _ in range(200)])
+        _run(r, [_turn([("hang", {})], r) for _ in range(200)])
         assert r.abandoned() == 200
-        with pytest.raises(T.HungTools) as e:
-            r.run([_turn([("hang", {})], r) for _ in range(57)])
+        with pytest.raises(R.HungTools) as e:
+            _run(r, [_turn([("hang", {})], r) for _ in range(57)])
         assert str(e.value) == ("257 timed-out tool calls are still running (257 of them calls of hang): make hang "
                                 "return, or give it longer with --tool-timeout (now 0.05 s)")
     finally:
