@@ -172,6 +172,7 @@ def check_same_flags(cfg: C.Config) -> None:
 
 # flags of the rl stage alone: under sft nothing reads them
 RL_FLAGS = ("async_level", "engine_noise", "score_centering_k")
+TOOL_FLAGS = ("tool_format", "max_tool_calls", "max_tool_calls_per_turn", "tool_timeout", "max_tool_result_chars")
 
 
 # A mask's or the KL's flags, and the switch without which nothing reads them (--correction-metrics-only
@@ -210,6 +211,8 @@ def check_read(cfg: C.Config) -> None:
     found = unread(cfg)
     found += T.unread(cfg)  # another task's flags
     found += [(f, "is not read with --stage sft (it is for rl rollouts)", False) for f in RL_FLAGS if cfg.stage == "sft"]
+    found += [(f, "is not read without --tool or an --env that declares tools()", False) for f in TOOL_FLAGS
+              if not (cfg.tool or cfg.env)]
     if cfg.device == "cuda":
         found.append(("dist_timeout", "is not read on CUDA (NCCL keeps torch's 10-minute watchdog)", False))
     if not (cfg.lora_rank and cfg.engine == "vllm"):
