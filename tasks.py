@@ -102,6 +102,7 @@ class Task:
     def __init__(self, codec: TextCodec, rewards: list[Reward], template_kwargs: dict | None = None):
         self.codec, self.rewards, self.template_kwargs = codec, rewards, template_kwargs or {}
         self.eval_set: list[Prompt] = []
+        self.tool_format = ""  # the declared tools' call format (start.check_tools), for `tool_calls` in references
 
     def prompt(self, raw, columns: dict, reference: str | None = None, where: str = "") -> Prompt:
         return Prompt(self.codec.render(raw, **self.template_kwargs), raw, columns, reference, where)
@@ -333,10 +334,14 @@ def alphabet(cfg: Config) -> str:
     return TASKS[cfg.task].cls.alphabet if cfg.task in TASKS else JsonlTask.alphabet
 
 
-def build(cfg: Config, codec: TextCodec) -> Task:
-    """The task --task names, with its rewards; every check runs here, before the run writes anything."""
+def build(cfg: Config, codec: TextCodec, tools: list[dict] = ()) -> Task:
+    """The task --task names, with its rewards; every check runs here, before the run writes anything.
+    `tools`: --tool's schemas, the template's `tools` keyword for every prompt (so each check of a
+    row's ids sees the prompt as the model will); none, and the keyword is not passed at all."""
     rewards = load_rewards(cfg.reward, cfg.reward_weights, cfg.call_timeout)
     kwargs = json.loads(cfg.chat_template_kwargs)
+    if tools:
+        kwargs["tools"] = list(tools)
     try:
         if builtin := TASKS.get(cfg.task):
             flags = {f: getattr(cfg, f) for f in builtin.flags}

@@ -30,6 +30,7 @@ import envs
 import episodes as E
 import loss as L
 import model as M
+import rollout
 import train
 from conftest import one_line
 from engines import Completion, Sampling, TorchEngine
@@ -426,8 +427,8 @@ def test_an_environment_fault_takes_its_group_out_with_its_cause(env, end, why):
     assert eps[0].end == end and why in eps[0].why and eps[1].end in (end, "dropped")
     task = type("T", (), {"rewards": [], "codec": codec})()
     pl = E.Play(E.EnvSpec("x", env, None, True), codec, engine, Sampling(), 99, 3, 1.0, {})
-    assert E.finish(pl, task, eps, 2) == [] and why in pl.last_error
-    assert E.stats(eps, 3)["skipped/env_error"] == (2.0, 2.0)
+    assert rollout.finish_episodes(pl, task, eps, 2) == [] and why in pl.last_error
+    assert rollout.episode_stats(eps, 3)["skipped/env_error"] == (2.0, 2.0)
 
 
 def test_an_environment_reward_of_any_real_type_and_a_numpy_done_are_taken():
@@ -588,12 +589,15 @@ def _old_guess_rows(n: int, seed: int) -> list[dict]:
 
 def test_every_builtin_environment_writes_its_rows_by_name(tmp_path):
     """`python envs.py NAME FILE`: guess-letter's rows are the old writer's, byte for byte the committed
-    examples/guess.jsonl; the blind control plays the same rows; each holds the columns its class declares."""
+    examples/guess.jsonl; the blind control plays the same rows (and the calculator's control the
+    calculator's); each holds the columns its class declares."""
     for name, cls in envs.BUILTIN.items():
         f = tmp_path / f"{name}.jsonl"
         r = subprocess.run([sys.executable, "envs.py", name, str(f)], capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert r.returncode == 0 and not r.stderr, r.stderr
-        assert f.read_bytes() == (ROOT / "examples" / "guess.jsonl").read_bytes()
+        if name.startswith("guess-letter"):
+            assert f.read_bytes() == (ROOT / "examples" / "guess.jsonl").read_bytes()
+        assert f.read_bytes() == (tmp_path / f"{name.removesuffix('-off').removesuffix('-blind')}.jsonl").read_bytes()
         assert cls.columns and all(set(cls.columns) <= row.keys() for row in cls.rows(16, 0))
     assert envs.GuessLetter.rows(20, 3) == _old_guess_rows(20, 3)
 
@@ -603,7 +607,8 @@ def test_every_builtin_environment_writes_its_rows_by_name(tmp_path):
 def test_envs_py_with_an_unknown_name_says_its_usage_in_one_line(tmp_path, args, words):
     r = subprocess.run([sys.executable, str(ROOT / "envs.py"), *args], capture_output=True, text=True, timeout=60,
                        cwd=tmp_path)
-    one_line(r, 2, words, "usage: python envs.py NAME FILE, NAME one of guess-letter, guess-letter-blind")
+    one_line(r, 2, words, "usage: python envs.py NAME FILE, NAME one of guess-letter, guess-letter-blind, calculator, "
+             "calculator-off")
     assert not list(tmp_path.iterdir())  # nothing written
 
 
