@@ -225,7 +225,7 @@ class JsonlTask(Task):
 
     def __init__(self, codec, rewards, path, eval_file="", eval_size=64, template_kwargs=None, env=False):
         super().__init__(codec, rewards, template_kwargs)
-        if not rewards and not env:  # an --env may give the reward itself (episodes.load_env checks)
+        if not rewards and not env:  # an --env may give the reward itself (start.load_env checks)
             raise ConfigError(f"--task jsonl:{path} needs --reward (a built-in: {', '.join(BUILTIN)}; "
                               "or path/to/file.py:fn)")
         self.needs = [(r, r.needs()) for r in rewards]  # read() checks every row's columns against them

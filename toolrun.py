@@ -14,7 +14,7 @@ toolcalls.py turns a model turn into calls; this module runs them for the episod
    runner); start.check_tools builds it after the start checks.
 3. `metrics`: a step's (sum, count) tool metrics, as the episodes' other statistics.
 
-This module is layer 1: the standard library, usercode.py and toolcalls.py.
+This module is layer 2: usercode.py, data.py (RunError) and toolcalls.py.
 
     python -m pytest -q tests/test_toolcalls.py tests/test_tools.py
 """
@@ -30,13 +30,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import usercode
+from data import RunError
 from toolcalls import KINDS, PER_TURN, Call, Tool, error_line, render_result, truncate
 
 MAX_ABANDONED = 256  # hung calls alive at once before the run stops: each holds a thread for good
 
 
-class HungTools(RuntimeError):
-    """More abandoned calls alive than MAX_ABANDONED: the message is the line that stops the run."""
+class HungTools(RunError):
+    """More abandoned calls alive than MAX_ABANDONED: the message is the line that stops the run (exit 1)."""
 
 
 def _invoke(fn: Callable, args: dict, done: threading.Event) -> Any:
