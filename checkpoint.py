@@ -39,7 +39,7 @@ from runlog import read_rows
 
 ADAM = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}  # AdamW's state per parameter
 # a resume may change them; config.json follows (compile: a machine without a C++ compiler resumes a compiled run eager)
-FREE = ("steps", "eval_every", "save_every", "wandb_project", "dist_timeout", "call_timeout", "compile")
+FREE = ("steps", "eval_every", "save_every", "wandb_project", "dist_timeout", "call_timeout", "tool_timeout", "compile")
 RECORD = ("reward_sha256", "lora_base")  # config.json's keys that are the run's record, not flags
 UNUSED = ("resume", "model", "out_dir")  # a resume ignores them (out_dir: any spelling; model: a LoRA run's base is its record's); config.json keeps the run's
 

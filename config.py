@@ -42,12 +42,14 @@ SAMPLES_MAX = 2**20  # samples a step: --prompts-per-step x --group-size (rl), s
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every linear of a block (lora.TARGETS)
 # floats that must be finite (a loss's own flags: loss.check_flags); a cap whose inf means "no cap" is not here
 FINITE = ("lr", "weight_decay", "temperature", "adv_tau", "kl_coeff", "seq_mask_low", "top_p", "vllm_memory", "engine_noise",
-          "dist_timeout", "lora_alpha")
+          "dist_timeout", "lora_alpha", "tool_timeout")
 AT_LEAST = {"steps": 1, "top_k": 0, "score_centering_k": 1, "prompts_per_step": 1, "group_size": 1, "max_new_tokens": 1,
             "micro_batch_tokens": 64, "epochs": 1, "save_every": 0, "eval_every": 0, "eval_prompts": 1,
-            "async_level": 0, "inference_gpus": 0, "lora_rank": 0}
+            "async_level": 0, "inference_gpus": 0, "lora_rank": 0, "max_tool_calls": 1, "max_tool_calls_per_turn": 0,
+            "max_tool_result_chars": 1}
 OFF = {"top_k": " (0: off)", "eval_every": " (0: no eval)", "async_level": " (0: synchronous)",
-       "inference_gpus": " (0: colocated)", "lora_rank": " (0: full fine-tuning)"}  # what 0 means, in the message
+       "inference_gpus": " (0: colocated)", "lora_rank": " (0: full fine-tuning)",
+       "max_tool_calls_per_turn": " (0: the format's own)"}  # what 0 means, in the message
 RENAMED = {"icepop": "icepop_mask"}  # a flag's old field name -> its new one: config.json of an older run still resumes
 BOUNDS = {"score_centering_k": 1024, "eval_prompts": 2**16, "micro_batch_tokens": 2**20}
 
@@ -83,6 +85,14 @@ class Config:
     env: str = ""  # an environment: a built-in (guess-letter), path/to/file.py:Class or module:Class; the rows come from --task jsonl:FILE
     max_turns: int = 4  # --env: model turns per episode, at most (each up to --max-new-tokens)
 
+    # --- tools (toolcalls.py, toolrun.py; docs/agents.md "Tools")
+    tool: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()  # repeatable: path/to/file.py:fn or module:fn, a typed function the model may call; without --env the episodes start from the rows of --task jsonl:FILE and end at the first answer
+    tool_format: Literal["auto", "hermes", "llama3-json"] = "auto"  # the family's call format; auto: read from the chat template
+    max_tool_calls: int = 8  # tool calls per episode; each further one is answered with an error
+    max_tool_calls_per_turn: int = 0  # 0: the format's own (hermes 4, llama3-json 1); the extra calls are answered with an error
+    tool_timeout: float = 10.0  # seconds one tool call may take; then it is abandoned and answered with an error
+    max_tool_result_chars: int = 2000  # a longer result is cut to this, with a marker
+
     # --- the batch
     prompts_per_step: int = 32  # distinct prompts per rl step (sft: sequences per step)
     group_size: int = 16  # completions per prompt; advantages are centered within a group
@@ -116,7 +126,7 @@ class Config:
     top_k: int = 0  # top-k sampling; 0: off
     async_level: int = 0  # a: step s trains on rollouts sampled, on a thread, by the weights after step s-1-a; 0: synchronous
     inference_gpus: int = 0  # under torchrun: the last k processes only sample (remote.py); 0: every rank samples its share
-    dist_timeout: float = 300.0  # torchrun on a CPU (gloo): seconds a rank waits for the others at a collective, then one line (with --env at least --call-timeout x (--max-turns + 2) + 60)
+    dist_timeout: float = 300.0  # torchrun on a CPU (gloo): seconds a rank waits for the others at a collective, then one line (with --env or --tool at least --call-timeout x (--max-turns + 2) + --tool-timeout x --max-tool-calls + 60)
 
     # --- the loss (loss.py; docs/design.md "The loss")
     loss: Literal["reinforce", "icepop", "ipo", "tis", "ppo", "cispo", "gspo"] = "icepop"
@@ -166,6 +176,7 @@ class Config:
         _check(math.isfinite(self.call_timeout) and self.call_timeout > 0, "--call-timeout",
                f"must be a finite number of seconds > 0, got {self.call_timeout}")
         _check(1 <= self.max_turns <= 1000, "--max-turns", f"must be in [1, 1000], got {self.max_turns}")
+        _check(self.tool_timeout > 0, "--tool-timeout", f"must be a finite number of seconds > 0, got {self.tool_timeout}")
         # sampling
         _check(self.temperature > 0, "--temperature", f"must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "--top-p", f"must be in (0, 1], got {self.top_p}")
@@ -203,6 +214,9 @@ class Config:
                f"{self.epochs} with plain reinforce would retrain the batch off-policy with no correction; "
                "use --loss ppo, cispo or gspo (clipped against pi_old), or icepop/tis/ipo (weighted by p/q)")
         _check(not self.env or self.task.startswith("jsonl:"), "--env", "needs --task jsonl:FILE (the rows its episodes start from)")
+        _check(not self.tool or self.task.startswith("jsonl:"), "--tool", "needs --task jsonl:FILE (the rows its episodes start from)")
+        _check(self.tool_format != "llama3-json" or self.max_tool_calls_per_turn <= 1, "--max-tool-calls-per-turn",
+               f"{self.max_tool_calls_per_turn} with llama3-json: the format is one call a turn (Llama's template refuses a second)")
         _check(self.stage == "sft" or self.group_size >= 2, "--group-size",
                "1 trains nothing: every loss centers the advantages within a prompt's group (A = r - the group's "
                "mean reward), and a group of one is its own mean; use 2 or more")
@@ -229,12 +243,14 @@ class Config:
                                    dist_timeout=self._wait_limit())
 
     def _wait_limit(self) -> float:
-        """--dist-timeout, raised under torchrun with --env to what one rank's environment calls may
-        take in a step while the others wait at its gather: --call-timeout for the resets, each turn
-        and the rewards, and a minute to spare."""
-        if not self.env or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        """--dist-timeout, raised under torchrun with --env or --tool to what one rank's environment
+        calls may take in a step while the others wait at its gather: --call-timeout for the resets,
+        each turn and the rewards, --tool-timeout for each of an episode's tool calls (an
+        environment may declare tools), and a minute to spare."""
+        if not (self.env or self.tool) or int(os.environ.get("WORLD_SIZE", "1")) == 1:
             return self.dist_timeout
-        return max(self.dist_timeout, self.call_timeout * (self.max_turns + 2) + 60.0)
+        calls = self.call_timeout * (self.max_turns + 2) + self.tool_timeout * self.max_tool_calls
+        return max(self.dist_timeout, calls + 60.0)
 
     def _engine(self, device: str) -> str:
         """auto: vLLM on a GPU when it imports; the built-in engine on a CPU (docs/design.md

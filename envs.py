@@ -3,7 +3,7 @@
 An environment plays one episode: floe makes one instance per episode (with no arguments),
 starts it from a row of `--task jsonl:FILE`, and then alternates the model's turn and the
 environment's reply until the environment says it is done, the turn cap (--max-turns) or the
-token budget is reached. The reward comes at the end. Three methods, two of them optional, and
+token budget is reached. The reward comes at the end. Four methods, three of them optional, and
 the row columns `reset` reads:
 
     class MyEnv:
@@ -17,6 +17,11 @@ the row columns `reset` reads:
             # [] for none), and whether the episode is done.
         def reward(self) -> float:
             # Once the episode ended: its reward. Leave it out to score with --reward functions.
+        def tools(self) -> list:
+            # Typed, documented functions the model may call (bound methods: per-episode state),
+            # read after reset; floe parses the calls, runs them and replies with their results
+            # (docs/agents.md "Tools"). With tools, `step` is optional: a turn that is no call is
+            # the answer, and without `step` it ends the episode.
 
     python train.py --task jsonl:data.jsonl --env my_env.py:MyEnv --max-turns 4
 
@@ -25,12 +30,16 @@ RNG, so a resumed run repeats it): `reset` must give them the same first prompt.
 with a timeout (--call-timeout) on a thread of its own (usercode.py), on copies of floe's data.
 
 Built in: `--env guess-letter` (`GuessLetter`), the environment bench/agents.py and
-docs/agents.md's multi-turn job train on, and its control `--env guess-letter-blind`. A new
+docs/agents.md's multi-turn job train on, and its control `--env guess-letter-blind`;
+`--env calculator` (`Calculator`: one tool, `add`), and its control `--env calculator-off`, whose
+`add` has the same schema and answers every call with an error. `ToolsOnly` is what `--tool`
+without `--env` plays: the row's prompt, no step, no reward. A new
 built-in environment is its class and its `BUILTIN` entry; the class's `rows(n, seed)` writes
 its jsonl file (reference episodes for the SFT warm-up included), and `columns` names what
 `reset` reads from a row.
 
     python envs.py guess-letter examples/guess.jsonl    # the rows of a built-in environment (NAME FILE)
+    python envs.py calculator calc.jsonl
 """
 
 from __future__ import annotations
@@ -55,10 +64,14 @@ class Environment:
     def reset(self, row: dict, seed: int) -> str | list[dict] | None:
         return None
 
-    def step(self, text: str, ids: list[int]) -> tuple[list[dict], bool]:
-        raise NotImplementedError
-
+    # step(self, text, ids) -> (messages, done): the model's turn judged (optional with tools)
     # reward(self) -> float: define it to give the episode's reward; without it --reward scores
+    # tools(self) -> list: the functions the model may call in this episode
+
+
+class ToolsOnly(Environment):
+    """`--tool` without `--env`: the row's prompt, the --tool functions, no step and no reward (the
+    --reward functions score): an episode ends at the model's first turn that is not a tool call."""
 
 
 class GuessLetter(Environment):
@@ -107,7 +120,50 @@ class GuessLetterBlind(GuessLetter):
     informative = False
 
 
-BUILTIN = {"guess-letter": GuessLetter, "guess-letter-blind": GuessLetterBlind}
+class Calculator(Environment):
+    """The sum of two numbers up to 999 with one tool, `add`; no step (the first turn that is no call
+    is the answer) and no reward (`--reward numeric_match` scores the answer against the row's
+    `answer`). The same as `--tool examples/calculator.py:add` without --env."""
+
+    columns = ("answer",)
+    on = True
+
+    @classmethod
+    def rows(cls, n: int = 1024, seed: int = 0) -> list[dict]:
+        """n rows: the prompt, the `answer`, an `episode` reference (the call, its result, the answer)
+        for the SFT warm-up of the tool arm and a `completion` (the bare sum) for a model without tools."""
+        rng, out = random.Random(seed), []
+        for _ in range(n):
+            a, b = rng.randint(0, 999), rng.randint(0, 999)
+            call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
+            episode = [{"role": "assistant", "content": "", "tool_calls": [call]},
+                       {"role": "tool", "name": "add", "content": str(a + b)}, {"role": "assistant", "content": str(a + b)}]
+            out.append({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b), "episode": episode,
+                        "completion": str(a + b)})
+        return out
+
+    def tools(self) -> list:
+        return [self.add]
+
+    def add(self, a: int, b: int) -> int:  # the schema of examples/calculator.py's add, in both arms
+        """Add two integers.
+
+        Args:
+            a: the first
+            b: the second
+        """
+        return a + b if self.on else "error: the calculator is off"
+
+
+class CalculatorOff(Calculator):
+    """The control: the same prompt and the same schema, and every call answered "error: the
+    calculator is off": only the information differs."""
+
+    on = False
+
+
+BUILTIN = {"guess-letter": GuessLetter, "guess-letter-blind": GuessLetterBlind, "calculator": Calculator,
+           "calculator-off": CalculatorOff}
 PROMPT = "guess a letter from a to o"
 
 

@@ -2,8 +2,15 @@
 
 An episode starts from a row of `--task jsonl:FILE`; the model answers, the environment (envs.py
 has the contract) replies with messages and says whether it is done, the model answers again,
-and the reward comes at the end. `play` runs a step's episodes; `rollout` turns them into the
-step's Samples, `evaluate` scores the held-out rows.
+and the reward comes at the end. `play` runs a step's episodes; rollout.py turns them into the
+step's Samples (`finish_episodes`) and scores the held-out rows (`evaluate_episodes`).
+
+With tools declared (--tool, or an environment's `tools()`), each model turn is first read for
+calls in the family's format (toolcalls.py parses the sampled ids decoded with special tokens
+kept); a call turn's results (toolrun.py runs them) are its reply, by the same token rule, and
+any other turn is the answer: the environment's `step` judges it, or, without one, it ends the
+episode. The tools' schemas reach the template as its `tools` keyword, in the first prompt and in
+every reply.
 
 The token rule, exact by construction: an episode's ids are the first prompt's ids, then each
 model turn's ids exactly as the engine sampled them (its stop token included), then each reply's
@@ -47,80 +54,45 @@ Simplifications:
 from __future__ import annotations
 
 import copy
-import inspect
+import json
 import math
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-import envs
+import toolcalls
+import toolrun
 import usercode
-from config import Config, ConfigError
 from data import Prompt, RunError, Sample, TokenSupport, is_messages
 from textcodec import TextCodec
 from engines import Completion, Sampling
-from rewards import score_groups
-from tasks import Task, eval_metrics
 
 ENDS = ("done", "max_turns", "length", "budget", "timeout", "error", "bad_reply", "dropped")
 FAULTS = ("timeout", "error", "bad_reply")  # the ends that take their group out
 DUMMY = [{"role": "user", "content": "floe-dummy-user"}]  # the fixed history a reply is rendered after
 MARK = "floe-dummy-turn"  # the dummy assistant turn's content: the reply is what the template puts after it
+TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>")  # stop tokens that end an assistant turn (ChatML, Qwen; Llama 3)
 
 
 # ----------------------------------------------------------------------------- the environment
 
 @dataclass
 class EnvSpec:
-    """The --env class, where it came from, and whether it gives its own reward."""
+    """The --env class (start.load_env checks it), where it came from, and which of the optional
+    methods it has."""
 
     name: str
     cls: type
     source: Path | None
     has_reward: bool
+    has_step: bool = True  # without one (an environment with tools), a turn that is no call ends the episode
+    has_tools: bool = False  # tools(self), read after reset
 
 
-def load_env(cfg: Config, task: Task) -> EnvSpec | None:
-    """--env, checked before the run writes anything: it imports, is a class with `step`, every row
-    holds the columns it declares its `reset` reads, and the episodes have a reward (the
-    environment's `reward`, or --reward functions)."""
-    if not cfg.env:
-        return None
-    try:
-        cls, path = usercode.load(cfg.env, "--env", envs.BUILTIN, "class")
-    except usercode.LoadError as e:
-        raise ConfigError(str(e)) from None
-    if not inspect.isclass(cls):
-        raise ConfigError(f"--env {cfg.env}: {cls!r} is not a class (one instance is made per episode)")
-    for method in ("step",) + tuple(m for m in ("reset", "reward") if hasattr(cls, m)):
-        if not callable(getattr(cls, method, None)):
-            raise ConfigError(f"--env {cfg.env}: {cls.__name__}.{method} is not a method (envs.py has the contract)")
-    check_columns(cfg.env, cls, getattr(task, "train", []) + task.eval_set)
-    has_reward = callable(getattr(cls, "reward", None))
-    if not has_reward and not task.rewards:
-        raise ConfigError(f"--env {cfg.env}: {cls.__name__} has no reward() and no --reward is given: "
-                          "an episode needs one")
-    return EnvSpec(cfg.env, cls, path, has_reward)
-
-
-def check_columns(name: str, cls: type, rows: list[Prompt]) -> None:
-    """Every row holds the columns the class declares its reset reads (`columns`), as it holds those a
-    reward asks for: a row without one would fail its group's reset at every step that drew it."""
-    columns = getattr(cls, "columns", ())
-    if not isinstance(columns, (tuple, list)) or not all(isinstance(c, str) for c in columns):
-        raise ConfigError(f"--env {name}: {cls.__name__}.columns must be a tuple of column names, got {columns!r}")
-    for p in rows:
-        if missing := [c for c in columns if c != "prompt" and c not in p.columns]:
-            raise ConfigError(f"{p.where}: --env {name} needs the column(s) {missing}, which this row lacks "
-                              f"(it has {sorted(p.columns) or 'none'})")
-
-
-def _start(cls: type, row: dict, seed: int):
+def _start(cls: type, row: dict, seed: int, has_tools: bool):
     env = cls()
     first = env.reset(row, seed) if hasattr(env, "reset") else None
-    return env, first
+    return env, first, (list(env.tools()) if has_tools else [])
 
 
 def _reply(value) -> tuple[list[dict], bool]:
@@ -148,19 +120,36 @@ def _first(value):
 
 def reply_ids(codec: TextCodec, messages: list[dict], last: int, template_kwargs: dict) -> list[int]:
     """The ids that follow a model turn ending with token `last`: the template's text after an
-    assistant turn in a fixed dummy conversation, then `messages`, then the next assistant header,
-    less the stop token the model already sampled. ValueError if the template hides the turn's
-    content or the text holds characters the tokenizer lacks."""
+    assistant turn in a fixed dummy conversation, then `messages`, then the next assistant header.
+    The reply never holds a second end of the assistant turn: when `last` is a stop token that ends a
+    turn (the one the template writes, or any of TURN_ENDS: a Llama turn may end on <|eom_id|> where
+    the template writes <|eot_id|>), the template's leading end of turn is dropped; a turn that ended
+    on a stop token that ends a document (<|endoftext|>) is followed by the template's. ValueError if
+    the template hides the turn's content or the text holds characters the tokenizer lacks."""
+    after = _after_turn(codec, messages, template_kwargs)
+    if last in codec.stop_ids:  # the model sampled its end of turn: the template's copy of it is not repeated
+        stop = codec.tok.decode([last], skip_special_tokens=False)
+        ends = [stop] + (list(TURN_ENDS) if stop in TURN_ENDS else [])
+        lead = next((t for t in ends if t and after.startswith(t)), "")
+        after = after[len(lead):]
+    return codec.encode(after)
+
+
+def _after_turn(codec: TextCodec, messages: list[dict], template_kwargs: dict) -> str:
     text = codec.render_text(DUMMY + [{"role": "assistant", "content": MARK}] + messages, True, **template_kwargs)
     at = text.find(MARK)
     if at < 0:
         raise ValueError("the chat template does not render an assistant turn's content as it is")
-    after = text[at + len(MARK):]
-    if last in codec.stop_ids:  # the model sampled its end of turn: the template's copy of it is not repeated
-        stop = codec.tok.decode([last], skip_special_tokens=False)
-        if stop and after.startswith(stop):
-            after = after[len(stop):]
-    return codec.encode(after)
+    return text[at + len(MARK):]
+
+
+def end_of_turn(codec: TextCodec, template_kwargs: dict) -> int:
+    """The stop id the template writes after an assistant turn (Qwen <|im_end|>, Llama <|eot_id|>),
+    read from the rendered dummy turn: what a reference turn ends with. Llama-3.1-Instruct's first stop
+    id is <|end_of_text|>, which no assistant turn ends with; a template that writes no stop id there
+    gets the first stop id (generation must be able to stop)."""
+    ids = codec.encode(_after_turn(codec, [], template_kwargs))
+    return ids[0] if ids and ids[0] in codec.stop_ids else codec.stop_ids[0]
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -185,6 +174,12 @@ class Episode:
     end: str = ""  # "" while it goes on, else one of ENDS
     why: str = ""  # the environment's error, for the line that stops a run
     reward: float = math.nan
+    kwargs: dict = field(default_factory=dict)  # the template's keywords, its tools' schemas among them
+    tools: dict = field(default_factory=dict)  # the tools it may call (toolcalls.Tool by name)
+    calls: list = field(default_factory=list)  # its call attempts (toolcalls.Call), results filled in
+    call_turns: int = 0  # model turns that were calls
+    result_tokens: int = 0  # tokens of its tool replies
+    on_call: bool = False  # its last model turn was a call (then no answer scores)
 
     def add_turn(self, c: Completion, turn: int, codec: TextCodec) -> None:
         n = len(c.ids)
@@ -230,11 +225,14 @@ class Play:
     template_kwargs: dict
     last_error: str = ""  # the newest environment error, for the line that stops a run
     stop: threading.Event | None = None  # set when the run shuts down: a call still running is abandoned at once
+    tools: toolrun.Tools | None = None  # declared tools (--tool, an environment's tools()): calls are parsed and run
+    tool_seconds: float = 0.0  # this play's wall time in tool calls (time/tools)
 
 
 def play(pl: Play, rows: list[Prompt], group: int, seeds: list[int]) -> list[Episode]:
     """`group` episodes per row, played to their end: one engine call per turn over every live
     episode, the environment's calls of a turn all at once."""
+    pl.tool_seconds = 0.0
     eps = _start_all(pl, rows, group, seeds)
     for turn in range(pl.max_turns):
         live = [e for e in eps if not e.end]
@@ -262,21 +260,28 @@ def play(pl: Play, rows: list[Prompt], group: int, seeds: list[int]) -> list[Epi
 def _start_all(pl: Play, rows: list[Prompt], group: int, seeds: list[int]) -> list[Episode]:
     """One environment per episode, reset from its row and its group's seed; a group's first
     prompts must agree (packing shares them, advantages are centred on them)."""
-    calls = [(lambda p=p, s=s: _start(pl.spec.cls, copy.deepcopy({"prompt": p.prompt, **p.columns}), s))
+    calls = [(lambda p=p, s=s: _start(pl.spec.cls, copy.deepcopy({"prompt": p.prompt, **p.columns}), s, pl.spec.has_tools))
              for p, s in zip(rows, seeds) for _ in range(group)]
     eps = []
     for i, res in enumerate(usercode.call_all(calls, pl.timeout, pl.stop)):
         row = rows[i // group]
-        e = Episode(i // group, None, row)
+        e = Episode(i // group, None, row, kwargs=pl.template_kwargs, tools=pl.tools.fns if pl.tools else {})
         eps.append(e)
         if not res.ok:
             e.end, e.why = ("timeout", "reset timed out") if res.timed_out else ("error", f"reset raised {res.error}")
             continue
-        e.env, first = res.value
+        e.env, first, env_tools = res.value
         try:
-            if _first(first) is not None:
-                e.prompt = Prompt(pl.codec.render(first, **pl.template_kwargs), first, row.columns, row.reference)
-        except ValueError as err:  # unknown characters, a template that cannot render it
+            first = _first(first)
+            if env_tools:  # this episode's own tools: their schemas join the first prompt, read now
+                e.tools = toolcalls.toolset([t.fn for t in e.tools.values()] + env_tools)
+                e.kwargs = {**pl.template_kwargs, "tools": [t.schema for t in e.tools.values()]}
+            raw = row.prompt if first is None else first
+            if pl.tools and isinstance(raw, str):
+                raise ValueError("a string prompt cannot show the tools (the chat template does)")
+            if first is not None or env_tools:
+                e.prompt = Prompt(pl.codec.render(raw, **e.kwargs), raw, row.columns, row.reference, row.where)
+        except ValueError as err:  # unknown characters, a template that cannot render it, a tool without a schema
             e.end, e.why = "bad_reply", f"reset's prompt: {err}"
             continue
         e.ids = list(e.prompt.ids)
@@ -285,6 +290,9 @@ def _start_all(pl: Play, rows: list[Prompt], group: int, seeds: list[int]) -> li
         if len(e.ids) + 1 > pl.limit:
             e.end = "budget"
     for g in range(len(rows)):
+        if len({json.dumps(e.kwargs.get("tools")) for e in eps[g * group:(g + 1) * group] if not e.end}) > 1:
+            raise RunError(f"--env {pl.spec.name}: tools() gave different tools for one row and seed; they must "
+                           "depend on (row, seed) alone (their schemas are part of the group's first prompt)")
         firsts = {tuple(e.ids) for e in eps[g * group:(g + 1) * group] if not e.end}
         if len(firsts) > 1:
             raise RunError(f"--env {pl.spec.name}: reset gave different first prompts for one row and seed; "
@@ -298,9 +306,15 @@ def _start_all(pl: Play, rows: list[Prompt], group: int, seeds: list[int]) -> li
 
 
 def _environment_turn(pl: Play, eps: list[Episode], turn: int) -> None:
-    """Each live episode's environment judges the model's turn; a reply that fits is appended."""
-    calls = [(lambda e=e: e.env.step(pl.codec.decode(e.last), list(e.last))) for e in eps]
-    for e, res in zip(eps, usercode.call_all(calls, pl.timeout, pl.stop)):
+    """Each live episode's turn answered: a tool call by its results (`_run_calls`), an answer by the
+    environment's step (without a step, an answer ends the episode), all of a turn's at once."""
+    answers = _run_calls(pl, eps, turn) if pl.tools else eps
+    if not pl.spec.has_step:
+        for e in answers:
+            e.end = "done"
+        return
+    calls = [(lambda e=e: e.env.step(pl.codec.decode(e.last), list(e.last))) for e in answers]
+    for e, res in zip(answers, usercode.call_all(calls, pl.timeout, pl.stop)):
         if not res.ok:
             e.end, e.why = ("timeout", "step timed out") if res.timed_out else ("error", f"step raised {res.error}")
             continue
@@ -309,14 +323,49 @@ def _environment_turn(pl: Play, eps: list[Episode], turn: int) -> None:
             if done or turn == pl.max_turns - 1:
                 e.end = "done" if done else "max_turns"
                 continue
-            ids = reply_ids(pl.codec, messages, e.last[-1], pl.template_kwargs)
+            ids = reply_ids(pl.codec, messages, e.last[-1], e.kwargs)
         except ValueError as err:
             e.end, e.why = "bad_reply", str(err)
             continue
-        if len(e.ids) + len(ids) + 1 > pl.limit:  # no room for another turn: the episode ends before the reply
-            e.end = "budget"
+        _append(pl, e, ids, copy.deepcopy(messages))
+
+
+def _append(pl: Play, e: Episode, ids: list[int], messages: list[dict]) -> None:
+    if len(e.ids) + len(ids) + 1 > pl.limit:  # no room for another turn: the episode ends before the reply
+        e.end = "budget"
+    else:
+        e.add_reply(ids, messages)
+
+
+def _run_calls(pl: Play, eps: list[Episode], turn: int) -> list[Episode]:
+    """The turn's call attempts parsed (toolcalls.parse reads the sampled ids decoded with special tokens
+    kept) and run, episodes at once (toolrun.Runner), each episode's results its reply; the episodes
+    whose turn is an answer are returned. A call on the last turn ends the episode (no turn reads it)."""
+    t, answers, callers = pl.tools, [], []
+    for e in eps:
+        text, stop = pl.codec.decode_turn(e.last)
+        calls = toolcalls.parse(t.fmt, text, e.tools, stop, t.limit(), len(e.calls), t.max_calls)
+        e.on_call = bool(calls)
+        if not calls:
+            answers.append(e)
+            continue
+        e.calls, e.call_turns = e.calls + calls, e.call_turns + 1
+        e.messages[-1] = toolcalls.assistant_message(text, calls)  # TRL's shape, for --reward
+        if turn == pl.max_turns - 1:
+            e.end = "max_turns"
         else:
-            e.add_reply(ids, copy.deepcopy(messages))
+            callers.append((e, calls))
+    pl.tool_seconds += t.runner.run([c for _, c in callers], [e.tools for e, _ in callers], pl.stop)
+    for e, calls in callers:
+        messages = toolcalls.tool_messages(calls)
+        try:
+            ids = reply_ids(pl.codec, messages, e.last[-1], e.kwargs)
+        except ValueError as err:  # a template that cannot render them, characters the tokenizer lacks
+            e.end, e.why = "bad_reply", f"tool results: {err}"
+            continue
+        _append(pl, e, ids, messages)
+        e.result_tokens += len(ids) if not e.end else 0
+    return answers
 
 
 def _rewards(pl: Play, eps: list[Episode]) -> None:
@@ -347,72 +396,18 @@ def _drop_failed_groups(eps: list[Episode], group: int) -> None:
                 e.end = e.end if e.end in FAULTS else "dropped"
 
 
-def score(task: Task, eps: list[Episode], group: int) -> None:
-    """--reward functions over whole episodes, added to the environment's reward: `completions` is
-    the final model turn's text, `completion_ids` its ids, `messages` the whole conversation."""
-    parts = [p for g in range(0, len(eps), group) if (p := [e for e in eps[g:g + group] if e.end not in FAULTS + ("dropped",)])]
-    groups = [([e.prompt for e in p], [task.codec.decode(e.last) for e in p], [list(e.last) for e in p],
-               {"messages": [e.messages for e in p]}) for p in parts]
-    for part, total in zip(parts, score_groups(task.rewards, groups)):
-        for e, v in zip(part, total):
-            e.reward += v
-
-
-# ----------------------------------------------------------------------------- a step's batch, and eval
-
-def stats(eps: list[Episode], max_turns: int) -> dict[str, tuple[float, float]]:
-    """(sum, count) metrics of a step's episodes: turns, tokens, the share of each end, reward by turns."""
-    played = [e for e in eps if e.n_turns]
-    n = float(len(eps))
-    out = {"episode/turns": (float(sum(e.n_turns for e in played)), float(len(played))),
-           "episode/model_tokens": (float(sum(sum(e.mask) for e in played)), float(len(played))),
-           "episode/env_tokens": (float(sum(len(e.mask) - sum(e.mask) for e in played)), float(len(played))),
-           "skipped/env_error": (float(sum(e.end in FAULTS + ("dropped",) for e in eps)), n),
-           "skipped/too_long": (float(sum(not e.n_turns and e.end == "budget" for e in eps)), n)}  # no room for a turn
-    out.update({f"episode/end/{k}": (float(sum(e.end == k for e in eps)), n) for k in ENDS})
-    for k in range(1, max_turns + 1):
-        scored = [e.reward for e in played if e.n_turns == k and math.isfinite(e.reward)]
-        out[f"episode/reward_by_turns/{k}"] = (float(sum(scored)), float(len(scored)))
-    return out
-
-
-def finish(pl: Play, task: Task, eps: list[Episode], group: int) -> list[Sample]:
-    """Rewards, then the Samples of the episodes that count (a failed group's are left out); a step
-    with failures prints one line naming the first."""
-    score(task, eps, group)
-    failed = [e for e in eps if e.end in FAULTS]
-    if failed:
-        pl.last_error = failed[0].why or failed[0].end
-        counts = ", ".join(f"{sum(e.end == k for e in failed)} {k}" for k in FAULTS if any(e.end == k for e in failed))
-        print(f"warning: --env {pl.spec.name}: {len(failed)} of {len(eps)} episodes failed ({counts}; their groups "
-              f"skipped, counted in skipped/env_error); first: {pl.last_error}", flush=True)
-    return [e.sample() for e in eps if e.end not in FAULTS + ("dropped",) and e.n_turns]
-
-
-@torch.no_grad()
-def evaluate(cfg: Config, task: Task, pl: Play, n: int = 4) -> dict[str, float]:
-    """Whole episodes from each held-out row, n per row, at fixed sampling and environment seeds."""
-    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, seed=cfg.seed + 1)
-    pl = Play(pl.spec, pl.codec, pl.engine, sampling, pl.limit, pl.max_turns, pl.timeout, pl.template_kwargs, stop=pl.stop)
-    eps = play(pl, task.eval_set, n, [cfg.seed + 1 + i for i in range(len(task.eval_set))])
-    score(task, eps, n)
-    out = eval_metrics([e.reward if e.end not in FAULTS + ("dropped",) else math.nan for e in eps], n)
-    played = [e for e in eps if e.n_turns]
-    out["eval/turns"] = sum(e.n_turns for e in played) / max(len(played), 1)
-    out["eval/done"] = sum(e.end == "done" for e in eps) / max(len(eps), 1)
-    return out
-
-
-def reference(codec: TextCodec, prompt: Prompt, turns: list[dict], template_kwargs: dict) -> Sample:
+def reference(codec: TextCodec, prompt: Prompt, turns: list[dict], template_kwargs: dict, fmt: str = "") -> Sample:
     """A reference episode for --stage sft (a row's `episode` column: the messages after the
-    prompt, assistant turns among them) under the token rule: each assistant turn is its text's
-    ids and the first stop id (trained), each other message the ids `reply_ids` gives (context)."""
+    prompt, assistant turns among them) under the token rule: each assistant turn is its text's ids
+    and the stop id the template ends an assistant turn with (trained), each other message the ids
+    `reply_ids` gives (context). An assistant turn with OpenAI-shaped `tool_calls` is the call text
+    of the tools' format `fmt` (toolcalls.write_calls: exactly what the parser reads back)."""
     if not is_messages(turns) or not turns:
         raise ValueError("an `episode` is a list of {'role': str, 'content': str} messages, each turn's content "
                          f"its text: {str(turns)[:80]}")
     if turns[0].get("role") != "assistant":
         raise ValueError("an `episode` must start with an assistant turn (the prompt is the row's `prompt`)")
-    completion, mask, stop, pending = [], [], codec.stop_ids[0], []
+    completion, mask, stop, pending = [], [], end_of_turn(codec, template_kwargs), []
     for m in turns:
         if m.get("role") != "assistant":
             pending.append(m)
@@ -420,6 +415,11 @@ def reference(codec: TextCodec, prompt: Prompt, turns: list[dict], template_kwar
         if pending:  # the replies since the last assistant turn, as a played episode would have them
             ids = reply_ids(codec, pending, stop, template_kwargs)
             completion, mask, pending = completion + ids, mask + [False] * len(ids), []
-        ids = codec.encode(m["content"]) + [stop]
+        text = m["content"]
+        if m.get("tool_calls"):
+            if not fmt:
+                raise ValueError("an assistant turn with `tool_calls` needs tools (--tool, or an environment's tools())")
+            text = toolcalls.write_calls(fmt, m["tool_calls"], text)
+        ids = codec.encode(text) + [stop]
         completion, mask = completion + ids, mask + [True] * len(ids)
     return Sample(prompt, completion, [0.0] * len(completion), [0] * len(completion), "stop", mask=mask)

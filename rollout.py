@@ -19,6 +19,7 @@ Simplifications:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -28,8 +29,10 @@ import episodes as E
 import loss as L
 import parallel as P
 import tasks as T
+import toolrun
 from engines import Sampling
 from parallel import RANK
+from rewards import score_groups
 
 
 def rl_sampling(cfg) -> Sampling:
@@ -65,10 +68,75 @@ def episode_phase(cfg, task, play: E.Play, rng):
     mine = my_prompts(cfg, list(range(len(drawn))))  # this rank's groups: it plays them whole, so a fault drops a group here
     rows = [drawn[i] for i in mine]
     eps = E.play(play, rows, cfg.group_size, [seeds[i] for i in mine])
-    samples, stats = scored_batch(cfg, E.finish(play, task, eps, cfg.group_size), len(rows), len(rows))
+    samples, stats = scored_batch(cfg, finish_episodes(play, task, eps, cfg.group_size), len(rows), len(rows))
     stats.update({k: (torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64))
-                  for k, (a, b) in E.stats(eps, cfg.max_turns).items()})
+                  for k, (a, b) in episode_stats(eps, cfg.max_turns, play).items()})
     return samples, stats
+
+
+def score_episodes(task, eps: list[E.Episode], group: int) -> None:
+    """--reward functions over whole episodes, added to the environment's reward: `completions` is
+    the final model turn's text ("" when it was a tool call: a call never scores as an answer),
+    `completion_ids` its ids, `messages` the whole conversation."""
+    parts = [p for g in range(0, len(eps), group) if (p := [e for e in eps[g:g + group] if e.end not in E.FAULTS + ("dropped",)])]
+    groups = [([e.prompt for e in p], ["" if e.on_call else task.codec.decode(e.last) for e in p], [list(e.last) for e in p],
+               {"messages": [e.messages for e in p]}) for p in parts]
+    for part, total in zip(parts, score_groups(task.rewards, groups)):
+        for e, v in zip(part, total):
+            e.reward += v
+
+
+def episode_stats(eps: list[E.Episode], max_turns: int, pl: E.Play | None = None) -> dict[str, tuple[float, float]]:
+    """(sum, count) metrics of a step's episodes: turns, tokens, the share of each end, reward by turns;
+    with tools declared, the calls (toolrun.metrics)."""
+    played = [e for e in eps if e.n_turns]
+    n = float(len(eps))
+    out = {"episode/turns": (float(sum(e.n_turns for e in played)), float(len(played))),
+           "episode/model_tokens": (float(sum(sum(e.mask) for e in played)), float(len(played))),
+           "episode/env_tokens": (float(sum(len(e.mask) - sum(e.mask) for e in played)), float(len(played))),
+           "skipped/env_error": (float(sum(e.end in E.FAULTS + ("dropped",) for e in eps)), n),
+           "skipped/too_long": (float(sum(not e.n_turns and e.end == "budget" for e in eps)), n)}  # no room for a turn
+    out.update({f"episode/end/{k}": (float(sum(e.end == k for e in eps)), n) for k in E.ENDS})
+    for k in range(1, max_turns + 1):
+        scored = [e.reward for e in played if e.n_turns == k and math.isfinite(e.reward)]
+        out[f"episode/reward_by_turns/{k}"] = (float(sum(scored)), float(len(scored)))
+    if pl is not None and pl.tools is not None:
+        out.update(toolrun.metrics([e.calls for e in played], sum(e.n_turns for e in played),
+                                   sum(e.call_turns for e in played), sum(e.result_tokens for e in played),
+                                   pl.tool_seconds, pl.tools.runner.abandoned()))
+    return out
+
+
+def finish_episodes(pl: E.Play, task, eps: list[E.Episode], group: int) -> list[D.Sample]:
+    """Rewards, then the Samples of the episodes that count (a failed group's are left out); a step
+    with failures prints one line naming the first."""
+    score_episodes(task, eps, group)
+    failed = [e for e in eps if e.end in E.FAULTS]
+    if failed:
+        pl.last_error = failed[0].why or failed[0].end
+        counts = ", ".join(f"{sum(e.end == k for e in failed)} {k}" for k in E.FAULTS if any(e.end == k for e in failed))
+        print(f"warning: --env {pl.spec.name}: {len(failed)} of {len(eps)} episodes failed ({counts}; their groups "
+              f"skipped, counted in skipped/env_error); first: {pl.last_error}", flush=True)
+    return [e.sample() for e in eps if e.end not in E.FAULTS + ("dropped",) and e.n_turns]
+
+
+@torch.no_grad()
+def evaluate_episodes(cfg, task, pl: E.Play, n: int = 4) -> dict[str, float]:
+    """Whole episodes from each held-out row, n per row, at fixed sampling and environment seeds."""
+    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, seed=cfg.seed + 1)
+    pl = dataclasses.replace(pl, sampling=sampling, last_error="")
+    eps = E.play(pl, task.eval_set, n, [cfg.seed + 1 + i for i in range(len(task.eval_set))])
+    score_episodes(task, eps, n)
+    out = T.eval_metrics([e.reward if e.end not in E.FAULTS + ("dropped",) else math.nan for e in eps], n)
+    played = [e for e in eps if e.n_turns]
+    out["eval/turns"] = sum(e.n_turns for e in played) / max(len(played), 1)
+    out["eval/done"] = sum(e.end == "done" for e in eps) / max(len(eps), 1)
+    if pl.tools is not None:
+        calls = [c for e in played for c in e.calls]
+        out["eval/tool_calls"] = len(calls) / max(len(played), 1)
+        out["eval/tool_errors"] = sum(bool(c.kind) for c in calls) / max(len(calls), 1)
+    return out
+
 
 
 def scored_batch(cfg, samples: list, drawn: int, kept: int):
@@ -114,7 +182,7 @@ def sft_samples(cfg, task, rng):
     samples = []
     for p in task.sample(cfg.prompts_per_step, rng)[RANK::P.world()]:
         if "episode" in p.columns:
-            samples.append(E.reference(task.codec, p, p.columns["episode"], task.template_kwargs))
+            samples.append(E.reference(task.codec, p, p.columns["episode"], task.template_kwargs, task.tool_format))
             continue
         ids = task.completion_ids(p)
         samples.append(D.Sample(p, ids, [0.0] * len(ids), [0] * len(ids), "stop"))
@@ -128,7 +196,7 @@ def evaluate(cfg, task, engine, play: E.Play | None = None, n: int = 4) -> dict[
     --env, n whole episodes per held-out row."""
     try:
         if play is not None:
-            return E.evaluate(cfg, task, play, n)
+            return evaluate_episodes(cfg, task, play, n)
         prompts = task.eval_set
         sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, seed=cfg.seed + 1)
         out = engine.generate([p.ids for p in prompts], n, sampling, keep=False)

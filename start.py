@@ -11,6 +11,7 @@ Simplifications:
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -22,7 +23,11 @@ import torch.distributed as dist
 
 import config as C
 from textcodec import TextCodec, write_tokenizer
+import envs
 import episodes as E
+import toolcalls
+import toolrun
+import usercode
 import loss as L
 import model as M
 import hfdir
@@ -49,7 +54,8 @@ class Start:
     codec: TextCodec
     task: T.Task
     model: M.Transformer
-    env: E.EnvSpec | None = None  # --env
+    env: E.EnvSpec | None = None  # --env (or the built-in `tools` one, for --tool without it)
+    tools: toolrun.Tools | None = None  # declared tools: --tool, an environment's tools()
 
 
 def check_start(cfg: C.Config) -> Start:
@@ -72,13 +78,15 @@ def check_start(cfg: C.Config) -> Start:
             print0(note)
         resume_from, kept, src = None, None, None if cfg.model == "scratch" else Path(cfg.model)
         codec = TextCodec.load(src) if src else TextCodec.tiny(T.alphabet(cfg))
-    task = T.build(cfg, codec)
-    env = E.load_env(cfg, task)
+    fns = load_tools(cfg)
+    task = T.build(cfg, codec, [t.schema for t in fns.values()])
+    env = load_env(cfg, task, fns)
+    tools = check_tools(cfg, codec, task, env, fns)
     if cfg.stage == "sft":  # a multi-turn reference must follow the token rule before anything is written
         for p in getattr(task, "train", []):
             if "episode" in p.columns:
                 try:
-                    E.reference(codec, p, p.columns["episode"], task.template_kwargs)
+                    E.reference(codec, p, p.columns["episode"], task.template_kwargs, task.tool_format)
                 except (ValueError, AttributeError, TypeError) as e:
                     raise C.ConfigError(f"{p.where or cfg.task}: `episode` is not a multi-turn reference ({e})") from None
     torch.manual_seed(cfg.seed)
@@ -99,7 +107,105 @@ def check_start(cfg: C.Config) -> Start:
     if cfg.epochs > 1 and not L.trained(cfg).clipped:  # (plain reinforce: refused by Config)
         print0(f"note: --epochs {cfg.epochs} with --loss {cfg.loss}: the later passes reweight by p/q against the "
                "sampler; nothing clips them against pi_old (ppo, cispo and gspo do)")
-    return Start(out, src, resume_from, kept, seen, codec, task, model, env)
+    return Start(out, src, resume_from, kept, seen, codec, task, model, env, tools)
+
+
+def load_env(cfg: C.Config, task: T.Task, tools: dict) -> E.EnvSpec | None:
+    """--env, checked before the run writes anything: it imports, is a class with `step` (optional
+    when it has tools), every row holds the columns it declares its `reset` reads, and the episodes
+    have a reward (the environment's `reward`, or --reward functions). --tool without --env plays
+    the built-in `tools` environment (envs.ToolsOnly): no step, no reward."""
+    if not cfg.env:
+        if not tools:
+            return None
+        if not task.rewards:
+            raise C.ConfigError("--tool without --env needs --reward: the episodes have no environment to score them")
+        return E.EnvSpec("tools", envs.ToolsOnly, None, False, has_step=False)
+    try:
+        cls, path = usercode.load(cfg.env, "--env", envs.BUILTIN, "class")
+    except usercode.LoadError as e:
+        raise C.ConfigError(str(e)) from None
+    if not inspect.isclass(cls):
+        raise C.ConfigError(f"--env {cfg.env}: {cls!r} is not a class (one instance is made per episode)")
+    has_tools = hasattr(cls, "tools")
+    for method in tuple(m for m in ("step", "reset", "reward", "tools") if hasattr(cls, m) or (m == "step" and not has_tools)):
+        if not callable(getattr(cls, method, None)):
+            raise C.ConfigError(f"--env {cfg.env}: {cls.__name__}.{method} is not a method (envs.py has the contract)")
+    if clash := [n for n in tools if hasattr(cls, n)]:
+        raise C.ConfigError(f"--tool {clash[0]}: named like --env {cfg.env}'s {cls.__name__}.{clash[0]}; rename the tool")
+    check_columns(cfg.env, cls, getattr(task, "train", []) + task.eval_set)
+    has_reward = callable(getattr(cls, "reward", None))
+    if not has_reward and not task.rewards:
+        raise C.ConfigError(f"--env {cfg.env}: {cls.__name__} has no reward() and no --reward is given: "
+                            "an episode needs one")
+    return E.EnvSpec(cfg.env, cls, path, has_reward, hasattr(cls, "step"), has_tools)
+
+
+def check_columns(name: str, cls: type, rows: list) -> None:
+    """Every row holds the columns the class declares its reset reads (`columns`), as it holds those a
+    reward asks for: a row without one would fail its group's reset at every step that drew it."""
+    columns = getattr(cls, "columns", ())
+    if not isinstance(columns, (tuple, list)) or not all(isinstance(c, str) for c in columns):
+        raise C.ConfigError(f"--env {name}: {cls.__name__}.columns must be a tuple of column names, got {columns!r}")
+    for p in rows:
+        if missing := [c for c in columns if c != "prompt" and c not in p.columns]:
+            raise C.ConfigError(f"{p.where}: --env {name} needs the column(s) {missing}, which this row lacks "
+                                f"(it has {sorted(p.columns) or 'none'})")
+
+
+def load_tools(cfg: C.Config) -> dict:
+    """--tool's functions with their schemas (toolcalls.toolset), or one line: a tool that does not
+    import, is not a function, has a parameter JSON cannot describe, or shares a name."""
+    try:
+        return toolcalls.toolset(toolcalls.load(cfg.tool))
+    except ValueError as e:
+        raise C.ConfigError(str(e)) from None
+
+
+PROBE = {"type": "function", "function": {"name": "floe_probe", "description": "A probe.",
+                                          "parameters": {"type": "object", "properties": {}}}}
+
+
+def check_tools(cfg: C.Config, codec: TextCodec, task: T.Task, env: E.EnvSpec | None, tools: dict) -> toolrun.Tools | None:
+    """With tools declared (--tool, or an --env with tools()), what they need of the model directory
+    and the task, else one line: a chat template that shows them, can render a result after a plain
+    assistant turn and writes a known call format (or --tool-format), chat prompts, and no `tools` in
+    --chat-template-kwargs. The episodes' tools, their format and limits, and the runner."""
+    if env is None or not (tools or env.has_tools):
+        return None
+    src = codec.template_source
+    if "tools" in json.loads(cfg.chat_template_kwargs):
+        raise C.ConfigError("--chat-template-kwargs sets `tools`: floe passes the declared tools' schemas (--tool, "
+                            "an environment's tools()); leave it out")
+    if codec.template is None:
+        raise C.ConfigError(f"tools reach the model through the chat template, and {cfg.model} has none")
+    if bad := next((p for p in getattr(task, "train", []) + task.eval_set if isinstance(p.prompt, str)), None):
+        raise C.ConfigError(f"{bad.where or cfg.task}: a string prompt cannot show the tools (the chat template "
+                            "does); give the prompt as chat messages")
+    base = {k: v for k, v in task.template_kwargs.items() if k != "tools"}
+    schemas = [t.schema for t in tools.values()] or [PROBE]
+    probe = [{"role": "user", "content": "floe-probe"}]
+    try:
+        if codec.render_text(probe, True, **base) == codec.render_text(probe, True, **base, tools=schemas):
+            raise C.ConfigError(f"chat template {src} ignores `tools` (it renders the same text with and without "
+                                "them): the model would never see the tools")
+        E.reply_ids(codec, [{"role": "tool", "name": "floe_probe", "content": "1"}], E.end_of_turn(codec, base),
+                    {**base, "tools": schemas})
+    except ValueError as e:
+        if isinstance(e, C.ConfigError):
+            raise
+        raise C.ConfigError(f"chat template {src} cannot render a tool result after a plain assistant turn ({e}); "
+                            "a template that needs the call before its result (as GPT-OSS's) is not supported") from None
+    fmt = cfg.tool_format if cfg.tool_format != "auto" else toolcalls.detect_format(codec.template)
+    if fmt is None:
+        raise C.ConfigError(f"--tool-format auto: chat template {src} writes neither <tool_call> (hermes) nor ipython "
+                            "or <|python_tag|> (llama3-json); give --tool-format")
+    if fmt == "llama3-json" and cfg.max_tool_calls_per_turn > 1:
+        raise C.ConfigError(f"--max-tool-calls-per-turn {cfg.max_tool_calls_per_turn} with llama3-json (read from "
+                            f"{src}): the format is one call a turn")
+    task.tool_format = fmt
+    runner = toolrun.Runner(cfg.tool_timeout, cfg.max_tool_result_chars, codec.encode)
+    return toolrun.Tools(tools, fmt, cfg.max_tool_calls_per_turn, cfg.max_tool_calls, runner, env.has_tools)
 
 
 def settled(cfg: C.Config) -> C.Config:
@@ -172,6 +278,7 @@ def check_same_flags(cfg: C.Config) -> None:
 
 # flags of the rl stage alone: under sft nothing reads them
 RL_FLAGS = ("async_level", "engine_noise", "score_centering_k")
+TOOL_FLAGS = ("tool_format", "max_tool_calls", "max_tool_calls_per_turn", "tool_timeout", "max_tool_result_chars")
 
 
 # A mask's or the KL's flags, and the switch without which nothing reads them (--correction-metrics-only
@@ -210,6 +317,8 @@ def check_read(cfg: C.Config) -> None:
     found = unread(cfg)
     found += T.unread(cfg)  # another task's flags
     found += [(f, "is not read with --stage sft (it is for rl rollouts)", False) for f in RL_FLAGS if cfg.stage == "sft"]
+    found += [(f, "is not read without --tool or an --env that declares tools()", False) for f in TOOL_FLAGS
+              if not (cfg.tool or cfg.env)]
     if cfg.device == "cuda":
         found.append(("dist_timeout", "is not read on CUDA (NCCL keeps torch's 10-minute watchdog)", False))
     if not (cfg.lora_rank and cfg.engine == "vllm"):

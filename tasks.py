@@ -102,6 +102,7 @@ class Task:
     def __init__(self, codec: TextCodec, rewards: list[Reward], template_kwargs: dict | None = None):
         self.codec, self.rewards, self.template_kwargs = codec, rewards, template_kwargs or {}
         self.eval_set: list[Prompt] = []
+        self.tool_format = ""  # the declared tools' call format (start.check_tools), for `tool_calls` in references
 
     def prompt(self, raw, columns: dict, reference: str | None = None, where: str = "") -> Prompt:
         return Prompt(self.codec.render(raw, **self.template_kwargs), raw, columns, reference, where)
@@ -224,7 +225,7 @@ class JsonlTask(Task):
 
     def __init__(self, codec, rewards, path, eval_file="", eval_size=64, template_kwargs=None, env=False):
         super().__init__(codec, rewards, template_kwargs)
-        if not rewards and not env:  # an --env may give the reward itself (episodes.load_env checks)
+        if not rewards and not env:  # an --env may give the reward itself (start.load_env checks)
             raise ConfigError(f"--task jsonl:{path} needs --reward (a built-in: {', '.join(BUILTIN)}; "
                               "or path/to/file.py:fn)")
         self.needs = [(r, r.needs()) for r in rewards]  # read() checks every row's columns against them
@@ -333,10 +334,14 @@ def alphabet(cfg: Config) -> str:
     return TASKS[cfg.task].cls.alphabet if cfg.task in TASKS else JsonlTask.alphabet
 
 
-def build(cfg: Config, codec: TextCodec) -> Task:
-    """The task --task names, with its rewards; every check runs here, before the run writes anything."""
+def build(cfg: Config, codec: TextCodec, tools: list[dict] = ()) -> Task:
+    """The task --task names, with its rewards; every check runs here, before the run writes anything.
+    `tools`: --tool's schemas, the template's `tools` keyword for every prompt (so each check of a
+    row's ids sees the prompt as the model will); none, and the keyword is not passed at all."""
     rewards = load_rewards(cfg.reward, cfg.reward_weights, cfg.call_timeout)
     kwargs = json.loads(cfg.chat_template_kwargs)
+    if tools:
+        kwargs["tools"] = list(tools)
     try:
         if builtin := TASKS.get(cfg.task):
             flags = {f: getattr(cfg, f) for f in builtin.flags}

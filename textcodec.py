@@ -187,6 +187,15 @@ class TextCodec:
                 break
         return self.tok.decode(ids, skip_special_tokens=True)
 
+    def decode_turn(self, ids: list[int]) -> tuple[str, str]:
+        """A model turn as a tool-call parser reads it: decoded with special tokens kept (Llama's
+        <|python_tag|>, Qwen's <tool_call> when marked special), cut before the first stop token; and
+        that stop token's text, "" when none ended the turn (whether <|eom_id|> or <|eot_id|> did)."""
+        for i, t in enumerate(ids):
+            if t in self.stop_ids:
+                return self.tok.decode(ids[:i], skip_special_tokens=False), self.tok.decode([t], skip_special_tokens=False)
+        return self.tok.decode(ids, skip_special_tokens=False), ""
+
 
 @functools.lru_cache(maxsize=8)
 def _jinja(source: str):

@@ -248,7 +248,7 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
             r.stop = stop
         play = None if s.env is None else E.Play(
             s.env, s.codec, engine, R.rl_sampling(cfg), min(s.model.args.max_position_embeddings, cfg.micro_batch_tokens + 1),
-            cfg.max_turns, cfg.call_timeout, s.task.template_kwargs, stop=stop)
+            cfg.max_turns, cfg.call_timeout, s.task.template_kwargs, stop=stop, tools=s.tools)
         run = Run(cfg, s.task, s.model, fwd, opt, engine, rng, log, s.out, src, scale, play, stop)
         # start-up's objects (torch, the tokenizer, the model: hundreds of thousands) leave the cyclic
         # collector's reach, so a full collection during a step scans only what the steps made

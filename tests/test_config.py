@@ -182,10 +182,12 @@ def test_every_flag_read_is_silent(capsys):
 
 def test_under_torchrun_an_environment_raises_the_wait_at_collectives(monkeypatch):
     """A rank's environment may keep the others waiting at the step's gather for its calls'
-    timeouts (resets, each turn, rewards): --dist-timeout covers that under torchrun."""
+    timeouts (resets, each turn, rewards, each tool call): --dist-timeout covers that under torchrun."""
     flags = dict(env="guess-letter", task="jsonl:examples/guess.jsonl", call_timeout=30.0, max_turns=3)
     assert C.Config(**flags).resolve(False).dist_timeout == 300.0  # one process: no collectives
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert C.Config(**flags).resolve(False).dist_timeout == 300.0  # 30 x 5 + 60 = 210: the flag's is longer
-    assert C.Config(**{**flags, "call_timeout": 60.0}).resolve(False).dist_timeout == 60 * 5 + 60
+    assert C.Config(**{**flags, "call_timeout": 60.0}).resolve(False).dist_timeout == 60 * 5 + 10 * 8 + 60  # and the tools'
     assert C.Config(call_timeout=600.0).resolve(False).dist_timeout == 300.0  # no --env
+    tools = dict(tool=("examples/calculator.py:add",), task="jsonl:x", tool_timeout=40.0, max_tool_calls=5)
+    assert C.Config(**tools).resolve(False).dist_timeout == 60 * 6 + 40 * 5 + 60  # --tool plays episodes too

@@ -89,20 +89,20 @@ def one_process(tmp_path_factory):
     return d
 
 
-def _version(d: Path, v: int) -> M.Transformer:
+def _version(d: Path, v: int, base: Path = BASE) -> M.Transformer:
     """The weights of version v: the base, a step's full weights, or (LoRA) the base with the step's
     adapter applied on the fly (fp32, x W + s B A x: not the engines' merged copy)."""
     step = d / "run" / f"step_{v:06d}"
     if v == 0 or not (step / lora.CONFIG).is_file():
-        return hfdir.load(BASE if v == 0 else step)
+        return hfdir.load(base if v == 0 else step)
     spec, tensors, _ = lora.read_adapter(step)
-    m = hfdir.load(BASE)
+    m = hfdir.load(base)
     lora.add(m, spec)
     lora.load_adapter(m, tensors)
     return m
 
 
-def _check_tokens(d: Path, version_of, tol: float) -> int:
+def _check_tokens(d: Path, version_of, tol: float, base: Path = BASE) -> int:
     """Every model token's version and logq against the full fp32 forward of its version's weights."""
     models, checked = {}, 0
     for line in (d / "dump.jsonl").read_text().splitlines():
@@ -112,7 +112,7 @@ def _check_tokens(d: Path, version_of, tol: float) -> int:
         assert versions == {version_of(s["step"])}, (s["step"], versions)
         v = versions.pop()
         if v not in models:
-            models[v] = _version(d, v)
+            models[v] = _version(d, v, base)
         m = models[v]
         with torch.no_grad():
             h = m(torch.tensor(ids), torch.arange(len(ids)), torch.zeros(len(ids), dtype=torch.long))
@@ -160,6 +160,40 @@ def test_each_path_trains_episodes_whose_every_token_is_its_versions_full_forwar
 
 def test_the_one_process_reference_is_exact_too(one_process):
     assert _check_tokens(one_process, lambda s: s - 1, 1e-5) > 50
+
+
+GUESS_TOOLS = '''
+from envs import GuessLetter
+class GuessWithTools(GuessLetter):
+    def tools(self):
+        return [self.add]
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first
+            b: the second
+        """
+        return a + b
+'''
+
+
+@pytest.mark.parametrize("extra", [[], ["--async-level", "1"]], ids=["one_process", "async"])
+def test_episodes_with_tools_are_exact_too(tmp_path, extra):
+    """The guessing game with a tool (its schema in every first prompt and reply, every turn parsed for
+    calls) on a random tiny Qwen3-shaped model with the tool template: every model token's logq is its
+    version's full forward."""
+    from test_tools import tools_model
+
+    base, f = tools_model(tmp_path), tmp_path / "guess_tools.py"
+    f.write_text(GUESS_TOOLS)
+    flags = [*FLAGS, "--model", str(base), "--env", f"{f}:GuessWithTools", *extra, "--out-dir", str(tmp_path / "run")]
+    r = _launch(tmp_path, flags)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = _rows(tmp_path / "run")
+    assert any(x["episode/turns"] > 1 for x in rows) and all("tools/calls" in x for x in rows)
+    version_of = (lambda s: max(0, s - 2)) if extra else (lambda s: s - 1)
+    assert _check_tokens(tmp_path, version_of, 1e-5, base) > 50
 
 
 SLEEPY = """

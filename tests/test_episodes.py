@@ -5,7 +5,9 @@ The Qwen3- and Llama-3.1-behaving templates below are written here from those fo
 descriptions (ChatML turns with a "\\n" after <|im_end|>, earlier turns' <think> blocks dropped,
 tool results as <tool_response> blocks of a user turn, an empty think block when thinking is off;
 Llama 3.1's header tokens, a system header with a knowledge date, <|eot_id|> ending every turn,
-tool results as `ipython`), not copied from either project.
+tool results as `ipython` turns whose string content goes through `tojson`, so `seven` is rendered
+`"seven"`, as the real template does: Jinja treats a string as iterable), not copied from either
+project.
 """
 
 import json
@@ -28,12 +30,13 @@ import envs
 import episodes as E
 import loss as L
 import model as M
+import rollout
 import train
 from conftest import one_line
 from engines import Completion, Sampling, TorchEngine
 
 ROOT = Path(__file__).resolve().parent.parent
-CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 :\n<>/|_"
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 :\n<>/|_" + '"{}[],.ABCDEFGHIJKLMNOPQRSTUVWXYZ'  # JSON, schemas
 
 QWEN3_LIKE = r"""
 {%- set ns = namespace(last_user=-1) -%}
@@ -63,7 +66,13 @@ LLAMA31_LIKE = r"""
 {%- else -%}{%- set sys = '' -%}{%- set rest = messages -%}{%- endif -%}
 {{- '<|start_header_id|>system<|end_header_id|>\n\ncutting knowledge date: 2023\n\n' + sys + '<|eot_id|>' -}}
 {%- for m in rest -%}
-  {{- '<|start_header_id|>' + ('ipython' if m.role == 'tool' else m.role) + '<|end_header_id|>\n\n' + (m.content | trim) + '<|eot_id|>' -}}
+  {%- if m.role == 'tool' -%}
+    {{- '<|start_header_id|>ipython<|end_header_id|>\n\n' -}}
+    {%- if m.content is mapping or m.content is iterable -%}{{- m.content | tojson -}}{%- else -%}{{- m.content -}}{%- endif -%}
+    {{- '<|eot_id|>' -}}
+  {%- else -%}
+    {{- '<|start_header_id|>' + m.role + '<|end_header_id|>\n\n' + (m.content | trim) + '<|eot_id|>' -}}
+  {%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}{%- endif -%}
 """
@@ -97,8 +106,8 @@ AFTER = {
               "\n<|im_start|>user\n<tool_response>\nseven\n</tool_response>\n<tool_response>\neight\n</tool_response>"
               "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"],
     "llama31": ["<|start_header_id|>user<|end_header_id|>\n\nlater<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
-                "<|start_header_id|>ipython<|end_header_id|>\n\nseven<|eot_id|><|start_header_id|>ipython<|end_header_id|>"
-                "\n\neight<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"],
+                '<|start_header_id|>ipython<|end_header_id|>\n\n"seven"<|eot_id|><|start_header_id|>ipython<|end_header_id|>'
+                '\n\n"eight"<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'],
 }
 REPLIES = [[{"role": "user", "content": "later"}], [{"role": "tool", "content": "seven"}, {"role": "tool", "content": "eight"}]]
 
@@ -168,6 +177,33 @@ def test_an_episode_is_the_sampled_ids_and_the_templates_deltas_token_for_token(
     if family == "qwen3":  # serving would re-render turn 1 without its think block; training keeps what was sampled
         rerendered = codec.render(ep.messages[:-1], **kwargs)
         assert rerendered != expected[:len(rerendered)] and codec.encode(text)[0] in s.completion
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_reply_never_repeats_the_end_of_the_turn_the_model_sampled_whichever_stop_ended_it(family):
+    """A stop token that ends a turn (ChatML/Qwen <|im_end|>, Llama <|eot_id|> and <|eom_id|>) drops the
+    template's leading end of turn: a Llama turn ending <|eom_id|> is not followed by <|eot_id|>. A turn
+    that ended on <|endoftext|> (a document's end) is followed by the template's <|im_end|>, as before."""
+    make, kwargs = FAMILIES[family]
+    codec = make()
+    for stop in codec.stop_ids:
+        text = codec.tok.id_to_token(stop)
+        want = AFTER[family][0] if text in ("<|im_end|>", "<|eot_id|>", "<|eom_id|>") else "<|im_end|>" + AFTER[family][0]
+        assert E.reply_ids(codec, REPLIES[0], stop, kwargs) == codec.encode(want), (family, text)
+    end = "<|eot_id|>" if family == "llama31" else "<|im_end|>"  # no stop sampled (a turn cut by length)
+    assert E.reply_ids(codec, REPLIES[0], codec.encode("b")[0], kwargs) == codec.encode(end + AFTER[family][0])
+
+
+def test_a_reference_turn_ends_with_the_templates_end_of_turn_not_the_first_stop_id():
+    """Llama-3.1-Instruct lists <|end_of_text|> first among its stop ids; a reference assistant turn
+    ends with what the template writes after one, <|eot_id|> (here the first stop id is <|eom_id|>)."""
+    codec = _codec(LLAMA_SPECIALS, LLAMA31_LIKE, ["<|eom_id|>", "<|eot_id|>"], "<|begin_of_text|>")
+    eot = codec.tok.token_to_id("<|eot_id|>")
+    assert E.end_of_turn(codec, {}) == eot and codec.stop_ids[0] != eot
+    p = D.Prompt(codec.render([{"role": "user", "content": "guess"}]), [{"role": "user", "content": "guess"}], {})
+    turns = [{"role": "assistant", "content": "b"}, {"role": "user", "content": "later"}, {"role": "assistant", "content": "c"}]
+    s = E.reference(codec, p, turns, {})
+    assert s.completion == codec.encode("b") + [eot] + codec.encode(AFTER["llama31"][0]) + codec.encode("c") + [eot]
 
 
 def test_the_trained_ids_are_the_sampled_ones_on_a_tokenizer_that_does_not_round_trip():
@@ -391,8 +427,8 @@ def test_an_environment_fault_takes_its_group_out_with_its_cause(env, end, why):
     assert eps[0].end == end and why in eps[0].why and eps[1].end in (end, "dropped")
     task = type("T", (), {"rewards": [], "codec": codec})()
     pl = E.Play(E.EnvSpec("x", env, None, True), codec, engine, Sampling(), 99, 3, 1.0, {})
-    assert E.finish(pl, task, eps, 2) == [] and why in pl.last_error
-    assert E.stats(eps, 3)["skipped/env_error"] == (2.0, 2.0)
+    assert rollout.finish_episodes(pl, task, eps, 2) == [] and why in pl.last_error
+    assert rollout.episode_stats(eps, 3)["skipped/env_error"] == (2.0, 2.0)
 
 
 def test_an_environment_reward_of_any_real_type_and_a_numpy_done_are_taken():
@@ -553,12 +589,15 @@ def _old_guess_rows(n: int, seed: int) -> list[dict]:
 
 def test_every_builtin_environment_writes_its_rows_by_name(tmp_path):
     """`python envs.py NAME FILE`: guess-letter's rows are the old writer's, byte for byte the committed
-    examples/guess.jsonl; the blind control plays the same rows; each holds the columns its class declares."""
+    examples/guess.jsonl; the blind control plays the same rows (and the calculator's control the
+    calculator's); each holds the columns its class declares."""
     for name, cls in envs.BUILTIN.items():
         f = tmp_path / f"{name}.jsonl"
         r = subprocess.run([sys.executable, "envs.py", name, str(f)], capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert r.returncode == 0 and not r.stderr, r.stderr
-        assert f.read_bytes() == (ROOT / "examples" / "guess.jsonl").read_bytes()
+        if name.startswith("guess-letter"):
+            assert f.read_bytes() == (ROOT / "examples" / "guess.jsonl").read_bytes()
+        assert f.read_bytes() == (tmp_path / f"{name.removesuffix('-off').removesuffix('-blind')}.jsonl").read_bytes()
         assert cls.columns and all(set(cls.columns) <= row.keys() for row in cls.rows(16, 0))
     assert envs.GuessLetter.rows(20, 3) == _old_guess_rows(20, 3)
 
@@ -568,7 +607,8 @@ def test_every_builtin_environment_writes_its_rows_by_name(tmp_path):
 def test_envs_py_with_an_unknown_name_says_its_usage_in_one_line(tmp_path, args, words):
     r = subprocess.run([sys.executable, str(ROOT / "envs.py"), *args], capture_output=True, text=True, timeout=60,
                        cwd=tmp_path)
-    one_line(r, 2, words, "usage: python envs.py NAME FILE, NAME one of guess-letter, guess-letter-blind")
+    one_line(r, 2, words, "usage: python envs.py NAME FILE, NAME one of guess-letter, guess-letter-blind, calculator, "
+             "calculator-off")
     assert not list(tmp_path.iterdir())  # nothing written
 
 

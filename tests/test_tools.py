@@ -1,0 +1,297 @@
+"""Tools in episodes (episodes.py with toolcalls.py and toolrun.py): the token rule with calls on
+the Qwen3- and Llama-3.1-behaving tool templates of tests/test_toolcalls.py (two calls in one Qwen
+turn; a Llama turn ending <|eom_id|>), the SFT round trip, a tool's faults inside an episode, the
+start checks' lines, and a run of the built-in `tools` and `calculator` environments.
+
+    python -m pytest -q tests/test_tools.py
+"""
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+import data as D
+import envs
+import episodes as E
+import hfdir
+import model as M
+import rollout
+import toolcalls as T
+import toolrun
+import train
+from engines import Sampling
+from test_episodes import Scripted
+from test_toolcalls import CALLS, FAMILIES, LLAMA31_TOOLS, _model_dir, add
+from textcodec import TextCodec
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = [{"role": "user", "content": "What is 1 + 2?"}]
+FORMAT = {"qwen3": "hermes", "llama31": "llama3-json"}
+
+
+def tools_model(tmp_path: Path, family: str = "qwen3", template: str | None = None) -> Path:
+    """A random tiny model (1024 positions: the tool list alone is hundreds of characters) with the
+    family's tool template and one-character tokenizer."""
+    src = _model_dir(tmp_path, family)
+    if template is not None:
+        cfg = json.loads((src / "tokenizer_config.json").read_text())
+        (src / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    codec = TextCodec.load(src)
+    m = M.Transformer(M.ModelArgs(codec.tok.get_vocab_size(), **{**M.TINY, "max_position_embeddings": 1024},
+                                  eos_token_id=codec.stop_ids[0]))
+    M.init_weights(m, seed=0)
+    hfdir.save(m, tmp_path / f"{family}-model", src)
+    return tmp_path / f"{family}-model"
+
+
+def _play(codec, fmt, fns, turns, rows=1, per_turn=0, max_calls=8, timeout=5.0, env=envs.ToolsOnly):
+    tools = T.toolset(fns)
+    kwargs = {"tools": [t.schema for t in tools.values()]}
+    row = D.Prompt(codec.render(PROMPT, **kwargs), PROMPT, {"answer": "3"})
+    runner = toolrun.Runner(timeout, 40, codec.encode)
+    spec = E.EnvSpec("tools", env, None, False, has_step=False)
+    pl = E.Play(spec, codec, Scripted(turns, codec.stop_ids), Sampling(max_new_tokens=200), 4096, 3, 5.0, kwargs,
+                tools=toolrun.Tools(tools, fmt, per_turn, max_calls, runner))
+    return E.play(pl, [row] * rows, 1, [0] * rows), row, pl
+
+
+def test_two_calls_in_one_qwen_turn_are_the_sampled_ids_then_the_templates_results(tmp_path):
+    codec = TextCodec.load(_model_dir(tmp_path, "qwen3"))
+    end = codec.tok.token_to_id("<|im_end|>")
+    call = T.write_calls("hermes", [{"function": {"name": "add", "arguments": {"a": 1, "b": 2}}},
+                                    {"function": {"name": "add", "arguments": {"a": 3, "b": 4}}}], "Two sums.")
+    turns = [codec.encode(call) + [end], codec.encode("3 and 7") + [end]]
+    (ep,), row, pl = _play(codec, "hermes", [add], [[turns[0]], [turns[1]]])
+    after = ("\n<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n7\n</tool_response>"
+             "<|im_end|>\n<|im_start|>assistant\n")  # by hand, from the format
+    assert ep.ids == row.ids + turns[0] + codec.encode(after) + turns[1] and ep.end == "done"
+    s = ep.sample()
+    assert [i for i, m in zip(s.completion, s.mask) if m] == turns[0] + turns[1]
+    assert ep.messages[1] == {"role": "assistant", "content": call, "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}},
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}}]}
+    assert ep.messages[2:] == [{"role": "tool", "name": "add", "content": "3"}, {"role": "tool", "name": "add", "content": "7"},
+                               {"role": "assistant", "content": "3 and 7"}]
+    m = rollout.episode_stats([ep], 3, pl)
+    assert m["tools/calls"] == (2.0, 1.0) and m["tools/calls/add"] == (2.0, 1.0) and m["tools/turns_with_calls"] == (1.0, 2.0)
+    assert m["tools/result_tokens"] == (float(len(codec.encode(after))), 1.0)
+
+
+@pytest.mark.parametrize("stop", ["<|eom_id|>", "<|eot_id|>"])
+def test_a_llama_call_ending_on_either_stop_is_followed_by_one_ipython_turn_and_no_second_end(tmp_path, stop):
+    codec = TextCodec.load(_model_dir(tmp_path, "llama31"))
+    sid, eot = codec.tok.token_to_id(stop), codec.tok.token_to_id("<|eot_id|>")
+    call = "<|python_tag|>" + T.write_calls("llama3-json", CALLS[:1])
+    turns = [codec.encode(call) + [sid], codec.encode("3") + [eot]]
+    (ep,), row, _ = _play(codec, "llama3-json", [add], [[turns[0]], [turns[1]]])
+    after = '<|start_header_id|>ipython<|end_header_id|>\n\n"3"<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'
+    assert ep.ids == row.ids + turns[0] + codec.encode(after) + turns[1] and ep.end == "done"
+    assert ep.messages[1]["content"] == call and ep.messages[2] == {"role": "tool", "name": "add", "content": "3"}
+
+
+def test_an_episode_that_ends_on_a_call_scores_no_answer(tmp_path, monkeypatch):
+    """At the turn cap a call is not run (no turn would read it); `completions` is "" for the reward."""
+    codec = TextCodec.load(_model_dir(tmp_path, "qwen3"))
+    end = codec.tok.token_to_id("<|im_end|>")
+    call = codec.encode(T.write_calls("hermes", CALLS[:1])) + [end]
+    (ep,), _, pl = _play(codec, "hermes", [add], [[call]] * 3)
+    assert ep.end == "max_turns" and ep.on_call and ep.n_turns == 3 and len(ep.calls) == 3
+    seen = []
+    monkeypatch.setattr(rollout, "score_groups", lambda fns, groups: [seen.append(g[1]) or [0.0] for g in groups])
+    rollout.score_episodes(type("Task", (), {"codec": codec, "rewards": []})(), [ep], 1)
+    assert seen == [[""]]
+
+
+class Faulty:
+    """Tools that fail on purpose; `gate` holds `hang` (no sleeps)."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+
+    def div(self, a: int, b: int) -> float:
+        """Divide.
+
+        Args:
+            a: numerator
+            b: denominator
+        """
+        return a / b
+
+    def hang(self) -> str:
+        """Wait for the gate."""
+        self.gate.wait()
+        return "late"
+
+    def big(self) -> str:
+        """A long result."""
+        return "7" * 100
+
+    def odd(self):
+        """Not JSON."""
+        return {1}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama31"])
+def test_a_tools_faults_are_its_results_the_episodes_go_on_and_are_counted(tmp_path, family):
+    codec = TextCodec.load(_model_dir(tmp_path, family))
+    fmt, f = FORMAT[family], Faulty()
+    stop = codec.stop_ids[0] if family == "qwen3" else codec.tok.token_to_id("<|eot_id|>")
+    fns = [f.div, f.hang, f.big, f.odd]
+
+    def turn(name, args):
+        return codec.encode(T.write_calls(fmt, [{"function": {"name": name, "arguments": args}}])) + [stop]
+
+    firsts = [turn("div", {"a": 1, "b": 0}), turn("hang", {}), turn("big", {}), turn("odd", {}), turn("nope", {}),
+              turn("div", {"a": "1", "b": 2}), codec.encode('{"name": "div", "parameters": {"a": 1,' if fmt != "hermes"
+                                                            else "<tool_call>\n{'name': 'div'}\n</tool_call>") + [stop]]
+    try:
+        eps, _, pl = _play(codec, fmt, fns, [firsts, [codec.encode("ok") + [stop]] * len(firsts)], rows=len(firsts), timeout=0.3)
+    finally:
+        f.gate.set()
+    contents = [e.messages[2]["content"] for e in eps]
+    assert contents[:6] == ["error: div raised ZeroDivisionError: division by zero", "error: hang timed out after 0.3 s",
+                            "7" * 40 + "...[truncated 60 chars]",
+                            "error: odd returned what cannot be its result: set is not str, int, float, bool, None, list or dict",
+                            "error: no tool named 'nope' (tools: div, hang, big, odd)",
+                            "error: div: argument 'a' must be integer, got \"1\""]
+    assert contents[6].startswith("error: the tool call is not valid JSON")
+    assert all(e.end == "done" and e.n_turns == 2 for e in eps)  # every episode went on; no group dropped
+    m = rollout.episode_stats(eps, 3, pl)
+    assert {k: m[f"tools/errors/{k}"][0] for k in T.KINDS} == {"parse": 1, "unknown": 1, "args": 1, "raised": 1,
+                                                                "timeout": 1, "result": 1, "limit": 0}
+    assert m["tools/truncated"] == (1.0, 7.0) and m["skipped/env_error"] == (0.0, 7.0) and "time/tools" in m
+
+
+def test_the_call_limits_answer_the_extra_calls_inside_an_episode(tmp_path):
+    codec = TextCodec.load(_model_dir(tmp_path, "qwen3"))
+    end = codec.tok.token_to_id("<|im_end|>")
+    three = codec.encode(T.write_calls("hermes", [{"function": {"name": "add", "arguments": {"a": 1, "b": k}}}
+                                                  for k in range(3)])) + [end]
+    (ep,), _, pl = _play(codec, "hermes", [add], [[three], [three], [codec.encode("x") + [end]]], per_turn=2, max_calls=4)
+    assert [(c.kind, c.content) for c in ep.calls] == [("", "1"), ("", "2"), ("limit", "error: at most 2 tool calls a turn"),
+                                                       ("", "1"), ("limit", "error: tool call limit 4 reached"),
+                                                       ("limit", "error: tool call limit 4 reached")]
+    assert rollout.episode_stats([ep], 3, pl)["tools/errors/limit"] == (3.0, 6.0)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama31"])
+def test_an_sft_reference_call_is_the_text_the_parser_reads_back_trained_as_model_tokens(tmp_path, family):
+    codec = TextCodec.load(_model_dir(tmp_path, family))
+    fmt, kwargs = FORMAT[family], {"tools": [T.schema(add)]}
+    p = D.Prompt(codec.render(PROMPT, **kwargs), PROMPT, {})
+    turns = [{"role": "assistant", "content": "", "tool_calls": CALLS[:1]}, {"role": "tool", "name": "add", "content": "3"},
+             {"role": "assistant", "content": "3"}]
+    s = E.reference(codec, p, turns, kwargs, fmt)
+    end = E.end_of_turn(codec, kwargs)
+    assert codec.tok.id_to_token(end) == ("<|im_end|>" if family == "qwen3" else "<|eot_id|>")  # not Llama's first stop id
+    trained = [i for i, m in zip(s.completion, s.mask) if m]
+    first = trained[:trained.index(end) + 1]
+    text, stop = codec.decode_turn(first)
+    assert [(c.name, c.arguments, c.kind) for c in T.parse(fmt, text, T.toolset([add]), stop)] == [("add", {"a": 1, "b": 2}, "")]
+    assert s.completion == first + E.reply_ids(codec, turns[1:2], end, kwargs) + codec.encode("3") + [end]
+    with pytest.raises(ValueError, match="needs tools"):
+        E.reference(codec, p, turns, kwargs)
+
+
+# ----------------------------------------------------------------------------- the start checks
+
+def _rows(tmp_path: Path, string: bool = False) -> Path:
+    f = tmp_path / "rows.jsonl"
+    rows = [{"prompt": f"{k}+1=" if string else [{"role": "user", "content": f"{k}+1="}], "answer": str(k + 1)}
+            for k in range(20)]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f
+
+
+def _tool_file(tmp_path: Path, body: str) -> Path:
+    f = tmp_path / "mytools.py"
+    f.write_text(body)
+    return f
+
+
+def _refused(capsys, tmp_path, args) -> str:
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        train.main([*args, "--steps", "1", "--eval-every", "0", "--out-dir", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and not out.exists(), err
+    return err[0].removeprefix("floe: error: ")
+
+
+NO_HINT = '''
+def f(a, b: int) -> int:
+    """F.
+
+    Args:
+        a: a
+        b: b
+    """
+    return 0
+
+
+def hint(x: int) -> int:
+    """Named like a method of GuessLetter.
+
+    Args:
+        x: x
+    """
+    return x
+'''
+NO_FORMAT = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}"
+NEEDS_CALL = LLAMA31_TOOLS.replace("{%- elif m.role == 'tool' or m.role == 'ipython' -%}",
+                                   "{%- elif m.role == 'tool' and not loop.previtem.tool_calls -%}{{- raise_exception('a result needs its call') -}}"
+                                   "{%- elif m.role == 'tool' or m.role == 'ipython' -%}")
+
+
+def test_what_tools_cannot_run_with_is_refused_in_one_line_before_the_first_byte(tmp_path, capsys):
+    rows, qwen = _rows(tmp_path), tools_model(tmp_path)
+    for d in ("s", "n", "g"):
+        (tmp_path / d).mkdir()
+    strings, no_format = _rows(tmp_path / "s", string=True), tools_model(tmp_path / "n", template=NO_FORMAT)
+    needs_call, llama = tools_model(tmp_path / "g", "llama31", NEEDS_CALL), tools_model(tmp_path, "llama31")
+    tool = ["--tool", "examples/calculator.py:add", "--reward", "numeric_match"]
+    base = ["--task", f"jsonl:{rows}", "--model", str(qwen), "--eval-prompts", "4"]
+    f = _tool_file(tmp_path, NO_HINT)
+    cases = [
+        (["--tool", "nowhere.py:add", "--reward", "numeric_match"], "--tool nowhere.py:add: no such file nowhere.py"),
+        (["--tool", "envs:PROMPT", "--reward", "numeric_match"], "--tool envs:PROMPT: 'guess a letter from a to o' is not a function"),
+        (["--tool", f"{f}:f", "--reward", "numeric_match"], "tool f: parameter a: no type hint"),
+        (tool + ["--tool", "examples/calculator.py:add"], "two tools are named add"),
+        (["--tool", "examples/calculator.py:add"], "needs --reward"),
+        (tool + ["--chat-template-kwargs", '{"tools": []}'], "--chat-template-kwargs sets `tools`"),
+        (tool + ["--task", f"jsonl:{strings}"], "a string prompt cannot show the tools"),
+        (["--tool", "examples/calculator.py:add", "--env", "guess-letter", "--model", "checkpoints/guess-tiny", "--task",
+          "jsonl:examples/guess.jsonl"], "tokenizer_config.json ignores `tools` (it renders the same text with and without"),
+        (tool + ["--model", str(no_format)], "--tool-format auto: chat template"),
+        (tool + ["--model", str(needs_call)], "cannot render a tool result after a plain assistant turn"),
+        (tool + ["--model", str(llama), "--max-tool-calls-per-turn", "2"],
+         "--max-tool-calls-per-turn 2 with llama3-json"),
+        (["--tool", f"{f}:hint", "--env", "guess-letter", "--task", "jsonl:examples/guess.jsonl"],
+         "--tool hint: named like --env guess-letter's GuessLetter.hint; rename the tool"),
+        (tool + ["--max-tool-calls", "0"], "--max-tool-calls must be >= 1, got 0"),
+        (tool + ["--tool-timeout", "0"], "--tool-timeout must be a finite number of seconds > 0, got 0.0"),
+        (tool + ["--max-tool-result-chars", "0"], "--max-tool-result-chars must be >= 1, got 0"),
+    ]
+    for extra, words in cases:
+        line = _refused(capsys, tmp_path, [*base, *extra])
+        assert words in line, (extra, line)
+
+
+def test_the_tools_environment_and_the_calculator_train_with_their_metrics(tmp_path):
+    """--tool without --env on a random tiny Qwen3-shaped model, and --env calculator (the same
+    schema): the runs train, log the tool metrics, and an eval reports the calls."""
+    model, rows = tools_model(tmp_path), _rows(tmp_path)
+    flags = ["--task", f"jsonl:{rows}", "--model", str(model), "--steps", "1", "--prompts-per-step", "2",
+             "--group-size", "2", "--max-new-tokens", "4", "--max-turns", "2", "--eval-prompts", "2", "--reward", "numeric_match"]
+    for extra, name in [(["--tool", "examples/calculator.py:add", "--eval-every", "0"], "tools"),
+                        (["--env", "calculator", "--eval-every", "1"], "calculator")]:
+        out = tmp_path / name
+        train.main([*flags, *extra, "--out-dir", str(out)])
+        last = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][-1]
+        keys = ("tools/calls", "tools/turns_with_calls", "tools/result_tokens", "tools/abandoned", "time/tools", "episode/turns")
+        for k in keys + (("eval/tool_calls", "eval/tool_errors") if name == "calculator" else ()):
+            assert k in last, (name, k)
+    assert envs.CalculatorOff().add(1, 2) == "error: the calculator is off" and envs.Calculator().add(1, 2) == 3
+    assert T.schema(envs.CalculatorOff().add) == T.schema(T.load(("examples/calculator.py:add",))[0])
