@@ -23,7 +23,7 @@ import toolrun
 import train
 from engines import Sampling
 from test_episodes import Scripted
-from test_toolcalls import CALLS, FAMILIES, LLAMA31_TOOLS, _model_dir, add
+from test_toolcalls import CALLS, LLAMA31_TOOLS, _model_dir, add
 from textcodec import TextCodec
 
 ROOT = Path(__file__).resolve().parent.parent
