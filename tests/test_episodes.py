@@ -183,7 +183,7 @@ def test_an_episode_is_the_sampled_ids_and_the_templates_deltas_token_for_token(
 def test_a_reply_never_repeats_the_end_of_the_turn_the_model_sampled_whichever_stop_ended_it(family):
     """A stop token that ends a turn (ChatML/Qwen <|im_end|>, Llama <|eot_id|> and <|eom_id|>) drops the
     template's leading end of turn: a Llama turn ending <|eom_id|> is not followed by <|eot_id|>. A turn
-    that ended on <|endoftext|> (a document's end) is followed by the template's <|im_end|>, as before."""
+    that ended on <|endoftext|> (a document's end) is followed by the template's <|im_end|>: that turn did not end as a turn."""
     make, kwargs = FAMILIES[family]
     codec = make()
     for stop in codec.stop_ids:
