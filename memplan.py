@@ -55,14 +55,17 @@ CHECKPOINTING = ("auto", "off", "blocks")
 DEVICES = {"H100-80GB": 81559 * 2**20, "H200": 143771 * 2**20}
 
 # Measured by `python bench/memory.py activations` (2026-12-02, docs/experiments.md "the memory plan's
-# figures"): peak RSS a token a layer over `saved_elements` x 4 bytes, packed 64-token documents.
-CPU_FP32_CALIBRATION = 1.0
+# CPU figures"): peak RSS a token a layer over `saved_elements` x 4 bytes, packed 64-token documents.
+CPU_FP32_CALIBRATION = 1.113
+# Measured by the same run: the backward's gradient temporaries, a token, in layers' activations (the
+# slope in tokens that does not grow with the layers). CUDA reuses it, computed.
+BACKWARD_LAYERS = 0.474
 # Measured by `python bench/memory.py baseline` (the same entry): peak RSS of a process that imported
 # train.py's modules and loaded nothing.
-CPU_BASELINE = 0
+CPU_BASELINE = 289189888
 # Measured by `python bench/memory.py activations` (the same entry): the CPU head's peak, in
-# [chunk, V] fp32 tiles (kernels.head: logits, their softmax, the recomputed tile in the backward).
-CPU_HEAD_TILES = 3.0
+# [chunk, V] fp32 tiles (kernels.head: the forward's tiles, then the backward's recomputed ones and their gradient).
+CPU_HEAD_TILES = 6.19
 # Not measured: the CUDA context and the caching allocator's slack beside torch's allocations.
 CUDA_BASELINE = GIB
 CPU_TILE_ELEMENTS = 1 << 25  # kernels.TILE_ELEMENTS: the CPU head's [chunk, V] tile
@@ -229,7 +232,7 @@ def engine_bytes(shape: Shape, s: Setup) -> int:
 
 
 def token_bytes(shape: Shape, s: Setup) -> tuple[int, int, bool]:
-    """(bytes a token a layer, bytes a token outside the layers, measured?) of the trainer's forward."""
+    """(bytes a token a layer, bytes a token the backward adds, measured?) of the trainer's forward and backward."""
     half = s.train_dtype != "fp32"
     doc = (s.document_tokens or s.micro_batch_tokens) if s.device == "cpu" else 0
     full, low = saved_elements(shape, half, doc)
@@ -237,7 +240,7 @@ def token_bytes(shape: Shape, s: Setup) -> tuple[int, int, bool]:
     measured = s.device == "cpu" and not half
     if measured:
         per_layer = int(per_layer * CPU_FP32_CALIBRATION)
-    return per_layer, 3 * 4 * shape.args.hidden_size, measured  # outside: the final norm's input, output and the hidden
+    return per_layer, int(BACKWARD_LAYERS * per_layer), measured
 
 
 def activation_bytes(shape: Shape, s: Setup) -> dict[str, int]:

@@ -11,6 +11,7 @@ named point), one process at a time, so no figure holds another's memory. Studie
   grows with the document) and with each block recomputed in the backward (torch's checkpoint
   around each block, as --activation-checkpointing blocks will), each beside the plan's figure;
   and the LM head's peak in [chunk, V] tiles (memplan.CPU_HEAD_TILES).
+- `scale`: docs/scale.md's table of the plan for Qwen3-1.7B to 32B on 8 GPUs (computed only).
 - `startup`: train.py on a random Qwen3-0.6B-shaped checkpoint the bench writes in bf16 as HF
   sharded files (model.safetensors.index.json), one process, full fine-tuning and --lora-rank 16,
   the built-in engine: peak RSS right after start.build returns, before step 1, beside the plan's
@@ -23,6 +24,7 @@ Simplifications:
     python bench/memory.py baseline
     python bench/memory.py activations     # 13 processes, ~15 min on 2 cores, the largest ~3 GiB
     python bench/memory.py startup         # 2 processes, the largest ~6 GiB; writes runs/memory/
+    python bench/memory.py scale           # docs/scale.md's table: computed, nothing is measured
 """
 
 from __future__ import annotations
@@ -134,8 +136,9 @@ def activations(a) -> str:
         lines.append(f"| {layers} | {t} | {t // DOCUMENT} x {DOCUMENT} | {r['peak'] / GIB:.3f} GiB | "
                      f"{r['before'] / GIB:.3f} GiB | {(r['peak'] - r['before']) / GIB:.3f} GiB |")
     lines += ["", f"bytes a token a layer: {per_layer:.0f} measured, {counted} counted (memplan.saved_elements x 4): "
-              f"CPU_FP32_CALIBRATION = {per_layer / counted:.3f}; bytes a token outside the layers: {outside:.0f} "
-              f"measured, {3 * 4 * shape.args.hidden_size} planned", ""]
+              f"CPU_FP32_CALIBRATION = {per_layer / counted:.3f}; bytes a token outside the layers (the backward's "
+              f"temporaries): {outside:.0f}, BACKWARD_LAYERS = {outside / per_layer:.3f}", ""]
+    P.BACKWARD_LAYERS = outside / per_layer
     lines += against_plan(shape, per_layer, outside, per_layer / counted)
     h = child(["_head", "4096"])
     lines += ["", f"LM head at vocab {QWEN3_06B['vocab_size']}, 4096 tokens, {h['chunk']}-token chunks: peak - before "
@@ -251,6 +254,40 @@ def startup(a) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- the scale table
+
+# the model cards' config.json shapes (Qwen/Qwen3-*): all with vocab 151936 and 128-wide heads
+QWEN3 = {"Qwen3-1.7B": (2048, 6144, 28, 16, 8, True), "Qwen3-8B": (4096, 12288, 36, 32, 8, False),
+         "Qwen3-14B": (5120, 17408, 40, 40, 8, False), "Qwen3-32B": (5120, 25600, 64, 64, 8, False)}
+
+
+def qwen3(name: str) -> P.Shape:
+    h, i, layers, heads, kv, tied = QWEN3[name]
+    return P.Shape.from_config(dict(model_type="qwen3", vocab_size=151936, hidden_size=h, intermediate_size=i,
+                                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                                    head_dim=128, tie_word_embeddings=tied))
+
+
+def scale(a) -> str:
+    """docs/scale.md's table: the plan (computed, not measured) for 8 GPUs, each a trainer rank with
+    a colocated bf16 built-in engine, fp32 training, 16k-token micro-batches."""
+    lines = ["| model | params | fine-tuning | checkpointing | per GPU: weights + grads + AdamW | engine | activations "
+             "| total | start-up | 8xH100-80GB | 8xH200 |", "|" + " --- |" * 11]
+    for name in QWEN3:
+        shape = qwen3(name)
+        for rank in (0, 16):
+            for ac in ("off", "blocks"):
+                s = P.Setup(world=8, lora_rank=rank, device="cuda", micro_batch_tokens=16384, activation_checkpointing=ac)
+                t = P.plan(shape, s).role("trainer rank")
+                state = t.parts["weights"] + t.parts["gradients"] + t.parts["AdamW state"]
+                fit = lambda d: "fits" if P.fits(shape, s, P.DEVICES[d]) else "no"  # noqa: E731
+                lines.append(f"| {name} | {shape.params() / 1e9:.2f}B | {'LoRA r16' if rank else 'full'} | {ac} "
+                             f"| {state / GIB:.1f} GiB | {t.parts['engine copy'] / GIB:.1f} GiB "
+                             f"| {t.parts['activations'] / GIB:.1f} GiB | {t.total / GIB:.1f} GiB "
+                             f"| {t.startup / GIB:.1f} GiB | {fit('H100-80GB')} | {fit('H200')} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0].startswith("_"):
@@ -266,13 +303,13 @@ def main(argv=None):
         print(json.dumps(r))
         return None
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("study", choices=["baseline", "activations", "startup"])
+    ap.add_argument("study", choices=["baseline", "activations", "startup", "scale"])
     ap.add_argument("--out", default="runs/memory")
     a = ap.parse_args(argv)
     if a.study == "baseline":
         print(f"empty start: peak RSS {child(['_baseline'])['peak']} bytes")
     else:
-        print({"activations": activations, "startup": startup}[a.study](a))
+        print({"activations": activations, "startup": startup, "scale": scale}[a.study](a))
 
 
 if __name__ == "__main__":
