@@ -1,0 +1,316 @@
+"""The memory plan's measured figures, and the start-up it plans against, on the CPU.
+
+Each figure is one fresh process's peak RSS (`resource.getrusage` ru_maxrss, read in-process at the
+named point), one process at a time, so no figure holds another's memory. Studies:
+- `baseline`: a process that imported train.py's modules and loaded nothing (memplan.CPU_BASELINE).
+- `activations`: one forward and backward of the packed training forward (row attention, fp32)
+  at Qwen3-0.6B's widths with 2 and 4 layers (a small vocabulary: the layers are measured), at
+  1k, 2k and 4k tokens of packed 64-token documents; the slope in tokens at each depth gives
+  bytes a token, their difference bytes a token a layer, which over memplan.saved_elements is
+  memplan.CPU_FP32_CALIBRATION. The same with one long document per micro-batch (the CPU's mask
+  grows with the document) and with each block recomputed in the backward (torch's checkpoint
+  around each block, as --activation-checkpointing blocks will), each beside the plan's figure;
+  and the LM head's peak in [chunk, V] tiles (memplan.CPU_HEAD_TILES).
+- `scale`: docs/scale.md's table of the plan for Qwen3-1.7B to 32B on 8 GPUs (computed only).
+- `startup`: train.py on a random Qwen3-0.6B-shaped checkpoint the bench writes in bf16 as HF
+  sharded files (model.safetensors.index.json), one process, full fine-tuning and --lora-rank 16,
+  the built-in engine: peak RSS right after start.build returns, before step 1, beside the plan's
+  start-up peak (the sharded load's) and the arithmetic of what today's load holds.
+
+Simplifications:
+1. Memory only: nothing here is timed.
+2. The checkpointed run wraps the blocks here, in the bench, until the trainer has the flag.
+
+    python bench/memory.py baseline
+    python bench/memory.py activations     # 13 processes, ~15 min on 2 cores, the largest ~3 GiB
+    python bench/memory.py startup         # 2 processes, the largest ~6 GiB; writes runs/memory/
+    python bench/memory.py scale           # docs/scale.md's table: computed, nothing is measured
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import memplan as P  # noqa: E402
+import model as M  # noqa: E402
+
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=512)
+TOKENS, DOCUMENT, SMALL_VOCAB = (1024, 2048, 4096), 64, 4096
+GIB = 2**30
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+_done: dict[tuple, dict] = {}
+
+
+def child(args: list[str]) -> dict:
+    """`python bench/memory.py _NAME ARGS` in a fresh process: its last stdout line, parsed (a figure
+    asked twice is measured once)."""
+    if tuple(args) in _done:
+        return _done[tuple(args)]
+    r = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, cwd=ROOT)
+    if r.returncode:
+        raise SystemExit(f"{' '.join(args)}: exit {r.returncode}\n{r.stderr[-3000:]}")
+    _done[tuple(args)] = json.loads(r.stdout.strip().splitlines()[-1])
+    return _done[tuple(args)]
+
+
+# ----------------------------------------------------------------------------- activations
+
+def layer_shape(layers: int) -> dict:
+    return {**QWEN3_06B, "vocab_size": SMALL_VOCAB, "num_hidden_layers": layers}
+
+
+def recomputed(model: M.Transformer) -> None:
+    """Each block recomputed in the backward: torch's checkpoint around it, as the flag will be."""
+    from torch.utils.checkpoint import checkpoint
+    for block in model.model.layers:
+        block.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=False))(block.forward)
+
+
+def forward_backward(layers: int, tokens: int, document: int, blocks: bool) -> dict:
+    """One forward and backward; the peak and the RSS just before the forward."""
+    torch.manual_seed(0)
+    model = M.Transformer(M.ModelArgs(**layer_shape(layers)))
+    M.init_weights(model)
+    if blocks:
+        recomputed(model)
+    ids = torch.randint(0, SMALL_VOCAB, (tokens,))
+    positions, docs = torch.arange(tokens) % document, torch.arange(tokens) // document
+    before, peak_before = rss(), peak_rss()
+    model(ids, positions, docs).sum().backward()
+    return {"peak": peak_rss(), "before": before, "peak_before": peak_before}
+
+
+def head_tiles(tokens: int) -> dict:
+    """The CPU head's peak over its [chunk, V] fp32 tile, at Qwen3-0.6B's vocabulary."""
+    from kernels import TILE_ELEMENTS, head
+    v, h = QWEN3_06B["vocab_size"], QWEN3_06B["hidden_size"]
+    weight = torch.randn(v, h) * 0.02
+    hidden = torch.randn(tokens, h, requires_grad=True)
+    labels = torch.randint(0, v, (tokens,))
+    before = rss()
+    head(hidden, weight, labels, impl="torch")[0].sum().backward()
+    chunk = max(1, min(tokens, TILE_ELEMENTS // v))
+    extra = peak_rss() - before - hidden.grad.nbytes  # the hidden's gradient is the head's output, not a tile
+    return {"peak": peak_rss(), "before": before, "tiles": extra / (chunk * v * 4), "chunk": chunk}
+
+
+def slope(points: list[tuple[int, int]]) -> float:
+    """The least-squares slope of bytes over tokens."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    return sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+
+
+def activations(a) -> str:
+    shape = P.Shape(M.ModelArgs(**layer_shape(2)))
+    counted = 4 * P.saved_elements(shape, False, DOCUMENT)[0]
+    runs = {(layers, t): child(["_fb", str(layers), str(t), str(DOCUMENT), "0"]) for layers in (2, 4) for t in TOKENS}
+    per = {layers: slope([(t, runs[layers, t]["peak"]) for t in TOKENS]) for layers in (2, 4)}
+    per_layer, outside = (per[4] - per[2]) / 2, per[2] - 2 * (per[4] - per[2]) / 2
+    lines = [f"Qwen3-0.6B widths (hidden 1024, intermediate 3072, 16/8 heads of 128), vocab {SMALL_VOCAB}, fp32, "
+             f"row attention, torch {torch.__version__}, {torch.get_num_threads()} threads", "",
+             "| layers | tokens | documents | peak RSS | RSS before the forward | peak - before |", "|" + " --- |" * 6]
+    for (layers, t), r in runs.items():
+        lines.append(f"| {layers} | {t} | {t // DOCUMENT} x {DOCUMENT} | {r['peak'] / GIB:.3f} GiB | "
+                     f"{r['before'] / GIB:.3f} GiB | {(r['peak'] - r['before']) / GIB:.3f} GiB |")
+    lines += ["", f"bytes a token a layer: {per_layer:.0f} measured, {counted} counted (memplan.saved_elements x 4): "
+              f"CPU_FP32_CALIBRATION = {per_layer / counted:.3f}; bytes a token outside the layers (the backward's "
+              f"temporaries): {outside:.0f}, BACKWARD_LAYERS = {outside / per_layer:.3f}", ""]
+    P.BACKWARD_LAYERS = outside / per_layer
+    lines += against_plan(shape, per_layer, outside, per_layer / counted)
+    h = child(["_head", "4096"])
+    lines += ["", f"LM head at vocab {QWEN3_06B['vocab_size']}, 4096 tokens, {h['chunk']}-token chunks: peak - before "
+              f"- d_hidden = {h['tiles']:.2f} [chunk, V] fp32 tiles: CPU_HEAD_TILES = {h['tiles']:.2f}"]
+    return "\n".join(lines)
+
+
+def against_plan(shape: P.Shape, per_layer: float, outside: float, calibration: float) -> list[str]:
+    """Four layers: a long document and checkpointed blocks, measured (peak - RSS before) against
+    the plan's activations with the calibration just measured."""
+    old, P.CPU_FP32_CALIBRATION = P.CPU_FP32_CALIBRATION, calibration
+    sh4 = P.Shape(M.ModelArgs(**layer_shape(4)))
+    lines = ["| 4 layers, tokens | documents | checkpointing | peak - before | plan's activations | plan / measured |",
+             "|" + " --- |" * 6]
+    for t in TOKENS:
+        for doc, blocks in ((DOCUMENT, False), (t, False), (DOCUMENT, True)):
+            r = child(["_fb", "4", str(t), str(doc), str(int(blocks))])
+            s = P.Setup(micro_batch_tokens=t, document_tokens=doc, activation_checkpointing="blocks" if blocks else "off")
+            planned = P.activation_bytes(sh4, s)[s.activation_checkpointing]
+            grads = 4 * sh4.params()  # the backward's weight gradients, which the plan counts apart
+            got = r["peak"] - r["before"] - grads
+            lines.append(f"| {t} | {t // doc} x {doc} | {'blocks' if blocks else 'off'} | {got / GIB:.3f} GiB "
+                         f"| {planned / GIB:.3f} GiB | {planned / got:.2f} |")
+    P.CPU_FP32_CALIBRATION = old
+    return lines
+
+
+# ----------------------------------------------------------------------------- start-up
+
+def write_sharded(d: Path, shape: dict, shard_bytes: int = 500 * 2**20) -> Path:
+    """A random model of `shape` as HF sharded bf16 files with model.safetensors.index.json, one tensor
+    made at a time (never the whole model in fp32), once."""
+    from safetensors.torch import save_file
+    import data as D
+    if (d / "model.safetensors.index.json").is_file():
+        return d
+    d.mkdir(parents=True, exist_ok=True)
+    D.write_tokenizer(d)
+    args = M.ModelArgs(**shape, eos_token_id=2)
+    (d / "config.json").write_text(json.dumps({**args.to_hf(), "torch_dtype": "bfloat16"}, indent=2))
+    with torch.device("meta"):
+        names = {k: v.shape for k, v in M.Transformer(args).state_dict().items()}
+    g, shards, current = torch.Generator().manual_seed(0), [], {}
+    for k, s in names.items():
+        t = torch.ones(s) if k.endswith("norm.weight") else torch.randn(s, generator=g) * 0.02
+        current[k] = t.to(torch.bfloat16)
+        if sum(x.nbytes for x in current.values()) >= shard_bytes:
+            shards.append(current)
+            current = {}
+    shards += [current] if current else []
+    weight_map = {}
+    for i, part in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(part, str(d / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+    total = sum(t.nbytes for part in shards for t in part.values())
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return d
+
+
+def after_build(model_dir: str, rank: int) -> None:
+    """train.py until start.build returns, then the peak RSS and out: nothing of step 1 runs."""
+    import train
+
+    real = train.build
+
+    def build(*a, **k):
+        out = real(*a, **k)
+        os.write(1, (json.dumps({"peak": peak_rss(), "rss": rss()}) + "\n").encode())  # fd 1: sys.stdout is muted
+        os._exit(0)
+
+    train.build = build
+    flags = ["--model", model_dir, "--steps", "1", "--eval-every", "0", "--prompts-per-step", "2", "--group-size", "2",
+             "--max-new-tokens", "8", "--micro-batch-tokens", "256", "--device", "cpu", "--engine", "torch",
+             "--compile", "off", "--out-dir", str(Path(model_dir).parent / f"run-r{rank}")]
+    sys.stdout, stdout = open(os.devnull, "w"), sys.stdout
+    try:
+        train.main(flags + (["--lora-rank", str(rank)] if rank else []))
+    finally:
+        sys.stdout = stdout
+
+
+def before_arithmetic(shape: P.Shape, rank: int, baseline: int, largest_file: int) -> tuple[int, str]:
+    """What today's start holds on a CPU, one process: M.load's fp32 state (which becomes the model),
+    the open file's mapped bf16 pages, the built-in engine's fp32 deep copy (fp32 on a CPU)."""
+    n = shape.params()
+    adapters = 4 * shape.adapter_params(rank, P.TARGETS) * 2 if rank else 0  # the trainer's and the engine's copy
+    total = baseline + 4 * n + largest_file + 4 * n + adapters
+    return total, (f"{baseline / GIB:.2f} baseline + 4 x {n / 1e6:.0f}M trainer + {largest_file / GIB:.2f} largest file mapped"
+                   f" + 4 x {n / 1e6:.0f}M engine" + (f" + {adapters / GIB:.2f} adapters x 2" if rank else ""))
+
+
+def startup(a) -> str:
+    d = write_sharded(Path(a.out) / "qwen3-0.6b-shaped-bf16", QWEN3_06B)
+    shape = P.Shape.from_dir(d)
+    baseline = child(["_baseline"])["peak"]
+    largest_file = max(f.stat().st_size for f in d.glob("*.safetensors"))
+    lines = [f"random Qwen3-0.6B-shaped checkpoint in bf16, {len(list(d.glob('*.safetensors')))} shard files; "
+             f"baseline (empty start) {baseline / GIB:.2f} GiB", "",
+             "| run | peak RSS after build (today) | today's arithmetic | plan, sharded load | plan's terms |",
+             "|" + " --- |" * 5]
+    for rank in (0, 16):
+        r = child(["_startup", str(d), str(rank)])
+        today, how = before_arithmetic(shape, rank, baseline, largest_file)
+        s = P.Setup(lora_rank=rank)
+        role = P.plan(shape, s).role("trainer rank")
+        terms = (f"{role.parts['weights'] / GIB:.2f} shard + {role.parts['engine copy'] / GIB:.2f} engine + "
+                 f"{4 * max(shape.largest_tensor(), shape.block_params()) / GIB:.2f} largest tensor + "
+                 f"{role.parts['baseline'] / GIB:.2f} baseline")
+        lines.append(f"| {'full' if not rank else f'LoRA r{rank}'} | {r['peak'] / GIB:.2f} GiB | {today / GIB:.2f} GiB = "
+                     f"{how} | {role.startup / GIB:.2f} GiB | {terms} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the scale table
+
+# the model cards' config.json shapes (Qwen/Qwen3-*): all with vocab 151936 and 128-wide heads
+QWEN3 = {"Qwen3-1.7B": (2048, 6144, 28, 16, 8, True), "Qwen3-8B": (4096, 12288, 36, 32, 8, False),
+         "Qwen3-14B": (5120, 17408, 40, 40, 8, False), "Qwen3-32B": (5120, 25600, 64, 64, 8, False)}
+
+
+def qwen3(name: str) -> P.Shape:
+    h, i, layers, heads, kv, tied = QWEN3[name]
+    return P.Shape.from_config(dict(model_type="qwen3", vocab_size=151936, hidden_size=h, intermediate_size=i,
+                                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                                    head_dim=128, tie_word_embeddings=tied))
+
+
+def scale(a) -> str:
+    """docs/scale.md's table: the plan (computed, not measured) for 8 GPUs, each a trainer rank with
+    a colocated bf16 built-in engine, fp32 training, 16k-token micro-batches."""
+    lines = ["| model | params | fine-tuning | checkpointing | per GPU: weights + grads + AdamW | engine | activations "
+             "| total | start-up | 8xH100-80GB | 8xH200 |", "|" + " --- |" * 11]
+    for name in QWEN3:
+        shape = qwen3(name)
+        for rank in (0, 16):
+            for ac in ("off", "blocks"):
+                s = P.Setup(world=8, lora_rank=rank, device="cuda", micro_batch_tokens=16384, activation_checkpointing=ac)
+                t = P.plan(shape, s).role("trainer rank")
+                state = t.parts["weights"] + t.parts["gradients"] + t.parts["AdamW state"]
+                fit = lambda d: "fits" if P.fits(shape, s, P.DEVICES[d]) else "no"  # noqa: E731
+                lines.append(f"| {name} | {shape.params() / 1e9:.2f}B | {'LoRA r16' if rank else 'full'} | {ac} "
+                             f"| {state / GIB:.1f} GiB | {t.parts['engine copy'] / GIB:.1f} GiB "
+                             f"| {t.parts['activations'] / GIB:.1f} GiB | {t.total / GIB:.1f} GiB "
+                             f"| {t.startup / GIB:.1f} GiB | {fit('H100-80GB')} | {fit('H200')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0].startswith("_"):
+        if argv[0] == "_baseline":
+            import train  # noqa: F401  (the imports are the baseline)
+            r = {"peak": peak_rss()}
+        elif argv[0] == "_fb":
+            r = forward_backward(int(argv[1]), int(argv[2]), int(argv[3]), argv[4] == "1")
+        elif argv[0] == "_head":
+            r = head_tiles(int(argv[1]))
+        else:
+            return after_build(argv[1], int(argv[2]))
+        print(json.dumps(r))
+        return None
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("study", choices=["baseline", "activations", "startup", "scale"])
+    ap.add_argument("--out", default="runs/memory")
+    a = ap.parse_args(argv)
+    if a.study == "baseline":
+        print(f"empty start: peak RSS {child(['_baseline'])['peak']} bytes")
+    else:
+        print({"activations": activations, "startup": startup, "scale": scale}[a.study](a))
+
+
+if __name__ == "__main__":
+    main()
