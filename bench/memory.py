@@ -222,7 +222,7 @@ def after_build(model_dir: str, rank: int) -> None:
 
 
 def before_arithmetic(shape: P.Shape, rank: int, baseline: int, largest_file: int) -> tuple[int, str]:
-    """What today's start holds on a CPU, one process: M.load's fp32 state (which becomes the model),
+    """What today's start holds on a CPU, one process: hfdir.load's fp32 state (which becomes the model),
     the open file's mapped bf16 pages, the built-in engine's fp32 deep copy (fp32 on a CPU)."""
     n = shape.params()
     adapters = 4 * shape.adapter_params(rank, P.TARGETS) * 2 if rank else 0  # the trainer's and the engine's copy
