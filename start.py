@@ -29,12 +29,13 @@ import hfdir
 import tasks as T
 from checkpoint import check_resumable
 import lora
+import memplan
 import parallel as P
 from parallel import RANK, print0, shard
 from remote import RemoteEngine
 from engines import Sampling
 from vllm_engine import make_engine, serves_adapter, vllm_logprobs, vllm_lora_rank
-from rundir import check_fresh, snapshot
+from rundir import check_fresh, floe_config, snapshot
 
 
 @dataclass
@@ -104,11 +105,78 @@ def check_start(cfg: C.Config) -> Start:
 def settled(cfg: C.Config) -> C.Config:
     """The derived values the flags alone cannot decide (Config.resolve settles those), settled once
     before anything is built, so every part of the run reads the same config: --adapter's rank, alpha
-    and targets, and --compile on turned off on a CPU with no C++ compiler (saying so)."""
+    and targets, --compile on turned off on a CPU with no C++ compiler (saying so), and
+    --activation-checkpointing auto made off or blocks from the memory plan (`fit_memory`, which
+    also stops a CUDA run whose plan exceeds its device). --plan settles no memory: it prints."""
     cfg = adapter_flags(cfg)
     if cfg.compile == "on" and not can_compile(cfg.device):
         cfg = C.dataclasses.replace(cfg, compile="off")
-    return cfg
+    if cfg.plan:
+        return cfg
+    return fit_memory(cfg, device_memory(cfg.device))
+
+
+# ----------------------------------------------------------------------------- the memory plan
+
+def device_memory(device: str) -> int:
+    """One device's bytes; 0 on a CPU, or when no GPU is here (--plan of a CUDA job on a laptop)."""
+    return torch.cuda.get_device_properties(0).total_memory if device == "cuda" and torch.cuda.is_available() else 0
+
+
+def plan_shape(cfg: C.Config) -> memplan.Shape:
+    """The model's shape from config.json alone: --model's, on resume the run's own (its record names
+    it; --model is not read then), with --model scratch the tiny model the run would build."""
+    if cfg.model == "scratch" and not cfg.resume:
+        vocab = TextCodec.tiny(T.alphabet(cfg)).tok.get_vocab_size()
+        return memplan.Shape(M.ModelArgs(vocab, **M.TINY))
+    saved = floe_config(Path(cfg.out_dir)) if cfg.resume else None
+    model = (saved or {}).get("model", cfg.model)
+    if model == "scratch":
+        return memplan.Shape.from_dir(Path(cfg.out_dir) / "scratch")
+    return memplan.Shape.from_dir(model)
+
+
+def plan_setup(cfg: C.Config, device_bytes: int) -> memplan.Setup:
+    """The flags the plan reads; the trainer ranks are --plan-world, or this run's."""
+    world = cfg.plan_world or max(1, P.LAUNCHED - cfg.inference_gpus)
+    return memplan.Setup(world, cfg.lora_rank, tuple(cfg.lora_targets), cfg.base_dtype, cfg.train_dtype, cfg.engine,
+                         cfg.engine_dtype, cfg.vllm_memory, cfg.device, device_bytes, cfg.inference_gpus,
+                         cfg.micro_batch_tokens, cfg.activation_checkpointing,
+                         ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
+
+
+def fit_memory(cfg: C.Config, device_bytes: int) -> C.Config:
+    """--activation-checkpointing auto resolved (memplan.resolve: off on a CPU, so the default job does
+    not change; on CUDA blocks when the plan without it passes 80% of the device), and on CUDA with
+    --plan-check on a plan over `device_bytes` by more than the plan's error stopped with
+    memplan.advice's one line. A CPU reads no config.json here: its answer is off, whatever the shape."""
+    if cfg.device == "cpu":
+        return C.dataclasses.replace(cfg, activation_checkpointing="off") if cfg.activation_checkpointing == "auto" else cfg
+    try:
+        shape, setup = plan_shape(cfg), plan_setup(cfg, device_bytes)
+        resolved = memplan.resolve(shape, setup)
+        why = memplan.advice(shape, resolved, device_bytes, memplan.PLAN_ERROR) if device_bytes else None
+    except ValueError as e:  # PlanError, or a config.json from_hf refuses
+        raise C.ConfigError(f"the memory plan: {e}") from None
+    if why and cfg.plan_check == "on":
+        raise C.ConfigError(f"{why} (--plan prints the plan; --plan-check off starts anyway)")
+    return C.dataclasses.replace(cfg, activation_checkpointing=resolved.activation_checkpointing)
+
+
+def plan_text(cfg: C.Config) -> str:
+    """--plan: the table of memplan.plan for these flags, and whether it fits this device, or on a
+    machine without one each GPU in memplan.DEVICES (a laptop sizes a GPU job)."""
+    device_bytes = device_memory(cfg.device)
+    try:
+        shape, setup = plan_shape(cfg), plan_setup(cfg, device_bytes)
+        lines = [memplan.table(memplan.plan(shape, setup)), ""]
+        devices = {"this device": device_bytes} if device_bytes else memplan.DEVICES if cfg.device == "cuda" else {}
+        for name, n in devices.items():
+            why = memplan.advice(shape, C.dataclasses.replace(setup, device_bytes=n), n, memplan.PLAN_ERROR)
+            lines.append(f"{name} ({memplan.gib(n)}): " + (why or "fits"))
+    except ValueError as e:
+        raise C.ConfigError(f"--plan: {e}") from None
+    return "\n".join(lines).rstrip()
 
 
 def adapter_flags(cfg: C.Config) -> C.Config:
@@ -213,6 +281,9 @@ def check_read(cfg: C.Config) -> None:
     found += [(f, "is not read with --stage sft (it is for rl rollouts)", False) for f in RL_FLAGS if cfg.stage == "sft"]
     if cfg.device == "cuda":
         found.append(("dist_timeout", "is not read on CUDA (NCCL keeps torch's 10-minute watchdog)", False))
+    else:
+        found.append(("plan_check", "is not read on a CPU (the plan checks a CUDA device)", False))
+    found.append(("plan_world", "is read only with --plan (a run plans for its own ranks)", False))
     if not (cfg.lora_rank and cfg.engine == "vllm"):
         found.append(("lora_merged", "is read only with --engine vllm and --lora-rank (the built-in engine always merges)", False))
     if not cfg.lora_rank:  # the user asked for adapters and would get full fine-tuning

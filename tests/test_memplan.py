@@ -2,13 +2,21 @@
 what autograd saves, the plan's arithmetic on a small case computed here by hand, and its advice."""
 
 import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import config as C
 import lora
 import memplan as P
 import model as M
+import start
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # distinct sizes, so that no two terms of a count can stand in for each other
 SMALL = dict(model_type="qwen3", vocab_size=300, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
@@ -183,3 +191,53 @@ def test_bad_setups_are_one_line(kwargs, words):
     with pytest.raises(P.PlanError) as e:
         P.Setup(**kwargs)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- the plan at the start (start.py)
+
+QWEN3_06B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+
+
+@pytest.fixture
+def config_only(tmp_path):
+    """A model directory holding config.json alone: whatever reads it, no weight can have been loaded."""
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(QWEN3_06B))
+    return d
+
+
+def test_plan_prints_the_table_from_config_json_alone_and_exits_0(config_only, tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--plan", "--plan-world", "8", "--device", "cuda",
+                        "--model", str(config_only), "--lora-rank", "16", "--micro-batch-tokens", "16384",
+                        "--out-dir", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "8 trainer rank(s) on cuda, LoRA r16" in r.stdout and "| **total** |" in r.stdout
+    assert "H100-80GB (79.65 GiB): fits" in r.stdout  # a laptop sizes the GPU job
+    assert not out.exists()
+
+
+def settle(model_dir, *flags, device="cuda", size=80 * P.GIB) -> C.Config:
+    """start.fit_memory on a device of `size` bytes (a fake one: the logic runs on the CPU)."""
+    cfg = C.parse(["--model", str(model_dir), "--micro-batch-tokens", "16384", *flags])
+    return start.fit_memory(dataclasses.replace(cfg, device=device, engine="torch"), size)
+
+
+def test_auto_checkpointing_is_off_on_a_cpu_and_follows_the_plan_on_cuda(config_only):
+    assert settle(config_only, device="cpu").activation_checkpointing == "off"
+    off = P.trainer_role(P.Shape.from_config(QWEN3_06B), P.Setup(device="cuda", micro_batch_tokens=16384)).total
+    over, under = int(off / 0.8) - 1, int(off / 0.8) + 1  # the plan without it just over and just under 80%
+    assert settle(config_only, size=under).activation_checkpointing == "off"
+    assert settle(config_only, size=over).activation_checkpointing == "blocks"
+    assert settle(config_only, "--activation-checkpointing", "off", size=over).activation_checkpointing == "off"
+
+
+def test_a_plan_over_the_device_stops_with_the_advice_unless_plan_check_is_off(config_only):
+    with pytest.raises(C.ConfigError) as e:  # over the device even with blocks: memplan.advice's one line
+        settle(config_only, size=12 * P.GIB)
+    why = str(e.value)
+    assert why.startswith("the memory plan needs ") and "; or --lora-rank 16; or --micro-batch-tokens 4096 (" in why and "\n" not in why
+    assert why.endswith("(--plan prints the plan; --plan-check off starts anyway)")
+    assert settle(config_only, "--plan-check", "off", size=12 * P.GIB).activation_checkpointing == "blocks"
