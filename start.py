@@ -345,6 +345,7 @@ def build(cfg: C.Config, src: Path, model: M.Transformer, codec: TextCodec, link
             engine.load_weights(model, 0)
     else:
         engine = make_engine(cfg, model, src, codec.stop_ids, cfg.seed + RANK)
+    model.checkpointing = cfg.activation_checkpointing == "blocks"  # settled: off or blocks
     shard(model)  # after the engine took its full copy
     trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
     opt = torch.optim.AdamW(trained, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)

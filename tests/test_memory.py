@@ -1,0 +1,98 @@
+"""What lets a big model fit, each against a reference computed without it: blocks recomputed in the
+backward (--activation-checkpointing blocks), LoRA's bf16 frozen base (--base-dtype bf16), and the
+sharded load (hfdir.load on each rank's rows)."""
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+import config as C
+import data as D
+import lora
+import model as M
+import tasks as T
+import train
+from textcodec import TextCodec
+
+
+def batch(n: int = 8, seed: int = 0) -> list[D.Sample]:
+    """Samples of varied lengths with advantages, packed into several documents a micro-batch."""
+    rng, codec = random.Random(seed), TextCodec.tiny()
+    out = []
+    for p in T.ReverseText(codec, eval_size=4).sample(n, rng):
+        comp = [rng.randrange(3, 32) for _ in range(rng.randint(2, 9))]
+        logq = [-rng.random() for _ in comp]
+        out.append(D.Sample(p, comp, logq, [0] * len(comp), "length", advantage=rng.uniform(-1, 1)))
+    return out
+
+
+def tiny(seed: int = 0, rank: int = 0) -> M.Transformer:
+    model = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
+    M.init_weights(model, std=0.1, seed=seed)
+    if rank:
+        torch.manual_seed(seed)
+        lora.add(model, lora.LoRASpec(rank, 8.0))
+        with torch.no_grad():  # B non-zero, so every adapter has a gradient
+            for layer in lora.adapted(model).values():
+                layer.lora_B.weight.normal_(0, 0.1)
+    return model
+
+
+def grads(cfg: C.Config, model: M.Transformer, fwd=None) -> dict[str, torch.Tensor]:
+    """One rl step's gradients (train.prepare and train.backward_pass), then zeroed."""
+    mbs, denom, _ = train.prepare(cfg, batch(), 32, "cpu")
+    train.backward_pass(cfg, model, model if fwd is None else fwd, mbs, denom, step=0)
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("lora_rank,train_dtype", [(0, "fp32"), (4, "fp32"), (0, "bf16"), (4, "fp16")])
+def test_recomputed_blocks_give_the_gradients_of_kept_ones(lora_rank, train_dtype):
+    cfg = C.Config(micro_batch_tokens=128, lora_rank=lora_rank, train_dtype=train_dtype, bad_evidence="drop").resolve(False)
+    model = tiny(rank=lora_rank)
+    kept = grads(cfg, model)
+    model.checkpointing = True
+    saved = []  # what autograd keeps: a recomputed block keeps its input alone
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        recomputed = grads(cfg, model)
+    assert kept.keys() == recomputed.keys() and len(kept) == (56 if lora_rank else 46)
+    for name in kept:
+        torch.testing.assert_close(recomputed[name], kept[name], rtol=0, atol=1e-6, msg=name)
+    model.checkpointing = False
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(-t.numel()) or t, lambda t: t):
+        grads(cfg, model)
+    assert 0 < sum(n for n in saved if n > 0) < sum(-n for n in saved if n < 0) / 2
+
+
+def test_recomputed_blocks_compose_with_torch_compile():
+    """dynamo traces the checkpoint (aot_eager: the same graph as inductor's input, with no C++ build)."""
+    cfg = C.Config(micro_batch_tokens=128, compile="on", bad_evidence="drop").resolve(False)
+    model = tiny()
+    kept = grads(cfg, model)
+    model.checkpointing = True
+    torch._dynamo.reset()
+    recomputed = grads(cfg, model, torch.compile(model, backend="aot_eager"))
+    for name in kept:
+        torch.testing.assert_close(recomputed[name], kept[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_decoding_never_recomputes():
+    model = tiny()
+    model.checkpointing = True
+    cache = M.KVCache(model.args, 2, 16, torch.float32, "cpu")
+    tokens, positions = torch.randint(0, 32, (2, 5)), torch.arange(5).repeat(2, 1)
+    calls = []
+    handle = torch.utils.checkpoint.checkpoint
+    try:
+        M.checkpoint = lambda *a, **k: calls.append(1) or handle(*a, **k)
+        model.forward_cached(tokens, positions, cache)
+        with torch.no_grad():
+            model(tokens[0], positions[0], torch.zeros(5, dtype=torch.long))
+        assert not calls
+        model(tokens[0], positions[0], torch.zeros(5, dtype=torch.long))
+        assert len(calls) == model.args.num_hidden_layers
+    finally:
+        M.checkpoint = handle
