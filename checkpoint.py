@@ -270,7 +270,7 @@ def lora_base(cfg: C.Config, saved: dict, out: Path) -> tuple[M.Transformer, Tex
         raise C.ConfigError(f"--resume: the base model in {path} changed since the run started (its config.json's {k} "
                             f"was {json.dumps(rec['config'].get(k))}, now {json.dumps(args[k])}); its adapters were "
                             "trained on the old one")
-    lora.add(model, lora.spec_of(cfg))
+    lora.add(model, lora.spec_of(cfg), cfg.base_dtype)
     return model, codec, path
 
 

@@ -214,11 +214,20 @@ def trained(shape: Shape, s: Setup) -> int:
     return shape.adapter_params(s.lora_rank, s.lora_targets) if s.lora_rank else shape.params()
 
 
+def low_params(shape: Shape, s: Setup) -> int:
+    """A LoRA base's weights held in --base-dtype: the adapted layers' (lora.LoRALinear; their biases,
+    a few elements, are counted fp32); the embedding, norms and head stay fp32."""
+    if not s.lora_rank or s.base_dtype == "fp32":
+        return 0
+    return shape.args.num_hidden_layers * sum(i * o for k, (i, o) in shape.linears().items() if k in s.lora_targets)
+
+
 def weight_bytes(shape: Shape, s: Setup) -> int:
-    """The trainer's whole weights: fp32, or LoRA's base in --base-dtype plus fp32 adapters."""
+    """The trainer's whole weights: fp32, or LoRA's base (the adapted layers in --base-dtype) plus fp32 adapters."""
     if not s.lora_rank:
         return 4 * shape.params()
-    return DTYPE_BYTES[s.base_dtype] * shape.params() + 4 * trained(shape, s)
+    low = low_params(shape, s)
+    return DTYPE_BYTES[s.base_dtype] * low + 4 * (shape.params() - low) + 4 * trained(shape, s)
 
 
 def engine_bytes(shape: Shape, s: Setup) -> int:
@@ -275,9 +284,10 @@ def gathered_bytes(shape: Shape, s: Setup) -> int:
     are whole until their reduce-scatter."""
     if s.world == 1:
         return 0
-    width = DTYPE_BYTES[s.base_dtype]
+    low = low_params(shape, s) // shape.args.num_hidden_layers  # a block's weights in --base-dtype
     grads = 4 * (trained(shape, s) // shape.args.num_hidden_layers if s.lora_rank else shape.block_params())
-    return width * (shape.root_params() + 2 * shape.block_params()) + grads
+    block = DTYPE_BYTES[s.base_dtype] * low + 4 * (shape.block_params() - low)
+    return 4 * shape.root_params() + 2 * block + grads
 
 
 def resolve(shape: Shape, s: Setup) -> Setup:

@@ -201,7 +201,7 @@ def adapter_flags(cfg: C.Config) -> C.Config:
 def add_adapters(cfg: C.Config, model: M.Transformer, src: Path | None) -> None:
     """--lora-rank: adapters on `model` (lora.add refuses a rank above a layer's width, a target that
     names no layer); --adapter DIR: its tensors, once they fit the model and its base is --model's."""
-    lora.add(model, lora.spec_of(cfg))
+    lora.add(model, lora.spec_of(cfg), cfg.base_dtype)
     if not cfg.adapter:
         return
     if src is None:

@@ -58,7 +58,7 @@ def one_step(cfg, state, samples):
     for phase in ("grads", "step"):
         model = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
         if cfg.lora_rank:  # the frozen base sharded like full fine-tuning's weights, the adapters with it
-            lora.add(model, lora.spec_of(cfg))
+            lora.add(model, lora.spec_of(cfg), cfg.base_dtype)
         model.load_state_dict(state)
         model.checkpointing = cfg.activation_checkpointing == "blocks"  # as start.build sets it
         train.P.shard(model)
@@ -118,8 +118,10 @@ def _cases():
         for layer in lora.adapted(m).values():
             layer.lora_B.weight.normal_(0, 0.1)
     cases.append((lcfg, m.state_dict(), samples))
-    # blocks recomputed inside FSDP2's gathers: the ranks against one process that keeps them (full and LoRA)
-    return cases + [(C.dataclasses.replace(c, activation_checkpointing="blocks"), st, sa) for c, st, sa in (cases[0], cases[-1])]
+    # blocks recomputed inside FSDP2's gathers: the ranks against one process that keeps them (full and LoRA);
+    # a bf16 LoRA base: FSDP2 gathers bf16 weights beside fp32 norms and adapters
+    return cases + [(C.dataclasses.replace(c, activation_checkpointing="blocks"), st, sa) for c, st, sa in (cases[0], cases[-1])] \
+        + [(C.dataclasses.replace(lcfg, base_dtype="bf16"), m.state_dict(), samples)]
 
 
 def test_two_gloo_ranks_match_one_process(tmp_path):
@@ -136,7 +138,7 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
         assert 0.02 < metrics["icepop/masked_fraction"] < 0.9 and metrics["grad_norm"] > cfg.grad_clip  # clipped
         if cfg.lora_rank:  # the step moved the adapters alone
             assert grads.keys() == {k for k in weights if lora.is_adapter_key(k)}
-            assert all(torch.equal(weights[k], state[k]) for k in weights if not lora.is_adapter_key(k))
+            assert all(torch.equal(weights[k], state[k].to(weights[k].dtype)) for k in weights if not lora.is_adapter_key(k))
         for rank in ranks:
             m2, g2, w2, n2 = rank["steps"][i]
             assert n2 == 2  # 2 + 1 micro-batches, padded to 2 + 2

@@ -96,3 +96,42 @@ def test_decoding_never_recomputes():
         assert len(calls) == model.args.num_hidden_layers
     finally:
         M.checkpoint = handle
+
+
+def rounded_base(model: M.Transformer) -> None:
+    """The adapted layers' frozen weights rounded to bf16 in place (kept fp32): the reference a bf16 base equals."""
+    with torch.no_grad():
+        for layer in lora.adapted(model).values():
+            layer.weight.copy_(layer.weight.bfloat16().float())
+
+
+@pytest.mark.parametrize("train_dtype", ["fp32", "bf16"])
+def test_a_bf16_base_trains_as_its_values_in_fp32(train_dtype):
+    cfg = C.Config(micro_batch_tokens=128, lora_rank=4, train_dtype=train_dtype, bad_evidence="drop").resolve(False)
+    ref = tiny(rank=4)
+    rounded_base(ref)
+    low = M.Transformer(ref.args)
+    lora.add(low, lora.LoRASpec(4, 8.0), "bf16")
+    low.load_state_dict(ref.state_dict())
+    layers = lora.adapted(low).values()
+    assert all(m.weight.dtype == torch.bfloat16 and m.lora_A.weight.dtype == torch.float32 for m in layers)
+    want = grads(cfg, ref)
+    weights = {p.untyped_storage().data_ptr() for p in low.parameters()}
+    base = [m.weight for m in layers]
+    kept = []  # what autograd keeps beyond the parameters themselves
+    hook = lambda t: kept.append(t) if t.untyped_storage().data_ptr() not in weights else None  # noqa: E731
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: hook(t) or t, lambda t: t):
+        got = grads(cfg, low)
+    upcast = [t for t in kept for w in base if t.shape == w.shape and torch.equal(t.float(), w.float())]
+    assert not upcast  # FrozenLinear keeps the bf16 weight itself, not an upcast copy
+    assert got.keys() == want.keys() and all(lora.is_adapter_key(k) for k in got)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_merge_into_a_bf16_base_is_fp32():
+    w, a, b = torch.randn(6, 5).bfloat16(), torch.randn(3, 5), torch.randn(6, 3) * 1e-3
+    out = lora.merge(w, a, b, 2.0)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, w.float() + 2.0 * b @ a) or torch.allclose(out, w.float() + 2.0 * b @ a, rtol=0, atol=1e-7)
+    assert not torch.equal(out, out.bfloat16().float())  # BA's small update would not survive a bf16 rounding

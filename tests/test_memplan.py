@@ -140,7 +140,8 @@ def test_lora_and_ranks_divide_what_they_should():
     assert r8["gradients"] == 4 * adapters and r8["AdamW state"] == 8 * adapters
     assert r8["weights"] == 4 * shape.params() + 4 * adapters
     bf16 = P.plan(shape, P.Setup(lora_rank=8, base_dtype="bf16")).role("trainer rank").parts
-    assert bf16["weights"] == 2 * shape.params() + 4 * adapters
+    linears = shape.args.num_hidden_layers * sum(i * o for i, o in shape.linears().values())  # every target: all of them
+    assert bf16["weights"] == 2 * linears + 4 * (shape.params() - linears) + 4 * adapters
 
 
 def test_split_inference_moves_the_engine():
