@@ -180,14 +180,14 @@ class LoRALinear(nn.Module):
     y = x W^T + b + scale * B(A x), lora_A.weight (r, in), lora_B.weight (out, r), as PEFT computes it.
     `base_dtype` bf16 stores the frozen weight and bias in bf16 (`FrozenLinear` upcasts them per call)."""
 
-    def __init__(self, linear: nn.Linear, rank: int, scale: float, base_dtype: torch.dtype = torch.float32):
+    def __init__(self, linear: nn.Linear, rank: int, scale: float, base_dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         self.weight, self.bias, self.scale = linear.weight, linear.bias, scale
         if base_dtype != linear.weight.dtype:
             self.weight = nn.Parameter(linear.weight.detach().to(base_dtype), requires_grad=False)
             self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(base_dtype), requires_grad=False)
         out_features, in_features = linear.weight.shape
-        dev = linear.weight.device
+        dev = device or linear.weight.device  # a base on the meta device (the sharded load) gets real adapters
         self.lora_A = nn.Linear(in_features, rank, bias=False, device=dev, dtype=torch.float32)
         self.lora_B = nn.Linear(rank, out_features, bias=False, device=dev, dtype=torch.float32)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's init_lora_weights=True
@@ -206,9 +206,9 @@ def linears(model: nn.Module) -> dict[str, nn.Linear]:
     return {n: m for n, m in model.named_modules() if ".layers." in f".{n}" and isinstance(m, (nn.Linear, LoRALinear))}
 
 
-def add(model: nn.Module, spec: LoRASpec, base_dtype: str = "fp32") -> None:
-    """Freeze every weight of a model.Transformer and give each target layer an adapter (fp32, on the
-    layer's device, drawn from torch's global RNG), its frozen weight in `base_dtype` (--base-dtype);
+def add(model: nn.Module, spec: LoRASpec, base_dtype: str = "fp32", device=None) -> None:
+    """Freeze every weight of a model.Transformer and give each target layer an adapter (fp32, whole, on
+    `device` or the layer's, drawn from torch's global RNG), its frozen weight in `base_dtype` (--base-dtype);
     `model.lora` becomes `spec`. ValueError, naming the flag, for a target that matches no layer or a
     rank above a layer's width."""
     layers = linears(model)
@@ -225,7 +225,7 @@ def add(model: nn.Module, spec: LoRASpec, base_dtype: str = "fp32") -> None:
     model.requires_grad_(False)
     for name, m in chosen.items():
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, LoRALinear(m, spec.rank, spec.scale, BASE_DTYPES[base_dtype]))
+        setattr(model.get_submodule(parent), child, LoRALinear(m, spec.rank, spec.scale, BASE_DTYPES[base_dtype], device))
     model.lora = spec
 
 

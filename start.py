@@ -6,7 +6,9 @@ forward). train.py's `main` calls both; nothing here runs a step.
 Simplifications:
 1. `--model scratch` builds the tiny model in memory; `write_scratch` saves it into the run
    (the engine, vLLM included, loads a directory, and checkpoints copy its tokenizer).
-2. The engine is built before FSDP2 shards the model, so it takes a full copy.
+2. Under torchrun the model is built on the meta device and sharded at the start checks, each rank
+   reading only its rows of the files (hfdir.fill_shards); the built-in engine builds its own copy
+   and fills it tensor by tensor from the gathered shards. One process loads whole, as before.
 """
 
 from __future__ import annotations
@@ -85,6 +87,10 @@ def check_start(cfg: C.Config) -> Start:
     model = model.to(cfg.device) if cfg.resume else load_model(cfg, src, codec)
     if not cfg.resume and cfg.lora_rank:
         add_adapters(cfg, model, src)
+    if model.inv_freq.is_meta:  # under torchrun: each rank reads its own shard of the files
+        whole = {n: p.detach() for n, p in model.named_parameters() if not p.is_meta}  # the adapters
+        shard(model)
+        hfdir.fill_shards(model, src, whole, cfg.device)
     task.fit_eval_set(cfg.max_new_tokens, model.args.max_position_embeddings, cfg.eval_every > 0)
     if cfg.engine == "vllm":  # can vLLM report the support this loss needs? Ask before starting it
         vllm_logprobs(Sampling(top_k=cfg.top_k, support=L.reads_support(cfg)), model.args.vocab_size)
@@ -201,7 +207,7 @@ def adapter_flags(cfg: C.Config) -> C.Config:
 def add_adapters(cfg: C.Config, model: M.Transformer, src: Path | None) -> None:
     """--lora-rank: adapters on `model` (lora.add refuses a rank above a layer's width, a target that
     names no layer); --adapter DIR: its tensors, once they fit the model and its base is --model's."""
-    lora.add(model, lora.spec_of(cfg), cfg.base_dtype)
+    lora.add(model, lora.spec_of(cfg), cfg.base_dtype, cfg.device)
     if not cfg.adapter:
         return
     if src is None:
@@ -312,7 +318,11 @@ def check_copied(src: Path) -> None:
 
 
 def load_model(cfg: C.Config, src: Path | None, codec: TextCodec) -> M.Transformer:
-    """The model in `src`, or with `--model scratch` (src None) a fresh tiny one in memory."""
+    """The model in `src`, or with `--model scratch` (src None) a fresh tiny one in memory. Under torchrun
+    the model in `src` stays on the meta device, its headers checked (hfdir.load_meta), for check_start
+    to shard and fill from the files, each rank its own rows."""
+    if src is not None and P.world() > 1:
+        return hfdir.load_meta(src)[0]
     if src is not None:
         return hfdir.load(src, device=cfg.device)
     args = M.ModelArgs(codec.tok.get_vocab_size(), **M.TINY, eos_token_id=codec.stop_ids[0])
