@@ -8,23 +8,27 @@ named point), one process at a time, so no figure holds another's memory. Studie
   1k, 2k and 4k tokens of packed 64-token documents; the slope in tokens at each depth gives
   bytes a token, their difference bytes a token a layer, which over memplan.saved_elements is
   memplan.CPU_FP32_CALIBRATION. The same with one long document per micro-batch (the CPU's mask
-  grows with the document) and with each block recomputed in the backward (torch's checkpoint
-  around each block, as --activation-checkpointing blocks will), each beside the plan's figure;
+  grows with the document) and with each block recomputed in the backward
+  (--activation-checkpointing blocks: model.Transformer.checkpointing), each beside the plan's figure;
   and the LM head's peak in [chunk, V] tiles (memplan.CPU_HEAD_TILES).
 - `scale`: docs/scale.md's table of the plan for Qwen3-1.7B to 32B on 8 GPUs (computed only).
+- `cuda` (bench/gpu.sh runs it): one step's torch.cuda.max_memory_allocated at the 0.6B shape, 4k
+  and 16k tokens, checkpointing off and blocks, beside the plan.
 - `startup`: train.py on a random Qwen3-0.6B-shaped checkpoint the bench writes in bf16 as HF
-  sharded files (model.safetensors.index.json), one process, full fine-tuning and --lora-rank 16,
-  the built-in engine: peak RSS right after start.build returns, before step 1, beside the plan's
-  start-up peak (the sharded load's) and the arithmetic of what today's load holds.
+  sharded files (model.safetensors.index.json), one process and `torchrun --nproc_per_node 2`
+  (gloo; the sharded load), full fine-tuning and --lora-rank 16, the built-in engine: each rank's
+  peak RSS right after start.build returns, before step 1, beside the plan's start-up peak and
+  the arithmetic of what the load before the sharded one held (every rank the whole model and an
+  fp32 deep copy for its engine).
 
 Simplifications:
 1. Memory only: nothing here is timed.
-2. The checkpointed run wraps the blocks here, in the bench, until the trainer has the flag.
 
     python bench/memory.py baseline
     python bench/memory.py activations     # 13 processes, ~15 min on 2 cores, the largest ~3 GiB
-    python bench/memory.py startup         # 2 processes, the largest ~6 GiB; writes runs/memory/
+    python bench/memory.py startup         # 4 runs (2 with 2 ranks), the largest ~9 GiB in all; writes runs/memory/
     python bench/memory.py scale           # docs/scale.md's table: computed, nothing is measured
+    python bench/memory.py cuda            # on a GPU: the plan against max_memory_allocated
 """
 
 from __future__ import annotations
@@ -75,17 +79,19 @@ def child(args: list[str]) -> dict:
     return _done[tuple(args)]
 
 
+def ranks_child(args: list[str], ranks: int) -> list[dict]:
+    """The same under `torchrun --nproc_per_node ranks` (gloo): each rank's line, in the order they came."""
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master-addr",
+                        "127.0.0.1", "--master-port", "29533", __file__, *args], capture_output=True, text=True, cwd=ROOT)
+    if r.returncode:
+        raise SystemExit(f"{' '.join(args)} x {ranks} ranks: exit {r.returncode}\n{r.stderr[-3000:]}")
+    return [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+
+
 # ----------------------------------------------------------------------------- activations
 
 def layer_shape(layers: int) -> dict:
     return {**QWEN3_06B, "vocab_size": SMALL_VOCAB, "num_hidden_layers": layers}
-
-
-def recomputed(model: M.Transformer) -> None:
-    """Each block recomputed in the backward: torch's checkpoint around it, as the flag will be."""
-    from torch.utils.checkpoint import checkpoint
-    for block in model.model.layers:
-        block.forward = (lambda f: lambda *a: checkpoint(f, *a, use_reentrant=False))(block.forward)
 
 
 def forward_backward(layers: int, tokens: int, document: int, blocks: bool) -> dict:
@@ -93,8 +99,7 @@ def forward_backward(layers: int, tokens: int, document: int, blocks: bool) -> d
     torch.manual_seed(0)
     model = M.Transformer(M.ModelArgs(**layer_shape(layers)))
     M.init_weights(model)
-    if blocks:
-        recomputed(model)
+    model.checkpointing = blocks  # --activation-checkpointing blocks
     ids = torch.randint(0, SMALL_VOCAB, (tokens,))
     positions, docs = torch.arange(tokens) % document, torch.arange(tokens) // document
     before, peak_before = rss(), peak_rss()
@@ -172,11 +177,11 @@ def write_sharded(d: Path, shape: dict, shard_bytes: int = 500 * 2**20) -> Path:
     """A random model of `shape` as HF sharded bf16 files with model.safetensors.index.json, one tensor
     made at a time (never the whole model in fp32), once."""
     from safetensors.torch import save_file
-    import data as D
+    from textcodec import write_tokenizer
     if (d / "model.safetensors.index.json").is_file():
         return d
     d.mkdir(parents=True, exist_ok=True)
-    D.write_tokenizer(d)
+    write_tokenizer(d)
     args = M.ModelArgs(**shape, eos_token_id=2)
     (d / "config.json").write_text(json.dumps({**args.to_hf(), "torch_dtype": "bfloat16"}, indent=2))
     with torch.device("meta"):
@@ -213,7 +218,7 @@ def after_build(model_dir: str, rank: int) -> None:
     train.build = build
     flags = ["--model", model_dir, "--steps", "1", "--eval-every", "0", "--prompts-per-step", "2", "--group-size", "2",
              "--max-new-tokens", "8", "--micro-batch-tokens", "256", "--device", "cpu", "--engine", "torch",
-             "--compile", "off", "--out-dir", str(Path(model_dir).parent / f"run-r{rank}")]
+             "--compile", "off", "--out-dir", str(Path(model_dir).parent / f"run-r{rank}-w{os.environ.get('WORLD_SIZE', 1)}")]
     sys.stdout, stdout = open(os.devnull, "w"), sys.stdout
     try:
         train.main(flags + (["--lora-rank", str(rank)] if rank else []))
@@ -222,8 +227,8 @@ def after_build(model_dir: str, rank: int) -> None:
 
 
 def before_arithmetic(shape: P.Shape, rank: int, baseline: int, largest_file: int) -> tuple[int, str]:
-    """What today's start holds on a CPU, one process: hfdir.load's fp32 state (which becomes the model),
-    the open file's mapped bf16 pages, the built-in engine's fp32 deep copy (fp32 on a CPU)."""
+    """What the start before the sharded load held on a CPU, on every rank: hfdir.load's fp32 state (which
+    became the model), the open file's mapped bf16 pages, the built-in engine's fp32 deep copy."""
     n = shape.params()
     adapters = 4 * shape.adapter_params(rank, P.TARGETS) * 2 if rank else 0  # the trainer's and the engine's copy
     total = baseline + 4 * n + largest_file + 4 * n + adapters
@@ -238,19 +243,59 @@ def startup(a) -> str:
     largest_file = max(f.stat().st_size for f in d.glob("*.safetensors"))
     lines = [f"random Qwen3-0.6B-shaped checkpoint in bf16, {len(list(d.glob('*.safetensors')))} shard files; "
              f"baseline (empty start) {baseline / GIB:.2f} GiB", "",
-             "| run | peak RSS after build (today) | today's arithmetic | plan, sharded load | plan's terms |",
+             "| run | ranks | peak RSS after build, each rank | before the sharded load (computed) | plan | plan's terms | "
+             "plan / measured |", "|" + " --- |" * 7]
+    for ranks in (1, 2):
+        for rank in (0, 16):
+            peaks = [r["peak"] for r in (ranks_child(["_startup", str(d), str(rank)], ranks) if ranks > 1
+                                         else [child(["_startup", str(d), str(rank)])])]
+            before, how = before_arithmetic(shape, rank, baseline, largest_file)
+            role = P.plan(shape, P.Setup(world=ranks, lora_rank=rank)).role("trainer rank")
+            terms = (f"{role.parts['weights'] / GIB:.2f} shard + {role.parts['engine copy'] / GIB:.2f} engine + "
+                     f"{4 * max(shape.largest_tensor(), shape.block_params()) / GIB:.2f} largest tensor + "
+                     f"{role.parts['baseline'] / GIB:.2f} baseline")
+            lines.append(f"| {'full' if not rank else f'LoRA r{rank}'} | {ranks} | "
+                         f"{', '.join(f'{p / GIB:.2f}' for p in peaks)} GiB | {before / GIB:.2f} GiB = {how} | "
+                         f"{role.startup / GIB:.2f} GiB | {terms} | {role.startup / max(peaks):.2f} |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the plan on CUDA
+
+def cuda_step(a) -> str:
+    """The plan against torch.cuda.max_memory_allocated on CUDA: one training step (forward, the fused
+    head, backward, AdamW) of a random Qwen3-0.6B-shaped model in fp32 at 4k and 16k tokens of packed
+    1k-token documents, checkpointing off and blocks. The plan's side is the trainer rank less the
+    engine and the CUDA context (neither is in torch's allocator here); an OOM is a row too."""
+    from lm_head import head
+    shape = P.Shape(M.ModelArgs(**QWEN3_06B))
+    lines = [f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, Qwen3-0.6B shape, fp32, flex attention", "",
+             "| tokens | checkpointing | max_memory_allocated | plan (no engine, no context) | plan / measured |",
              "|" + " --- |" * 5]
-    for rank in (0, 16):
-        r = child(["_startup", str(d), str(rank)])
-        today, how = before_arithmetic(shape, rank, baseline, largest_file)
-        s = P.Setup(lora_rank=rank)
-        role = P.plan(shape, s).role("trainer rank")
-        terms = (f"{role.parts['weights'] / GIB:.2f} shard + {role.parts['engine copy'] / GIB:.2f} engine + "
-                 f"{4 * max(shape.largest_tensor(), shape.block_params()) / GIB:.2f} largest tensor + "
-                 f"{role.parts['baseline'] / GIB:.2f} baseline")
-        lines.append(f"| {'full' if not rank else f'LoRA r{rank}'} | {r['peak'] / GIB:.2f} GiB | {today / GIB:.2f} GiB = "
-                     f"{how} | {role.startup / GIB:.2f} GiB | {terms} |")
-        print(lines[-1], flush=True)
+    for tokens in (4096, 16384):
+        for blocks in (False, True):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                model = M.Transformer(shape.args).cuda()
+                model.checkpointing = blocks
+                opt = torch.optim.AdamW(model.parameters())
+                ids = torch.randint(0, shape.args.vocab_size, (tokens,), device="cuda")
+                at = torch.arange(tokens, device="cuda")
+                logp = head(model(ids, at % 1024, at // 1024), model.head_weight, ids.roll(-1))[0]
+                (-logp.mean()).backward()
+                opt.step()
+                peak = torch.cuda.max_memory_allocated()
+            except torch.OutOfMemoryError:
+                peak = 0
+            model = opt = logp = None
+            role = P.plan(shape, P.Setup(device="cuda", micro_batch_tokens=tokens,
+                                         activation_checkpointing="blocks" if blocks else "off")).role("trainer rank")
+            planned = role.total - role.parts["engine copy"] - role.parts["baseline"]
+            lines.append(f"| {tokens} | {'blocks' if blocks else 'off'} | {f'{peak / GIB:.2f} GiB' if peak else 'OOM'} | "
+                         f"{planned / GIB:.2f} GiB | {f'{planned / peak:.2f}' if peak else '-'} |")
+            print(lines[-1], flush=True)
     return "\n".join(lines)
 
 
@@ -303,13 +348,13 @@ def main(argv=None):
         print(json.dumps(r))
         return None
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("study", choices=["baseline", "activations", "startup", "scale"])
+    ap.add_argument("study", choices=["baseline", "activations", "startup", "scale", "cuda"])
     ap.add_argument("--out", default="runs/memory")
     a = ap.parse_args(argv)
     if a.study == "baseline":
         print(f"empty start: peak RSS {child(['_baseline'])['peak']} bytes")
     else:
-        print({"activations": activations, "startup": startup, "scale": scale}[a.study](a))
+        print({"activations": activations, "startup": startup, "scale": scale, "cuda": cuda_step}[a.study](a))
 
 
 if __name__ == "__main__":
