@@ -186,20 +186,20 @@ def write_sharded(d: Path, shape: dict, shard_bytes: int = 500 * 2**20) -> Path:
     (d / "config.json").write_text(json.dumps({**args.to_hf(), "torch_dtype": "bfloat16"}, indent=2))
     with torch.device("meta"):
         names = {k: v.shape for k, v in M.Transformer(args).state_dict().items()}
-    g, shards, current = torch.Generator().manual_seed(0), [], {}
-    for k, s in names.items():
-        t = torch.ones(s) if k.endswith("norm.weight") else torch.randn(s, generator=g) * 0.02
-        current[k] = t.to(torch.bfloat16)
-        if sum(x.nbytes for x in current.values()) >= shard_bytes:
-            shards.append(current)
-            current = {}
-    shards += [current] if current else []
-    weight_map = {}
-    for i, part in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    groups, current = [], []  # the files' tensors, planned from the shapes: a file's tensors are made when it is written
+    for k in names:
+        current.append(k)
+        if sum(2 * names[n].numel() for n in current) >= shard_bytes:
+            groups, current = groups + [current], []
+    groups += [current] if current else []
+    g, weight_map, total = torch.Generator().manual_seed(0), {}, 0
+    for i, keys in enumerate(groups):
+        part = {k: (torch.ones(names[k]) if k.endswith("norm.weight") else torch.randn(names[k], generator=g) * 0.02)
+                .to(torch.bfloat16) for k in keys}
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         save_file(part, str(d / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(part, name))
-    total = sum(t.nbytes for part in shards for t in part.values())
+        total += sum(t.nbytes for t in part.values())
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return d
 
@@ -237,7 +237,8 @@ def before_arithmetic(shape: P.Shape, rank: int, baseline: int, largest_file: in
 
 
 def startup(a) -> str:
-    d = write_sharded(Path(a.out) / "qwen3-0.6b-shaped-bf16", QWEN3_06B)
+    d = Path(a.out) / "qwen3-0.6b-shaped-bf16"
+    child(["_write", str(d)])  # in a child: a process's ru_maxrss passes to those it starts, so this one stays small
     shape = P.Shape.from_dir(d)
     baseline = child(["_baseline"])["peak"]
     largest_file = max(f.stat().st_size for f in d.glob("*.safetensors"))
@@ -343,6 +344,8 @@ def main(argv=None):
             r = forward_backward(int(argv[1]), int(argv[2]), int(argv[3]), argv[4] == "1")
         elif argv[0] == "_head":
             r = head_tiles(int(argv[1]))
+        elif argv[0] == "_write":
+            r = {"dir": str(write_sharded(Path(argv[1]), QWEN3_06B))}
         else:
             return after_build(argv[1], int(argv[2]))
         print(json.dumps(r))
