@@ -38,8 +38,10 @@ from rundir import STATE
 from runlog import read_rows
 
 ADAM = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}  # AdamW's state per parameter
-# a resume may change them; config.json follows (compile: a machine without a C++ compiler resumes a compiled run eager)
-FREE = ("steps", "eval_every", "save_every", "wandb_project", "dist_timeout", "call_timeout", "tool_timeout", "compile")
+# a resume may change them; config.json follows (compile: a machine without a C++ compiler resumes a compiled run eager;
+# activation checkpointing recomputes the same values, and auto may settle otherwise on another device)
+FREE = ("steps", "eval_every", "save_every", "wandb_project", "dist_timeout", "call_timeout", "tool_timeout", "compile",
+        "activation_checkpointing", "plan_check", "plan_world")
 RECORD = ("reward_sha256", "lora_base")  # config.json's keys that are the run's record, not flags
 UNUSED = ("resume", "model", "out_dir")  # a resume ignores them (out_dir: any spelling; model: a LoRA run's base is its record's); config.json keeps the run's
 
@@ -268,7 +270,7 @@ def lora_base(cfg: C.Config, saved: dict, out: Path) -> tuple[M.Transformer, Tex
         raise C.ConfigError(f"--resume: the base model in {path} changed since the run started (its config.json's {k} "
                             f"was {json.dumps(rec['config'].get(k))}, now {json.dumps(args[k])}); its adapters were "
                             "trained on the old one")
-    lora.add(model, lora.spec_of(cfg))
+    lora.add(model, lora.spec_of(cfg), cfg.base_dtype)
     return model, codec, path
 
 

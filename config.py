@@ -46,12 +46,12 @@ FINITE = ("lr", "weight_decay", "temperature", "adv_tau", "kl_coeff", "seq_mask_
 AT_LEAST = {"steps": 1, "top_k": 0, "score_centering_k": 1, "prompts_per_step": 1, "group_size": 1, "max_new_tokens": 1,
             "micro_batch_tokens": 64, "epochs": 1, "save_every": 0, "eval_every": 0, "eval_prompts": 1,
             "async_level": 0, "inference_gpus": 0, "lora_rank": 0, "max_tool_calls": 1, "max_tool_calls_per_turn": 0,
-            "max_tool_result_chars": 1}
+            "max_tool_result_chars": 1, "plan_world": 0}
 OFF = {"top_k": " (0: off)", "eval_every": " (0: no eval)", "async_level": " (0: synchronous)",
        "inference_gpus": " (0: colocated)", "lora_rank": " (0: full fine-tuning)",
-       "max_tool_calls_per_turn": " (0: the format's own)"}  # what 0 means, in the message
+       "max_tool_calls_per_turn": " (0: the format's own)", "plan_world": " (0: the torchrun trainer ranks)"}  # what 0 means
 RENAMED = {"icepop": "icepop_mask"}  # a flag's old field name -> its new one: config.json of an older run still resumes
-BOUNDS = {"score_centering_k": 1024, "eval_prompts": 2**16, "micro_batch_tokens": 2**20}
+BOUNDS = {"score_centering_k": 1024, "eval_prompts": 2**16, "micro_batch_tokens": 2**20, "plan_world": 2**16}
 
 
 @dataclass
@@ -113,6 +113,13 @@ class Config:
     lora_alpha: float = 32.0  # the adapters add (alpha / r) B A x
     lora_targets: tuple[str, ...] = LORA_TARGETS  # the decoder's linear layers that get adapters (embedding and LM head stay frozen)
     adapter: str = ""  # a PEFT LoRA adapter directory to start from (sets --lora-rank/-alpha/-targets); --model is its base
+    base_dtype: Literal["fp32", "bf16"] = "fp32"  # LoRA: the adapted layers' frozen weights (bf16 halves them; adapters and AdamW stay fp32)
+
+    # --- memory (memplan.py; docs/scale.md "The memory plan")
+    plan: bool = False  # print the memory plan of these flags (from --model's config.json alone, no weight read) and exit
+    plan_world: int = 0  # --plan: the trainer ranks to plan for; 0: this run's (torchrun's processes less --inference-gpus)
+    plan_check: Literal["on", "off"] = "on"  # CUDA: stop at the start when the plan exceeds the device, naming what would fit
+    activation_checkpointing: Literal["auto", "off", "blocks"] = "auto"  # blocks: recompute each decoder block in the backward; auto: off on a CPU, on CUDA blocks when the plan without it passes 80% of the device
 
     # --- sampling (the engine)
     engine: Literal["auto", "torch", "vllm"] = "auto"  # auto: vllm on a GPU when it imports, else the built-in torch engine
@@ -204,6 +211,8 @@ class Config:
         _check(len(self.lora_targets) > 0, "--lora-targets", f"needs at least one layer name (e.g. {' '.join(LORA_TARGETS)})")
         _check(len(set(self.lora_targets)) == len(self.lora_targets), "--lora-targets",
                f"names a layer twice: {' '.join(self.lora_targets)}")
+        _check(self.base_dtype == "fp32" or bool(self.lora_rank or self.adapter), "--base-dtype",
+               f"{self.base_dtype} is for LoRA's frozen base: add --lora-rank r (full fine-tuning keeps fp32 master weights)")
 
     def _check_combinations(self) -> None:
         """Flags that are each in range but together train nothing, or not what was asked."""

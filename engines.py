@@ -43,7 +43,6 @@ Simplifications:
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,7 +50,7 @@ import torch
 
 from data import TokenSupport, truncated
 import lora
-from model import KVCache, Transformer
+from model import KVCache, Transformer, rope_frequencies
 from parallel import full
 from precision import DTYPES, Fp8Linear, emulate, fp8_quantize
 from prefix import KeptRows
@@ -188,8 +187,7 @@ class TorchEngine:
         self.device = next(model.parameters()).device
         self.dtype, self.fp8 = DTYPES[dtype], dtype == "fp8"  # what the weights and each matmul's output hold
         self.emulated = self.device.type == "cpu" and self.dtype != torch.float32  # Rounded/Fp8Linear: fp32 arithmetic
-        self.model = copy.deepcopy(model).to(torch.float32 if self.emulated else self.dtype).eval().requires_grad_(False)
-        lora.strip(self.model)  # under LoRA a plain model, whose weights every push merges (load_weights)
+        self.model = self._built(model, torch.float32 if self.emulated else self.dtype)
         if self.emulated or self.fp8:
             emulate(self.model, dtype, self.emulated)
         self.quantized = {f"{n}.weight": m for n, m in self.model.named_modules() if isinstance(m, Fp8Linear)}
@@ -201,6 +199,17 @@ class TorchEngine:
         self.step = torch.compile(self._step) if compile_step else self._step
         self.syncs = self.device.type == "cpu"  # a host sync is free: stop the moment every row has
         self.reuse = True  # keep the last call's rows for a call that extends them (False: re-prefill every prompt)
+
+    def _built(self, model: Transformer, dtype: torch.dtype) -> Transformer:
+        """The engine's own plain model (under LoRA too: every push merges), made in `dtype` on the meta
+        device and given storage there, its weights filled by the first push tensor by tensor: never a
+        full fp32 copy of the trainer's, which may be an FSDP2 shard."""
+        with torch.device("meta"):
+            own = Transformer(model.args).to(dtype)
+        own = own.to_empty(device=self.device).eval().requires_grad_(False)
+        own.inv_freq = rope_frequencies(model.args).to(self.device, dtype)  # a buffer: not pushed
+        own.attention = model.attention
+        return own
 
     @torch.no_grad()
     def load_weights(self, model: Transformer, version: int) -> None:

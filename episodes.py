@@ -78,7 +78,7 @@ TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>")  # stop tokens that end a
 
 @dataclass
 class EnvSpec:
-    """The --env class (start.load_env checks it), where it came from, and which of the optional
+    """The --env class (envcheck.load_env checks it), where it came from, and which of the optional
     methods it has."""
 
     name: str

@@ -1,6 +1,8 @@
 """A Hugging Face model directory, read and written: config.json, the safetensors weights, the
 tokenizer files. `load` builds the model (model.py) on the meta device and fills it from the files,
-every key, shape and value checked, each problem one line naming the file; `save` writes a
+every key, shape and value checked, each problem one line naming the file; under torchrun
+`load_meta` and `fill_shards` do the same with each rank reading only its FSDP2 rows (the sharded
+load). model.safetensors.index.json, when present, says which files hold the weights; `save` writes a
 directory that transformers and vLLM load as it is, with the source's own config.json, under a
 temporary name renamed into place (`write_dir`), so a crash never leaves half a directory.
 
@@ -17,6 +19,7 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
@@ -34,60 +37,138 @@ def read_config(path: Path) -> dict:
     return cfg
 
 
+INDEX = "model.safetensors.index.json"  # a sharded checkpoint's map: tensor name -> file
+
+
 def load(model_dir: str | Path, device="cpu", dtype=torch.float32) -> M.Transformer:
     """A HF directory of a family in model.FAMILIES -> Transformer, every key, shape and value checked."""
     d = Path(model_dir)
-    for f in ("config.json", "tokenizer.json"):
-        if not (d / f).is_file():
-            raise FileNotFoundError(f"{d / f}: " + ("not a regular file" if (d / f).exists() else "missing") +
-                                    "; --model must be a HF directory with config.json, model.safetensors and tokenizer.json")
-    args = M.ModelArgs.from_hf(read_config(d / "config.json"), str(d / "config.json"))
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{d}: no *.safetensors weights")
-    if odd := [f for f in files if not f.is_file()]:  # a FIFO would block the read forever
-        raise ValueError(f"{odd[0]}: not a regular file")
-    check_layers(files, args, d)  # before building: a typo of 10^7 layers would build for minutes
-    with torch.device("meta"):
-        model = M.Transformer(args)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
+    model, where = load_meta(d)
     state = {}
-    for f in files:
+    for f in dict.fromkeys(f for f, _ in where.values()):
+        names = [k for k, (g, _) in where.items() if g == f]
         try:
             with safe_open(str(f), framework="pt", device="cpu") as st:
-                names = [k for k in st.keys() if not (k == "lm_head.weight" and args.tie_word_embeddings)]
-                state.update((k, st.get_tensor(k).to(dtype)) for k in names)  # tied: a stored head is dropped
+                state.update((k, st.get_tensor(k).to(dtype)) for k in names)
         except Exception as e:  # safetensors raises several types for a damaged file
             raise ValueError(f"{f}: unreadable safetensors file ({e})") from None
         # a NaN or inf weight would surface as a NaN loss at step 1, far from its cause
         bad = next((k for k in names if not torch.isfinite(state[k]).all()), None)
         if bad is not None:
             raise ValueError(f"{f}: {bad} holds NaN or inf")
-    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or extra:
-        raise ValueError(f"{d}: weights do not match config.json: missing {missing[:3]}, unexpected {extra[:3]}")
-    for k, shape in expected.items():
-        if state[k].shape != shape:
-            raise ValueError(f"{d}: {k} has shape {tuple(state[k].shape)}, config.json implies {tuple(shape)}")
     model.load_state_dict(state, strict=True, assign=True)
-    model.inv_freq = M.rope_frequencies(args)  # buffers are not in the file: made on meta, made again here
+    model.inv_freq = M.rope_frequencies(model.args)  # buffers are not in the file: made on meta, made again here
     return model.to(device)
 
 
-def check_layers(files: list[Path], args: M.ModelArgs, d: Path) -> None:
-    """config.json's num_hidden_layers against the layers the weights' headers name (model.layers.N.*),
-    read without loading a tensor. Every other size is checked against the built model's shapes,
-    which cost nothing on the meta device; the number of layers is what building costs."""
-    layers = set()
+def load_meta(d: Path) -> tuple[M.Transformer, dict[str, tuple[Path, tuple]]]:
+    """The model on the meta device, and where each of its tensors lies (file, shape), from config.json and
+    the weights' headers alone: every key and shape checked, no tensor read."""
+    for f in ("config.json", "tokenizer.json"):
+        if not (d / f).is_file():
+            raise FileNotFoundError(f"{d / f}: " + ("not a regular file" if (d / f).exists() else "missing") +
+                                    "; --model must be a HF directory with config.json, model.safetensors and tokenizer.json")
+    args = M.ModelArgs.from_hf(read_config(d / "config.json"), str(d / "config.json"))
+    where = headers(weight_files(d), args)
+    layers = {int(m.group(1)) for k in where if (m := re.match(r"model\.layers\.(\d+)\.", k))}
+    if len(layers) != args.num_hidden_layers:  # before building: a typo of 10^7 layers would build for minutes
+        raise ValueError(f"{d}: weights do not match config.json: num_hidden_layers {args.num_hidden_layers}, "
+                         f"the weights hold {len(layers)} layers")
+    with torch.device("meta"):
+        model = M.Transformer(args)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing, extra = sorted(set(expected) - set(where)), sorted(set(where) - set(expected))
+    if missing or extra:
+        raise ValueError(f"{d}: weights do not match config.json: missing {missing[:3]}, unexpected {extra[:3]}")
+    for k, shape in expected.items():
+        if where[k][1] != shape:
+            raise ValueError(f"{d}: {k} has shape {where[k][1]}, config.json implies {shape}")
+    return model, where
+
+
+def weight_files(d: Path) -> list[Path]:
+    """The directory's weight files: those model.safetensors.index.json names when it is there (it is
+    authoritative: a file it names that is absent, or a *.safetensors it does not name, is refused, so
+    a consolidated copy beside the shards never loads twice), else every *.safetensors."""
+    files = sorted(d.glob("*.safetensors"))
+    if (d / INDEX).exists():
+        named = read_config(d / INDEX).get("weight_map")
+        if not isinstance(named, dict) or not all(isinstance(v, str) for v in named.values()):
+            raise ValueError(f"{d / INDEX}: weight_map must map each tensor name to a file name")
+        names = sorted(set(named.values()))
+        if gone := [n for n in names if not (d / n).exists()]:
+            raise ValueError(f"{d / INDEX}: names {gone[0]}, which is missing from {d}")
+        if stray := [f for f in files if f.name not in names]:
+            raise ValueError(f"{stray[0]}: a weight file {INDEX} does not name; move it out of {d}")
+        files = [d / n for n in names]
+    if not files:
+        raise FileNotFoundError(f"{d}: no *.safetensors weights")
+    if odd := [f for f in files if not f.is_file()]:  # a FIFO would block the read forever
+        raise ValueError(f"{odd[0]}: not a regular file")
+    return files
+
+
+def headers(files: list[Path], args: M.ModelArgs) -> dict[str, tuple[Path, tuple]]:
+    """Each tensor's file and shape, read from the headers (a tied model's stored head is dropped); a
+    tensor in two files is refused, not overwritten by whichever file comes last."""
+    where = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as st:
-                layers.update(int(m.group(1)) for k in st.keys() if (m := re.match(r"model\.layers\.(\d+)\.", k)))
+                found = {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}
         except Exception as e:  # safetensors raises several types for a damaged file
             raise ValueError(f"{f}: unreadable safetensors file ({e})") from None
-    if len(layers) != args.num_hidden_layers:
-        raise ValueError(f"{d}: weights do not match config.json: num_hidden_layers {args.num_hidden_layers}, "
-                         f"the weights hold {len(layers)} layers")
+        for k, shape in found.items():
+            if k == "lm_head.weight" and args.tie_word_embeddings:
+                continue
+            if k in where:
+                raise ValueError(f"{f}: {k} is also in {where[k][0]}; a tensor must be in one file")
+            where[k] = (f, shape)
+    return where
+
+
+def fill_shards(model: M.Transformer, model_dir: Path, whole: dict[str, torch.Tensor], device) -> None:
+    """The sharded load: `model` sharded by FSDP2 on the meta device; each rank gives every parameter its
+    storage on `device` and reads only its own rows (FSDP2's dim-0 chunk) from the file with get_slice,
+    as fp32, then into the parameter's dtype; `whole` (the adapters, made whole before sharding) gives
+    its rows the same way. Every rank checks its rows are readable and finite, and the ranks reach one
+    verdict by an all-reduce (the first bad tensor in file order), so every rank stops with the same line."""
+    where = headers(weight_files(Path(model_dir)), model.args)  # checked whole by load_meta
+    model.to_empty(device=device)
+    model.inv_freq = M.rope_frequencies(model.args).to(device)  # not in the files: made again
+    params = dict(model.named_parameters())
+    order = sorted(where, key=lambda k: (str(where[k][0]), k))
+    bad = len(order), 0  # this rank's first bad tensor (its index in `order`), and why: 0 unreadable, 1 not finite
+    with torch.no_grad():
+        for k in whole:
+            params[k].to_local().copy_(whole[k][rows(params[k])])
+        for f in dict.fromkeys(where[k][0] for k in order):
+            names = [k for k in order if where[k][0] == f]
+            k = names[0]
+            try:
+                with safe_open(str(f), framework="pt", device="cpu") as st:
+                    for k in names:
+                        part = st.get_slice(k)[rows(params[k])].to(torch.float32)
+                        if not torch.isfinite(part).all():
+                            bad = order.index(k), 1
+                            break
+                        params[k].to_local().copy_(part)
+            except Exception:  # safetensors raises several types for a damaged file
+                bad = order.index(k), 0
+            if bad[0] < len(order):
+                break
+    code = torch.tensor([2 * bad[0] + bad[1]], device=device)
+    dist.all_reduce(code, op=dist.ReduceOp.MIN)
+    if (i := int(code) // 2) < len(order):
+        f, k = where[order[i]][0], order[i]
+        raise ValueError(f"{f}: {k} holds NaN or inf" if int(code) % 2 else f"{f}: unreadable safetensors file (at {k})")
+
+
+def rows(p: torch.Tensor) -> slice:
+    """This rank's rows of a parameter FSDP2 sharded on dim 0 (torch.chunk's split: ceil(n / ranks) a rank)."""
+    n, ranks, local = p.shape[0], dist.get_world_size(), p.to_local().shape[0]
+    start = min(n, dist.get_rank() * -(-n // ranks))
+    return slice(start, start + local)
 
 
 # what a HF directory holds besides weights and config.json, copied as they are

@@ -12,8 +12,11 @@ Simplifications:
 1. The adapter is plain LoRA: no dropout (RL's batches are fresh samples, and dropout would make
    the engine's policy differ from the trainer's), no bias, no DoRA or rsLoRA, one rank and
    alpha for every layer. PEFT's init: A Kaiming-uniform, B zero, so step 0 is the base model.
-2. The base stays in fp32, like full fine-tuning's weights (a bf16 base would halve its memory
-   but make the trainer's forward differ from the fp32 parity references; not offered yet).
+2. The base stays in fp32 by default, like full fine-tuning's weights. `--base-dtype bf16` stores the
+   adapted layers' frozen weight and bias in bf16 (half their bytes on every rank; real checkpoints
+   are bf16, so nothing is lost loading them) and upcasts them per call (`FrozenLinear`, which keeps
+   the bf16 tensor for the backward, not the upcast copy); the adapters and their AdamW state stay
+   fp32, and a merge is computed and returned in fp32. The embedding, norms and LM head stay fp32.
 3. The built-in engine gets merged weights, W + (alpha / r) B A, computed in fp32 from the
    untouched base on every push (engines.TorchEngine), so what samples is a plain model. vLLM
    serves the adapter itself, and only the adapter moves on a push (vllm_engine.VLLMEngine), or
@@ -42,6 +45,7 @@ from config import LORA_TARGETS as TARGETS  # every linear of a block: the flag'
 from parallel import full
 
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 accepts
+BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --base-dtype
 PREFIX = "base_model.model."  # PEFT's prefix before the model's own parameter names
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
@@ -135,9 +139,10 @@ def module_of(key: str) -> str:
 
 @torch.no_grad()
 def merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """One layer's W + (alpha / r) B A, in fp32 (one fused multiply-add, no (out, in) temporary but
-    the result), cast back to W's dtype: what the engines load and `merged` saves, bit for bit."""
-    return torch.addmm(w.float(), b.float().to(w.device), a.float().to(w.device), alpha=scale).to(w.dtype)
+    """One layer's W + (alpha / r) B A (one fused multiply-add, no (out, in) temporary but the result),
+    in fp32 whatever W's dtype (a bf16 base's W + BA rounded to bf16 would lose the adapter's small
+    updates): what the engines load and `merged` saves, bit for bit."""
+    return torch.addmm(w.float(), b.float().to(w.device), a.float().to(w.device), alpha=scale)
 
 
 @torch.no_grad()
@@ -153,22 +158,47 @@ def merged(base: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], spec
 
 # ----------------------------------------------------------------------------- the adapters in the model
 
+class FrozenLinear(torch.autograd.Function):
+    """x W^T + b for a frozen W (and b) stored in a lower precision than x: upcast for this call only,
+    and the backward saves W as stored (bf16: half the upcast copy's bytes) and returns x's gradient
+    alone (W and b get none). Under autocast the matmul runs in the autocast dtype, as an fp32 W's would."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(w)
+        ctx.dtype = x.dtype
+        return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (w,) = ctx.saved_tensors
+        return (grad @ w.to(grad.dtype)).to(ctx.dtype), None, None
+
+
 class LoRALinear(nn.Module):
     """An nn.Linear's frozen `weight` (out, in) and `bias`, under the same names, plus its adapter:
-    y = x W^T + b + scale * B(A x), lora_A.weight (r, in), lora_B.weight (out, r), as PEFT computes it."""
+    y = x W^T + b + scale * B(A x), lora_A.weight (r, in), lora_B.weight (out, r), as PEFT computes it.
+    `base_dtype` bf16 stores the frozen weight and bias in bf16 (`FrozenLinear` upcasts them per call)."""
 
-    def __init__(self, linear: nn.Linear, rank: int, scale: float):
+    def __init__(self, linear: nn.Linear, rank: int, scale: float, base_dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         self.weight, self.bias, self.scale = linear.weight, linear.bias, scale
+        if base_dtype != linear.weight.dtype:
+            self.weight = nn.Parameter(linear.weight.detach().to(base_dtype), requires_grad=False)
+            self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(base_dtype), requires_grad=False)
         out_features, in_features = linear.weight.shape
-        dev = linear.weight.device
+        dev = device or linear.weight.device  # a base on the meta device (the sharded load) gets real adapters
         self.lora_A = nn.Linear(in_features, rank, bias=False, device=dev, dtype=torch.float32)
         self.lora_B = nn.Linear(rank, out_features, bias=False, device=dev, dtype=torch.float32)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's init_lora_weights=True
         nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(x)) * self.scale
+        if self.weight.dtype == torch.float32:
+            base = F.linear(x, self.weight, self.bias)
+        else:
+            base = FrozenLinear.apply(x, self.weight, self.bias)
+        return base + self.lora_B(self.lora_A(x)) * self.scale
 
 
 def linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -176,10 +206,11 @@ def linears(model: nn.Module) -> dict[str, nn.Linear]:
     return {n: m for n, m in model.named_modules() if ".layers." in f".{n}" and isinstance(m, (nn.Linear, LoRALinear))}
 
 
-def add(model: nn.Module, spec: LoRASpec) -> None:
-    """Freeze every weight of a model.Transformer and give each target layer an adapter (fp32, on the
-    layer's device, drawn from torch's global RNG); `model.lora` becomes `spec`. ValueError, naming
-    the flag, for a target that matches no layer or a rank above a layer's width."""
+def add(model: nn.Module, spec: LoRASpec, base_dtype: str = "fp32", device=None) -> None:
+    """Freeze every weight of a model.Transformer and give each target layer an adapter (fp32, whole, on
+    `device` or the layer's, drawn from torch's global RNG), its frozen weight in `base_dtype` (--base-dtype);
+    `model.lora` becomes `spec`. ValueError, naming the flag, for a target that matches no layer or a
+    rank above a layer's width."""
     layers = linears(model)
     kinds = sorted({n.rsplit(".", 1)[-1] for n in layers})
     if stray := [t for t in spec.targets if t not in kinds]:
@@ -194,7 +225,7 @@ def add(model: nn.Module, spec: LoRASpec) -> None:
     model.requires_grad_(False)
     for name, m in chosen.items():
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, LoRALinear(m, spec.rank, spec.scale))
+        setattr(model.get_submodule(parent), child, LoRALinear(m, spec.rank, spec.scale, BASE_DTYPES[base_dtype], device))
     model.lora = spec
 
 

@@ -29,6 +29,9 @@ Simplifications:
    its own copy (`--engine-dtype`).
 5. No sliding-window attention and no RoPE scaling but llama3: configs asking for them are
    refused at load, not served wrongly.
+6. Activation checkpointing is whole blocks (`checkpointing`): a block keeps its input for the
+   backward and recomputes the rest, so a micro-batch's activations are one block's plus each
+   layer's input (memplan.activation_bytes). Only the training forward: decoding keeps nothing.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from attention import attend, document_mask
 
@@ -250,7 +254,15 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = MLP(a)
 
-    def forward(self, x, cos, sin, mask, cache=None, positions=None):
+    def forward(self, x, cos, sin, mask, cache=None, positions=None, recompute=False):
+        """recompute (--activation-checkpointing blocks): keep only x for the backward and run the block
+        again there. Inside the block's own call, so FSDP2's hooks around it gather the weights once for
+        the recomputation too (they skip the forward's gather during the backward), as torchtitan wraps it."""
+        if recompute:
+            return checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False)
+        return self._forward(x, cos, sin, mask, cache, positions)
+
+    def _forward(self, x, cos, sin, mask, cache=None, positions=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, positions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -292,6 +304,7 @@ class Transformer(nn.Module):
         self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_frequencies(a), persistent=False)
         self.attention = "auto"  # the packed forward's attention (attention.document_mask): auto | flex | rows | dense
+        self.checkpointing = False  # recompute each block in the backward (--activation-checkpointing blocks); never when decoding
         self.lora = None  # lora.LoRASpec once lora.add gave the linear layers adapters; None: full fine-tuning
 
     @property
@@ -306,8 +319,9 @@ class Transformer(nn.Module):
     def _run(self, tokens, positions, mask, caches=None):
         x = self.model.embed_tokens(tokens)  # (B, S, H)
         cos, sin = self._rope(positions, x.dtype)
+        recompute = self.checkpointing and caches is None and torch.is_grad_enabled()
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, mask, None if caches is None else caches[i], positions)
+            x = layer(x, cos, sin, mask, None if caches is None else caches[i], positions, recompute)
         return self.model.norm(x)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, doc_ids: torch.Tensor,

@@ -98,7 +98,7 @@ def shard(model: nn.Module) -> nn.Module:
     it stays gathered from forward to backward, so the head outside the forward reads the full
     weight). Gradients are summed over ranks, not averaged: every rank's loss is already divided
     by the global count (loss.denominators)."""
-    if world() == 1:
+    if world() == 1 or isinstance(model, FSDPModule):  # FSDPModule: sharded already (the sharded load)
         return model
     # the forward returns hidden[0], a view that nothing edits in place
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")

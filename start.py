@@ -6,12 +6,13 @@ forward). train.py's `main` calls both; nothing here runs a step.
 Simplifications:
 1. `--model scratch` builds the tiny model in memory; `write_scratch` saves it into the run
    (the engine, vLLM included, loads a directory, and checkpoints copy its tokenizer).
-2. The engine is built before FSDP2 shards the model, so it takes a full copy.
+2. Under torchrun the model is built on the meta device and sharded at the start checks, each rank
+   reading only its rows of the files (hfdir.fill_shards); the built-in engine builds its own copy
+   and fills it tensor by tensor from the gathered shards. One process loads whole, as before.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import shutil
@@ -23,23 +24,22 @@ import torch.distributed as dist
 
 import config as C
 from textcodec import TextCodec, write_tokenizer
-import envs
+import envcheck
 import episodes as E
-import toolcalls
 import toolrun
-import usercode
 import loss as L
 import model as M
 import hfdir
 import tasks as T
 from checkpoint import check_resumable
 import lora
+import memplan
 import parallel as P
 from parallel import RANK, print0, shard
 from remote import RemoteEngine
 from engines import Sampling
 from vllm_engine import make_engine, serves_adapter, vllm_logprobs, vllm_lora_rank
-from rundir import check_fresh, snapshot
+from rundir import check_fresh, floe_config, snapshot
 
 
 @dataclass
@@ -78,10 +78,10 @@ def check_start(cfg: C.Config) -> Start:
             print0(note)
         resume_from, kept, src = None, None, None if cfg.model == "scratch" else Path(cfg.model)
         codec = TextCodec.load(src) if src else TextCodec.tiny(T.alphabet(cfg))
-    fns = load_tools(cfg)
+    fns = envcheck.load_tools(cfg)
     task = T.build(cfg, codec, [t.schema for t in fns.values()])
-    env = load_env(cfg, task, fns)
-    tools = check_tools(cfg, codec, task, env, fns)
+    env = envcheck.load_env(cfg, task, fns)
+    tools = envcheck.check_tools(cfg, codec, task, env, fns)
     if cfg.stage == "sft":  # a multi-turn reference must follow the token rule before anything is written
         for p in getattr(task, "train", []):
             if "episode" in p.columns:
@@ -93,6 +93,10 @@ def check_start(cfg: C.Config) -> Start:
     model = model.to(cfg.device) if cfg.resume else load_model(cfg, src, codec)
     if not cfg.resume and cfg.lora_rank:
         add_adapters(cfg, model, src)
+    if model.inv_freq.is_meta:  # under torchrun: each rank reads its own shard of the files
+        whole = {n: p.detach() for n, p in model.named_parameters() if not p.is_meta}  # the adapters
+        shard(model)
+        hfdir.fill_shards(model, src, whole, cfg.device)
     task.fit_eval_set(cfg.max_new_tokens, model.args.max_position_embeddings, cfg.eval_every > 0)
     if cfg.engine == "vllm":  # can vLLM report the support this loss needs? Ask before starting it
         vllm_logprobs(Sampling(top_k=cfg.top_k, support=L.reads_support(cfg)), model.args.vocab_size)
@@ -110,112 +114,81 @@ def check_start(cfg: C.Config) -> Start:
     return Start(out, src, resume_from, kept, seen, codec, task, model, env, tools)
 
 
-def load_env(cfg: C.Config, task: T.Task, tools: dict) -> E.EnvSpec | None:
-    """--env, checked before the run writes anything: it imports, is a class with `step` (optional
-    when it has tools), every row holds the columns it declares its `reset` reads, and the episodes
-    have a reward (the environment's `reward`, or --reward functions). --tool without --env plays
-    the built-in `tools` environment (envs.ToolsOnly): no step, no reward."""
-    if not cfg.env:
-        if not tools:
-            return None
-        if not task.rewards:
-            raise C.ConfigError("--tool without --env needs --reward: the episodes have no environment to score them")
-        return E.EnvSpec("tools", envs.ToolsOnly, None, False, has_step=False)
-    try:
-        cls, path = usercode.load(cfg.env, "--env", envs.BUILTIN, "class")
-    except usercode.LoadError as e:
-        raise C.ConfigError(str(e)) from None
-    if not inspect.isclass(cls):
-        raise C.ConfigError(f"--env {cfg.env}: {cls!r} is not a class (one instance is made per episode)")
-    has_tools = hasattr(cls, "tools")
-    for method in tuple(m for m in ("step", "reset", "reward", "tools") if hasattr(cls, m) or (m == "step" and not has_tools)):
-        if not callable(getattr(cls, method, None)):
-            raise C.ConfigError(f"--env {cfg.env}: {cls.__name__}.{method} is not a method (envs.py has the contract)")
-    if clash := [n for n in tools if hasattr(cls, n)]:
-        raise C.ConfigError(f"--tool {clash[0]}: named like --env {cfg.env}'s {cls.__name__}.{clash[0]}; rename the tool")
-    check_columns(cfg.env, cls, getattr(task, "train", []) + task.eval_set)
-    has_reward = callable(getattr(cls, "reward", None))
-    if not has_reward and not task.rewards:
-        raise C.ConfigError(f"--env {cfg.env}: {cls.__name__} has no reward() and no --reward is given: "
-                            "an episode needs one")
-    return E.EnvSpec(cfg.env, cls, path, has_reward, hasattr(cls, "step"), has_tools)
-
-
-def check_columns(name: str, cls: type, rows: list) -> None:
-    """Every row holds the columns the class declares its reset reads (`columns`), as it holds those a
-    reward asks for: a row without one would fail its group's reset at every step that drew it."""
-    columns = getattr(cls, "columns", ())
-    if not isinstance(columns, (tuple, list)) or not all(isinstance(c, str) for c in columns):
-        raise C.ConfigError(f"--env {name}: {cls.__name__}.columns must be a tuple of column names, got {columns!r}")
-    for p in rows:
-        if missing := [c for c in columns if c != "prompt" and c not in p.columns]:
-            raise C.ConfigError(f"{p.where}: --env {name} needs the column(s) {missing}, which this row lacks "
-                                f"(it has {sorted(p.columns) or 'none'})")
-
-
-def load_tools(cfg: C.Config) -> dict:
-    """--tool's functions with their schemas (toolcalls.toolset), or one line: a tool that does not
-    import, is not a function, has a parameter JSON cannot describe, or shares a name."""
-    try:
-        return toolcalls.toolset(toolcalls.load(cfg.tool))
-    except ValueError as e:
-        raise C.ConfigError(str(e)) from None
-
-
-PROBE = {"type": "function", "function": {"name": "floe_probe", "description": "A probe.",
-                                          "parameters": {"type": "object", "properties": {}}}}
-
-
-def check_tools(cfg: C.Config, codec: TextCodec, task: T.Task, env: E.EnvSpec | None, tools: dict) -> toolrun.Tools | None:
-    """With tools declared (--tool, or an --env with tools()), what they need of the model directory
-    and the task, else one line: a chat template that shows them, can render a result after a plain
-    assistant turn and writes a known call format (or --tool-format), chat prompts, and no `tools` in
-    --chat-template-kwargs. The episodes' tools, their format and limits, and the runner."""
-    if env is None or not (tools or env.has_tools):
-        return None
-    src = codec.template_source
-    if "tools" in json.loads(cfg.chat_template_kwargs):
-        raise C.ConfigError("--chat-template-kwargs sets `tools`: floe passes the declared tools' schemas (--tool, "
-                            "an environment's tools()); leave it out")
-    if codec.template is None:
-        raise C.ConfigError(f"tools reach the model through the chat template, and {cfg.model} has none")
-    if bad := next((p for p in getattr(task, "train", []) + task.eval_set if isinstance(p.prompt, str)), None):
-        raise C.ConfigError(f"{bad.where or cfg.task}: a string prompt cannot show the tools (the chat template "
-                            "does); give the prompt as chat messages")
-    base = {k: v for k, v in task.template_kwargs.items() if k != "tools"}
-    schemas = [t.schema for t in tools.values()] or [PROBE]
-    probe = [{"role": "user", "content": "floe-probe"}]
-    try:
-        if codec.render_text(probe, True, **base) == codec.render_text(probe, True, **base, tools=schemas):
-            raise C.ConfigError(f"chat template {src} ignores `tools` (it renders the same text with and without "
-                                "them): the model would never see the tools")
-        E.reply_ids(codec, [{"role": "tool", "name": "floe_probe", "content": "1"}], E.end_of_turn(codec, base),
-                    {**base, "tools": schemas})
-    except ValueError as e:
-        if isinstance(e, C.ConfigError):
-            raise
-        raise C.ConfigError(f"chat template {src} cannot render a tool result after a plain assistant turn ({e}); "
-                            "a template that needs the call before its result (as GPT-OSS's) is not supported") from None
-    fmt = cfg.tool_format if cfg.tool_format != "auto" else toolcalls.detect_format(codec.template)
-    if fmt is None:
-        raise C.ConfigError(f"--tool-format auto: chat template {src} writes neither <tool_call> (hermes) nor ipython "
-                            "or <|python_tag|> (llama3-json); give --tool-format")
-    if fmt == "llama3-json" and cfg.max_tool_calls_per_turn > 1:
-        raise C.ConfigError(f"--max-tool-calls-per-turn {cfg.max_tool_calls_per_turn} with llama3-json (read from "
-                            f"{src}): the format is one call a turn")
-    task.tool_format = fmt
-    runner = toolrun.Runner(cfg.tool_timeout, cfg.max_tool_result_chars, codec.encode)
-    return toolrun.Tools(tools, fmt, cfg.max_tool_calls_per_turn, cfg.max_tool_calls, runner, env.has_tools)
-
-
 def settled(cfg: C.Config) -> C.Config:
     """The derived values the flags alone cannot decide (Config.resolve settles those), settled once
     before anything is built, so every part of the run reads the same config: --adapter's rank, alpha
-    and targets, and --compile on turned off on a CPU with no C++ compiler (saying so)."""
+    and targets, --compile on turned off on a CPU with no C++ compiler (saying so), and
+    --activation-checkpointing auto made off or blocks from the memory plan (`fit_memory`, which
+    also stops a CUDA run whose plan exceeds its device). --plan settles no memory: it prints."""
     cfg = adapter_flags(cfg)
     if cfg.compile == "on" and not can_compile(cfg.device):
         cfg = C.dataclasses.replace(cfg, compile="off")
-    return cfg
+    if cfg.plan:
+        return cfg
+    return fit_memory(cfg, device_memory(cfg.device))
+
+
+# ----------------------------------------------------------------------------- the memory plan
+
+def device_memory(device: str) -> int:
+    """One device's bytes; 0 on a CPU, or when no GPU is here (--plan of a CUDA job on a laptop)."""
+    return torch.cuda.get_device_properties(0).total_memory if device == "cuda" and torch.cuda.is_available() else 0
+
+
+def plan_shape(cfg: C.Config) -> memplan.Shape:
+    """The model's shape from config.json alone: --model's, on resume the run's own (its record names
+    it; --model is not read then), with --model scratch the tiny model the run would build."""
+    if cfg.model == "scratch" and not cfg.resume:
+        vocab = TextCodec.tiny(T.alphabet(cfg)).tok.get_vocab_size()
+        return memplan.Shape(M.ModelArgs(vocab, **M.TINY))
+    saved = floe_config(Path(cfg.out_dir)) if cfg.resume else None
+    model = (saved or {}).get("model", cfg.model)
+    if model == "scratch":
+        return memplan.Shape.from_dir(Path(cfg.out_dir) / "scratch")
+    return memplan.Shape.from_dir(model)
+
+
+def plan_setup(cfg: C.Config, device_bytes: int) -> memplan.Setup:
+    """The flags the plan reads; the trainer ranks are --plan-world, or this run's."""
+    world = cfg.plan_world or max(1, P.LAUNCHED - cfg.inference_gpus)
+    return memplan.Setup(world, cfg.lora_rank, tuple(cfg.lora_targets), cfg.base_dtype, cfg.train_dtype, cfg.engine,
+                         cfg.engine_dtype, cfg.vllm_memory, cfg.device, device_bytes, cfg.inference_gpus,
+                         cfg.micro_batch_tokens, cfg.activation_checkpointing,
+                         ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
+
+
+def fit_memory(cfg: C.Config, device_bytes: int) -> C.Config:
+    """--activation-checkpointing auto resolved (memplan.resolve: off on a CPU, so the default job does
+    not change; on CUDA blocks when the plan without it passes 80% of the device), and on CUDA with
+    --plan-check on a plan over `device_bytes` by more than the plan's error stopped with
+    memplan.advice's one line. A CPU reads no config.json here: its answer is off, whatever the shape."""
+    if cfg.device == "cpu":
+        return C.dataclasses.replace(cfg, activation_checkpointing="off") if cfg.activation_checkpointing == "auto" else cfg
+    try:
+        shape, setup = plan_shape(cfg), plan_setup(cfg, device_bytes)
+        resolved = memplan.resolve(shape, setup)
+        why = memplan.advice(shape, resolved, device_bytes, memplan.PLAN_ERROR) if device_bytes else None
+    except ValueError as e:  # PlanError, or a config.json from_hf refuses
+        raise C.ConfigError(f"the memory plan: {e}") from None
+    if why and cfg.plan_check == "on":
+        raise C.ConfigError(f"{why} (--plan prints the plan; --plan-check off starts anyway)")
+    return C.dataclasses.replace(cfg, activation_checkpointing=resolved.activation_checkpointing)
+
+
+def plan_text(cfg: C.Config) -> str:
+    """--plan: the table of memplan.plan for these flags, and whether it fits this device, or on a
+    machine without one each GPU in memplan.DEVICES (a laptop sizes a GPU job)."""
+    device_bytes = device_memory(cfg.device)
+    try:
+        shape, setup = plan_shape(cfg), plan_setup(cfg, device_bytes)
+        lines = [memplan.table(memplan.plan(shape, setup)), ""]
+        devices = {"this device": device_bytes} if device_bytes else memplan.DEVICES if cfg.device == "cuda" else {}
+        for name, n in devices.items():
+            why = memplan.advice(shape, C.dataclasses.replace(setup, device_bytes=n), n, memplan.PLAN_ERROR)
+            lines.append(f"{name} ({memplan.gib(n)}): " + (why or "fits"))
+    except ValueError as e:
+        raise C.ConfigError(f"--plan: {e}") from None
+    return "\n".join(lines).rstrip()
 
 
 def adapter_flags(cfg: C.Config) -> C.Config:
@@ -240,7 +213,7 @@ def adapter_flags(cfg: C.Config) -> C.Config:
 def add_adapters(cfg: C.Config, model: M.Transformer, src: Path | None) -> None:
     """--lora-rank: adapters on `model` (lora.add refuses a rank above a layer's width, a target that
     names no layer); --adapter DIR: its tensors, once they fit the model and its base is --model's."""
-    lora.add(model, lora.spec_of(cfg))
+    lora.add(model, lora.spec_of(cfg), cfg.base_dtype, cfg.device)
     if not cfg.adapter:
         return
     if src is None:
@@ -321,6 +294,9 @@ def check_read(cfg: C.Config) -> None:
               if not (cfg.tool or cfg.env)]
     if cfg.device == "cuda":
         found.append(("dist_timeout", "is not read on CUDA (NCCL keeps torch's 10-minute watchdog)", False))
+    else:
+        found.append(("plan_check", "is not read on a CPU (the plan checks a CUDA device)", False))
+    found.append(("plan_world", "is read only with --plan (a run plans for its own ranks)", False))
     if not (cfg.lora_rank and cfg.engine == "vllm"):
         found.append(("lora_merged", "is read only with --engine vllm and --lora-rank (the built-in engine always merges)", False))
     if not cfg.lora_rank:  # the user asked for adapters and would get full fine-tuning
@@ -349,7 +325,11 @@ def check_copied(src: Path) -> None:
 
 
 def load_model(cfg: C.Config, src: Path | None, codec: TextCodec) -> M.Transformer:
-    """The model in `src`, or with `--model scratch` (src None) a fresh tiny one in memory."""
+    """The model in `src`, or with `--model scratch` (src None) a fresh tiny one in memory. Under torchrun
+    the model in `src` stays on the meta device, its headers checked (hfdir.load_meta), for check_start
+    to shard and fill from the files, each rank its own rows."""
+    if src is not None and P.world() > 1:
+        return hfdir.load_meta(src)[0]
     if src is not None:
         return hfdir.load(src, device=cfg.device)
     args = M.ModelArgs(codec.tok.get_vocab_size(), **M.TINY, eos_token_id=codec.stop_ids[0])
@@ -382,6 +362,7 @@ def build(cfg: C.Config, src: Path, model: M.Transformer, codec: TextCodec, link
             engine.load_weights(model, 0)
     else:
         engine = make_engine(cfg, model, src, codec.stop_ids, cfg.seed + RANK)
+    model.checkpointing = cfg.activation_checkpointing == "blocks"  # settled: off or blocks
     shard(model)  # after the engine took its full copy
     trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
     opt = torch.optim.AdamW(trained, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)

@@ -102,7 +102,7 @@ class Task:
     def __init__(self, codec: TextCodec, rewards: list[Reward], template_kwargs: dict | None = None):
         self.codec, self.rewards, self.template_kwargs = codec, rewards, template_kwargs or {}
         self.eval_set: list[Prompt] = []
-        self.tool_format = ""  # the declared tools' call format (start.check_tools), for `tool_calls` in references
+        self.tool_format = ""  # the declared tools' call format (envcheck.check_tools), for `tool_calls` in references
 
     def prompt(self, raw, columns: dict, reference: str | None = None, where: str = "") -> Prompt:
         return Prompt(self.codec.render(raw, **self.template_kwargs), raw, columns, reference, where)
@@ -225,7 +225,7 @@ class JsonlTask(Task):
 
     def __init__(self, codec, rewards, path, eval_file="", eval_size=64, template_kwargs=None, env=False):
         super().__init__(codec, rewards, template_kwargs)
-        if not rewards and not env:  # an --env may give the reward itself (start.load_env checks)
+        if not rewards and not env:  # an --env may give the reward itself (envcheck.load_env checks)
             raise ConfigError(f"--task jsonl:{path} needs --reward (a built-in: {', '.join(BUILTIN)}; "
                               "or path/to/file.py:fn)")
         self.needs = [(r, r.needs()) for r in rewards]  # read() checks every row's columns against them

@@ -11,7 +11,7 @@ toolcalls.py turns a model turn into calls; this module runs them for the episod
    cannot, under the GIL). A hung thread cannot be killed: it is abandoned and counted, and more
    than MAX_ABANDONED alive stop the run (a tool that must be killable runs its own subprocess).
 2. `Tools`: what a run's episodes need of the tools (the --tool ones, the format, the limits, the
-   runner); start.check_tools builds it after the start checks.
+   runner); envcheck.check_tools builds it after the start checks.
 3. `metrics`: a step's (sum, count) tool metrics, as the episodes' other statistics.
 
 This module is layer 2: usercode.py, data.py (RunError) and toolcalls.py.

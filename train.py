@@ -68,7 +68,7 @@ from remote import RemoteEngine, dismiss, serve
 from rewards import reward_hashes
 from rundir import claimed, way_on, write_file
 import runlog
-from start import Start, build, check_start, settled, write_scratch
+from start import Start, build, check_start, plan_text, settled, write_scratch
 
 
 # ----------------------------------------------------------------------------- the trainer's side
@@ -177,7 +177,11 @@ def main(argv: list[str] | None = None) -> dict:
     P.pin_inference_gpu(cfg.inference_gpus)
     link = None
     try:
-        cfg = settled(cfg.resolve(torch.cuda.is_available()))
+        # --plan --device cuda reads no device: a laptop plans a GPU job
+        cfg = settled(cfg.resolve(torch.cuda.is_available() or (cfg.plan and cfg.device == "cuda")))
+        if cfg.plan:
+            print0(plan_text(cfg))
+            return {}
         link = setup_distributed(cfg.device, cfg.inference_gpus, cfg.dist_timeout)
         if P.serving(cfg.inference_gpus):  # an --inference-gpus rank: it samples for the trainers until they stop it
             serve(cfg, link)

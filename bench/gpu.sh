@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks, on one H200 in under 8 minutes: the gpu-marked tests (CUDA against the
+# The GPU checks, on one H200 in about 8 minutes (10 if every timeout is reached): the gpu-marked tests (CUDA against the
 # CPU reference, compiled against eager), then the benchmarks, then a short end-to-end
 # run of the default job on the GPU, and last LoRA on vLLM and LoRA's memory table in whatever time is left. Run from the repo root:
 #
@@ -37,6 +37,9 @@ echo "== bench/e2e.py (random Qwen3-0.6B shape: rollout and train tok/s, MFU), t
 timeout 60 python3 bench/e2e.py --compile off --train-dtype bf16 2>&1 | grep -v '^  "' | tee "$OUT/e2e.txt"
 timeout 60 python3 bench/e2e.py --compile off --train-dtype fp32 2>&1 | grep -v '^  "' | tee -a "$OUT/e2e.txt"
 
+echo "== bench/memory.py cuda: the memory plan against torch.cuda.max_memory_allocated (Qwen3-0.6B shape, 4k/16k tokens, checkpointing off/blocks)"
+timeout 90 python3 bench/memory.py cuda 2>&1 | tee "$OUT/memory.txt"
+
 echo "== end to end: the default job on the GPU, 10 steps"
 timeout 30 python3 train.py --device cuda --loss icepop --icepop-beta 2.0 --steps 10 --eval-every 5 \
   --out-dir "$OUT/run" 2>&1 | grep -v '^  "' | tee "$OUT/run.txt"
@@ -66,5 +69,5 @@ if [ "$left" -lt 60 ]; then
 else
   timeout "$left" python3 bench/lora.py memory --device cuda --out /tmp/floe-lora-memory 2>&1 | tee "$OUT/lora-memory.txt"
 fi
-# worst case, every timeout reached: 130 + 30 + 65 + 30 + 60 + 60 + 30 + 30 + 45 = 480 s of commands, plus
+# worst case, every timeout reached: 130 + 30 + 65 + 30 + 60 + 60 + 90 + 30 + 30 + 45 = 570 s of commands, plus
 # start-up; typical runs finish well inside them. The LoRA steps take only what is left of 470 s.

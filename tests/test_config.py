@@ -19,6 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
     (["--temperature", "0"], "--temperature"),
     (["--steps", "-1"], "--steps"),
     (["--task", "nope"], "--task must be reverse-text, arithmetic or jsonl:PATH, got 'nope'"),  # at the start checks
+    (["--plan-world", "-1"], "--plan-world"),
+    (["--base-dtype", "bf16"], "--base-dtype"),
+    (["--activation-checkpointing", "layers"], "--activation-checkpointing"),
 ])
 def test_bad_flag_exits_2_with_one_line(args, flag, tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, "--out-dir", str(tmp_path / "run")],

@@ -58,8 +58,9 @@ def one_step(cfg, state, samples):
     for phase in ("grads", "step"):
         model = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
         if cfg.lora_rank:  # the frozen base sharded like full fine-tuning's weights, the adapters with it
-            lora.add(model, lora.spec_of(cfg))
+            lora.add(model, lora.spec_of(cfg), cfg.base_dtype)
         model.load_state_dict(state)
+        model.checkpointing = cfg.activation_checkpointing == "blocks"  # as start.build sets it
         train.P.shard(model)
         assert isinstance(model.head_weight, DTensor) == (train.P.world() > 1)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
@@ -116,7 +117,11 @@ def _cases():
     with torch.no_grad():
         for layer in lora.adapted(m).values():
             layer.lora_B.weight.normal_(0, 0.1)
-    return cases + [(lcfg, m.state_dict(), samples)]
+    cases.append((lcfg, m.state_dict(), samples))
+    # blocks recomputed inside FSDP2's gathers: the ranks against one process that keeps them (full and LoRA);
+    # a bf16 LoRA base: FSDP2 gathers bf16 weights beside fp32 norms and adapters
+    return cases + [(C.dataclasses.replace(c, activation_checkpointing="blocks"), st, sa) for c, st, sa in (cases[0], cases[-1])] \
+        + [(C.dataclasses.replace(lcfg, base_dtype="bf16"), m.state_dict(), samples)]
 
 
 def test_two_gloo_ranks_match_one_process(tmp_path):
@@ -128,12 +133,12 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{i}.pt") for i in range(2)]
     for i, (cfg, state, samples) in enumerate(cases):
-        metrics, grads, weights, n_mb = one_step(cfg, state, samples)
+        metrics, grads, weights, n_mb = one_step(C.dataclasses.replace(cfg, activation_checkpointing="off"), state, samples)
         assert n_mb == 3 and metrics["bad_evidence/dropped"] == pytest.approx(1 / 12)
         assert 0.02 < metrics["icepop/masked_fraction"] < 0.9 and metrics["grad_norm"] > cfg.grad_clip  # clipped
         if cfg.lora_rank:  # the step moved the adapters alone
             assert grads.keys() == {k for k in weights if lora.is_adapter_key(k)}
-            assert all(torch.equal(weights[k], state[k]) for k in weights if not lora.is_adapter_key(k))
+            assert all(torch.equal(weights[k], state[k].to(weights[k].dtype)) for k in weights if not lora.is_adapter_key(k))
         for rank in ranks:
             m2, g2, w2, n2 = rank["steps"][i]
             assert n2 == 2  # 2 + 1 micro-batches, padded to 2 + 2

@@ -1,0 +1,364 @@
+"""The memory plan's measured figures, and the start-up it plans against, on the CPU.
+
+Each figure is one fresh process's peak RSS (`resource.getrusage` ru_maxrss, read in-process at the
+named point), one process at a time, so no figure holds another's memory. Studies:
+- `baseline`: a process that imported train.py's modules and loaded nothing (memplan.CPU_BASELINE).
+- `activations`: one forward and backward of the packed training forward (row attention, fp32)
+  at Qwen3-0.6B's widths with 2 and 4 layers (a small vocabulary: the layers are measured), at
+  1k, 2k and 4k tokens of packed 64-token documents; the slope in tokens at each depth gives
+  bytes a token, their difference bytes a token a layer, which over memplan.saved_elements is
+  memplan.CPU_FP32_CALIBRATION. The same with one long document per micro-batch (the CPU's mask
+  grows with the document) and with each block recomputed in the backward
+  (--activation-checkpointing blocks: model.Transformer.checkpointing), each beside the plan's figure;
+  and the LM head's peak in [chunk, V] tiles (memplan.CPU_HEAD_TILES).
+- `scale`: docs/scale.md's table of the plan for Qwen3-1.7B to 32B on 8 GPUs (computed only).
+- `cuda` (bench/gpu.sh runs it): one step's torch.cuda.max_memory_allocated at the 0.6B shape, 4k
+  and 16k tokens, checkpointing off and blocks, beside the plan.
+- `startup`: train.py on a random Qwen3-0.6B-shaped checkpoint the bench writes in bf16 as HF
+  sharded files (model.safetensors.index.json), one process and `torchrun --nproc_per_node 2`
+  (gloo; the sharded load), full fine-tuning and --lora-rank 16, the built-in engine: each rank's
+  peak RSS right after start.build returns, before step 1, beside the plan's start-up peak and
+  the arithmetic of what the load before the sharded one held (every rank the whole model and an
+  fp32 deep copy for its engine).
+
+Simplifications:
+1. Memory only: nothing here is timed.
+
+    python bench/memory.py baseline
+    python bench/memory.py activations     # 13 processes, ~15 min on 2 cores, the largest ~3 GiB
+    python bench/memory.py startup         # 4 runs (2 with 2 ranks), the largest ~9 GiB in all; writes runs/memory/
+    python bench/memory.py scale           # docs/scale.md's table: computed, nothing is measured
+    python bench/memory.py cuda            # on a GPU: the plan against max_memory_allocated
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import memplan as P  # noqa: E402
+import model as M  # noqa: E402
+
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=512)
+TOKENS, DOCUMENT, SMALL_VOCAB = (1024, 2048, 4096), 64, 4096
+GIB = 2**30
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+_done: dict[tuple, dict] = {}
+
+
+def child(args: list[str]) -> dict:
+    """`python bench/memory.py _NAME ARGS` in a fresh process: its last stdout line, parsed (a figure
+    asked twice is measured once)."""
+    if tuple(args) in _done:
+        return _done[tuple(args)]
+    r = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, cwd=ROOT)
+    if r.returncode:
+        raise SystemExit(f"{' '.join(args)}: exit {r.returncode}\n{r.stderr[-3000:]}")
+    _done[tuple(args)] = json.loads(r.stdout.strip().splitlines()[-1])
+    return _done[tuple(args)]
+
+
+def ranks_child(args: list[str], ranks: int) -> list[dict]:
+    """The same under `torchrun --nproc_per_node ranks` (gloo): each rank's line, in the order they came."""
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master-addr",
+                        "127.0.0.1", "--master-port", "29533", __file__, *args], capture_output=True, text=True, cwd=ROOT)
+    if r.returncode:
+        raise SystemExit(f"{' '.join(args)} x {ranks} ranks: exit {r.returncode}\n{r.stderr[-3000:]}")
+    return [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+
+
+# ----------------------------------------------------------------------------- activations
+
+def layer_shape(layers: int) -> dict:
+    return {**QWEN3_06B, "vocab_size": SMALL_VOCAB, "num_hidden_layers": layers}
+
+
+def forward_backward(layers: int, tokens: int, document: int, blocks: bool) -> dict:
+    """One forward and backward; the peak and the RSS just before the forward."""
+    torch.manual_seed(0)
+    model = M.Transformer(M.ModelArgs(**layer_shape(layers)))
+    M.init_weights(model)
+    model.checkpointing = blocks  # --activation-checkpointing blocks
+    ids = torch.randint(0, SMALL_VOCAB, (tokens,))
+    positions, docs = torch.arange(tokens) % document, torch.arange(tokens) // document
+    before, peak_before = rss(), peak_rss()
+    model(ids, positions, docs).sum().backward()
+    return {"peak": peak_rss(), "before": before, "peak_before": peak_before}
+
+
+def head_tiles(tokens: int) -> dict:
+    """The CPU head's peak over its [chunk, V] fp32 tile, at Qwen3-0.6B's vocabulary."""
+    from kernels import TILE_ELEMENTS, head
+    v, h = QWEN3_06B["vocab_size"], QWEN3_06B["hidden_size"]
+    weight = torch.randn(v, h) * 0.02
+    hidden = torch.randn(tokens, h, requires_grad=True)
+    labels = torch.randint(0, v, (tokens,))
+    before = rss()
+    head(hidden, weight, labels, impl="torch")[0].sum().backward()
+    chunk = max(1, min(tokens, TILE_ELEMENTS // v))
+    extra = peak_rss() - before - hidden.grad.nbytes  # the hidden's gradient is the head's output, not a tile
+    return {"peak": peak_rss(), "before": before, "tiles": extra / (chunk * v * 4), "chunk": chunk}
+
+
+def slope(points: list[tuple[int, int]]) -> float:
+    """The least-squares slope of bytes over tokens."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    return sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+
+
+def activations(a) -> str:
+    shape = P.Shape(M.ModelArgs(**layer_shape(2)))
+    counted = 4 * P.saved_elements(shape, False, DOCUMENT)[0]
+    runs = {(layers, t): child(["_fb", str(layers), str(t), str(DOCUMENT), "0"]) for layers in (2, 4) for t in TOKENS}
+    per = {layers: slope([(t, runs[layers, t]["peak"]) for t in TOKENS]) for layers in (2, 4)}
+    per_layer, outside = (per[4] - per[2]) / 2, per[2] - 2 * (per[4] - per[2]) / 2
+    lines = [f"Qwen3-0.6B widths (hidden 1024, intermediate 3072, 16/8 heads of 128), vocab {SMALL_VOCAB}, fp32, "
+             f"row attention, torch {torch.__version__}, {torch.get_num_threads()} threads", "",
+             "| layers | tokens | documents | peak RSS | RSS before the forward | peak - before |", "|" + " --- |" * 6]
+    for (layers, t), r in runs.items():
+        lines.append(f"| {layers} | {t} | {t // DOCUMENT} x {DOCUMENT} | {r['peak'] / GIB:.3f} GiB | "
+                     f"{r['before'] / GIB:.3f} GiB | {(r['peak'] - r['before']) / GIB:.3f} GiB |")
+    lines += ["", f"bytes a token a layer: {per_layer:.0f} measured, {counted} counted (memplan.saved_elements x 4): "
+              f"CPU_FP32_CALIBRATION = {per_layer / counted:.3f}; bytes a token outside the layers (the backward's "
+              f"temporaries): {outside:.0f}, BACKWARD_LAYERS = {outside / per_layer:.3f}", ""]
+    P.BACKWARD_LAYERS = outside / per_layer
+    lines += against_plan(shape, per_layer, outside, per_layer / counted)
+    h = child(["_head", "4096"])
+    lines += ["", f"LM head at vocab {QWEN3_06B['vocab_size']}, 4096 tokens, {h['chunk']}-token chunks: peak - before "
+              f"- d_hidden = {h['tiles']:.2f} [chunk, V] fp32 tiles: CPU_HEAD_TILES = {h['tiles']:.2f}"]
+    return "\n".join(lines)
+
+
+def against_plan(shape: P.Shape, per_layer: float, outside: float, calibration: float) -> list[str]:
+    """Four layers: a long document and checkpointed blocks, measured (peak - RSS before) against
+    the plan's activations with the calibration just measured."""
+    old, P.CPU_FP32_CALIBRATION = P.CPU_FP32_CALIBRATION, calibration
+    sh4 = P.Shape(M.ModelArgs(**layer_shape(4)))
+    lines = ["| 4 layers, tokens | documents | checkpointing | peak - before | plan's activations | plan / measured |",
+             "|" + " --- |" * 6]
+    for t in TOKENS:
+        for doc, blocks in ((DOCUMENT, False), (t, False), (DOCUMENT, True)):
+            r = child(["_fb", "4", str(t), str(doc), str(int(blocks))])
+            s = P.Setup(micro_batch_tokens=t, document_tokens=doc, activation_checkpointing="blocks" if blocks else "off")
+            planned = P.activation_bytes(sh4, s)[s.activation_checkpointing]
+            grads = 4 * sh4.params()  # the backward's weight gradients, which the plan counts apart
+            got = r["peak"] - r["before"] - grads
+            lines.append(f"| {t} | {t // doc} x {doc} | {'blocks' if blocks else 'off'} | {got / GIB:.3f} GiB "
+                         f"| {planned / GIB:.3f} GiB | {planned / got:.2f} |")
+    P.CPU_FP32_CALIBRATION = old
+    return lines
+
+
+# ----------------------------------------------------------------------------- start-up
+
+def write_sharded(d: Path, shape: dict, shard_bytes: int = 500 * 2**20) -> Path:
+    """A random model of `shape` as HF sharded bf16 files with model.safetensors.index.json, one tensor
+    made at a time (never the whole model in fp32), once."""
+    from safetensors.torch import save_file
+    from textcodec import write_tokenizer
+    if (d / "model.safetensors.index.json").is_file():
+        return d
+    d.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(d)
+    args = M.ModelArgs(**shape, eos_token_id=2)
+    (d / "config.json").write_text(json.dumps({**args.to_hf(), "torch_dtype": "bfloat16"}, indent=2))
+    with torch.device("meta"):
+        names = {k: v.shape for k, v in M.Transformer(args).state_dict().items()}
+    groups, current = [], []  # the files' tensors, planned from the shapes: a file's tensors are made when it is written
+    for k in names:
+        current.append(k)
+        if sum(2 * names[n].numel() for n in current) >= shard_bytes:
+            groups, current = groups + [current], []
+    groups += [current] if current else []
+    g, weight_map, total = torch.Generator().manual_seed(0), {}, 0
+    for i, keys in enumerate(groups):
+        part = {k: (torch.ones(names[k]) if k.endswith("norm.weight") else torch.randn(names[k], generator=g) * 0.02)
+                .to(torch.bfloat16) for k in keys}
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file(part, str(d / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+        total += sum(t.nbytes for t in part.values())
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return d
+
+
+def after_build(model_dir: str, rank: int) -> None:
+    """train.py until start.build returns, then the peak RSS and out: nothing of step 1 runs."""
+    import train
+
+    real = train.build
+
+    def build(*a, **k):
+        held = real(*a, **k)  # the built parts stay alive while the peak is read
+        os.write(1, (json.dumps({"peak": peak_rss(), "rss": rss()}) + "\n").encode())  # fd 1: sys.stdout is muted
+        os._exit(0 if held else 1)
+
+    train.build = build
+    flags = ["--model", model_dir, "--steps", "1", "--eval-every", "0", "--prompts-per-step", "2", "--group-size", "2",
+             "--max-new-tokens", "8", "--micro-batch-tokens", "256", "--device", "cpu", "--engine", "torch",
+             "--compile", "off", "--out-dir", str(Path(model_dir).parent / f"run-r{rank}-w{os.environ.get('WORLD_SIZE', 1)}")]
+    sys.stdout, stdout = open(os.devnull, "w"), sys.stdout
+    try:
+        train.main(flags + (["--lora-rank", str(rank)] if rank else []))
+    finally:
+        sys.stdout = stdout
+
+
+def before_arithmetic(shape: P.Shape, rank: int, baseline: int, largest_file: int) -> tuple[int, str]:
+    """What the start before the sharded load held on a CPU, on every rank: hfdir.load's fp32 state (which
+    became the model), the open file's mapped bf16 pages, the built-in engine's fp32 deep copy."""
+    n = shape.params()
+    adapters = 4 * shape.adapter_params(rank, P.TARGETS) * 2 if rank else 0  # the trainer's and the engine's copy
+    total = baseline + 4 * n + largest_file + 4 * n + adapters
+    return total, (f"{baseline / GIB:.2f} baseline + 4 x {n / 1e6:.0f}M trainer + {largest_file / GIB:.2f} largest file mapped"
+                   f" + 4 x {n / 1e6:.0f}M engine" + (f" + {adapters / GIB:.2f} adapters x 2" if rank else ""))
+
+
+def startup(a) -> str:
+    d = Path(a.out) / "qwen3-0.6b-shaped-bf16"
+    child(["_write", str(d)])  # in a child: a process's ru_maxrss passes to those it starts, so this one stays small
+    shape = P.Shape.from_dir(d)
+    baseline = child(["_baseline"])["peak"]
+    largest_file = max(f.stat().st_size for f in d.glob("*.safetensors"))
+    lines = [f"random Qwen3-0.6B-shaped checkpoint in bf16, {len(list(d.glob('*.safetensors')))} shard files; "
+             f"baseline (empty start) {baseline / GIB:.2f} GiB", "",
+             "| run | ranks | peak RSS after build, each rank | before the sharded load (computed) | plan | plan's terms | "
+             "plan / measured |", "|" + " --- |" * 7]
+    for ranks in (1, 2):
+        for rank in (0, 16):
+            peaks = [r["peak"] for r in (ranks_child(["_startup", str(d), str(rank)], ranks) if ranks > 1
+                                         else [child(["_startup", str(d), str(rank)])])]
+            before, how = before_arithmetic(shape, rank, baseline, largest_file)
+            role = P.plan(shape, P.Setup(world=ranks, lora_rank=rank)).role("trainer rank")
+            terms = (f"{role.parts['weights'] / GIB:.2f} shard + {role.parts['engine copy'] / GIB:.2f} engine + "
+                     f"{4 * max(shape.largest_tensor(), shape.block_params()) / GIB:.2f} largest tensor + "
+                     f"{role.parts['baseline'] / GIB:.2f} baseline")
+            lines.append(f"| {'full' if not rank else f'LoRA r{rank}'} | {ranks} | "
+                         f"{', '.join(f'{p / GIB:.2f}' for p in peaks)} GiB | {before / GIB:.2f} GiB = {how} | "
+                         f"{role.startup / GIB:.2f} GiB | {terms} | {role.startup / max(peaks):.2f} |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the plan on CUDA
+
+def cuda_step(a) -> str:
+    """The plan against torch.cuda.max_memory_allocated on CUDA: one training step (forward, the fused
+    head, backward, AdamW) of a random Qwen3-0.6B-shaped model in fp32 at 4k and 16k tokens of packed
+    1k-token documents, checkpointing off and blocks. The plan's side is the trainer rank less the
+    engine and the CUDA context (neither is in torch's allocator here); an OOM is a row too."""
+    from lm_head import head
+    shape = P.Shape(M.ModelArgs(**QWEN3_06B))
+    lines = [f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, Qwen3-0.6B shape, fp32, flex attention", "",
+             "| tokens | checkpointing | max_memory_allocated | plan (no engine, no context) | plan / measured |",
+             "|" + " --- |" * 5]
+    for tokens in (4096, 16384):
+        for blocks in (False, True):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                model = M.Transformer(shape.args).cuda()
+                model.checkpointing = blocks
+                opt = torch.optim.AdamW(model.parameters())
+                ids = torch.randint(0, shape.args.vocab_size, (tokens,), device="cuda")
+                at = torch.arange(tokens, device="cuda")
+                logp = head(model(ids, at % 1024, at // 1024), model.head_weight, ids.roll(-1))[0]
+                (-logp.mean()).backward()
+                opt.step()
+                peak = torch.cuda.max_memory_allocated()
+            except torch.OutOfMemoryError:
+                peak = 0
+            model = opt = logp = None
+            role = P.plan(shape, P.Setup(device="cuda", micro_batch_tokens=tokens,
+                                         activation_checkpointing="blocks" if blocks else "off")).role("trainer rank")
+            planned = role.total - role.parts["engine copy"] - role.parts["baseline"]
+            lines.append(f"| {tokens} | {'blocks' if blocks else 'off'} | {f'{peak / GIB:.2f} GiB' if peak else 'OOM'} | "
+                         f"{planned / GIB:.2f} GiB | {f'{planned / peak:.2f}' if peak else '-'} |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the scale table
+
+# the model cards' config.json shapes (Qwen/Qwen3-*): all with vocab 151936 and 128-wide heads
+QWEN3 = {"Qwen3-1.7B": (2048, 6144, 28, 16, 8, True), "Qwen3-8B": (4096, 12288, 36, 32, 8, False),
+         "Qwen3-14B": (5120, 17408, 40, 40, 8, False), "Qwen3-32B": (5120, 25600, 64, 64, 8, False)}
+
+
+def qwen3(name: str) -> P.Shape:
+    h, i, layers, heads, kv, tied = QWEN3[name]
+    return P.Shape.from_config(dict(model_type="qwen3", vocab_size=151936, hidden_size=h, intermediate_size=i,
+                                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                                    head_dim=128, tie_word_embeddings=tied))
+
+
+def scale(a) -> str:
+    """docs/scale.md's table: the plan (computed, not measured) for 8 GPUs, each a trainer rank with
+    a colocated bf16 built-in engine, fp32 training, 16k-token micro-batches."""
+    lines = ["| model | params | fine-tuning | checkpointing | per GPU: weights + grads + AdamW | engine | activations "
+             "| total | start-up | 8xH100-80GB | 8xH200 |", "|" + " --- |" * 11]
+    for name in QWEN3:
+        shape = qwen3(name)
+        for rank in (0, 16):
+            for ac in ("off", "blocks"):
+                s = P.Setup(world=8, lora_rank=rank, device="cuda", micro_batch_tokens=16384, activation_checkpointing=ac)
+                t = P.plan(shape, s).role("trainer rank")
+                state = t.parts["weights"] + t.parts["gradients"] + t.parts["AdamW state"]
+                fit = lambda d: "fits" if P.fits(shape, s, P.DEVICES[d]) else "no"  # noqa: E731
+                lines.append(f"| {name} | {shape.params() / 1e9:.2f}B | {'LoRA r16' if rank else 'full'} | {ac} "
+                             f"| {state / GIB:.1f} GiB | {t.parts['engine copy'] / GIB:.1f} GiB "
+                             f"| {t.parts['activations'] / GIB:.1f} GiB | {t.total / GIB:.1f} GiB "
+                             f"| {t.startup / GIB:.1f} GiB | {fit('H100-80GB')} | {fit('H200')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0].startswith("_"):
+        if argv[0] == "_baseline":
+            import train  # noqa: F401  (the imports are the baseline)
+            r = {"peak": peak_rss()}
+        elif argv[0] == "_fb":
+            r = forward_backward(int(argv[1]), int(argv[2]), int(argv[3]), argv[4] == "1")
+        elif argv[0] == "_head":
+            r = head_tiles(int(argv[1]))
+        elif argv[0] == "_write":
+            r = {"dir": str(write_sharded(Path(argv[1]), QWEN3_06B))}
+        else:
+            return after_build(argv[1], int(argv[2]))
+        print(json.dumps(r))
+        return None
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("study", choices=["baseline", "activations", "startup", "scale", "cuda"])
+    ap.add_argument("--out", default="runs/memory")
+    a = ap.parse_args(argv)
+    if a.study == "baseline":
+        print(f"empty start: peak RSS {child(['_baseline'])['peak']} bytes")
+    else:
+        print({"activations": activations, "startup": startup, "scale": scale, "cuda": cuda_step}[a.study](a))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The start checks of an episode's parts, before the first byte is written: the environment
+(--env: it imports, is a class with the contract's methods, every row holds the columns its reset
+reads, the episodes have a reward) and the tools (--tool, an environment's tools(): their schemas
+build, the chat template renders them and a result, a call format is found). Each refusal is one
+line naming what was wrong (start.check_start calls these; train.main exits 2).
+
+    python -m pytest -q tests/test_tools.py tests/test_episodes.py -k "refus or column or env"
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import config as C
+import envs
+import episodes as E
+import tasks as T
+import toolcalls
+import toolrun
+import usercode
+from textcodec import TextCodec
+
+
+def load_env(cfg: C.Config, task: T.Task, tools: dict) -> E.EnvSpec | None:
+    """--env, checked before the run writes anything: it imports, is a class with `step` (optional
+    when it has tools), every row holds the columns it declares its `reset` reads, and the episodes
+    have a reward (the environment's `reward`, or --reward functions). --tool without --env plays
+    the built-in `tools` environment (envs.ToolsOnly): no step, no reward."""
+    if not cfg.env:
+        if not tools:
+            return None
+        if not task.rewards:
+            raise C.ConfigError("--tool without --env needs --reward: the episodes have no environment to score them")
+        return E.EnvSpec("tools", envs.ToolsOnly, None, False, has_step=False)
+    try:
+        cls, path = usercode.load(cfg.env, "--env", envs.BUILTIN, "class")
+    except usercode.LoadError as e:
+        raise C.ConfigError(str(e)) from None
+    if not inspect.isclass(cls):
+        raise C.ConfigError(f"--env {cfg.env}: {cls!r} is not a class (one instance is made per episode)")
+    has_tools = hasattr(cls, "tools")
+    for method in tuple(m for m in ("step", "reset", "reward", "tools") if hasattr(cls, m) or (m == "step" and not has_tools)):
+        if not callable(getattr(cls, method, None)):
+            raise C.ConfigError(f"--env {cfg.env}: {cls.__name__}.{method} is not a method (envs.py has the contract)")
+    if clash := [n for n in tools if hasattr(cls, n)]:
+        raise C.ConfigError(f"--tool {clash[0]}: named like --env {cfg.env}'s {cls.__name__}.{clash[0]}; rename the tool")
+    check_columns(cfg.env, cls, getattr(task, "train", []) + task.eval_set)
+    has_reward = callable(getattr(cls, "reward", None))
+    if not has_reward and not task.rewards:
+        raise C.ConfigError(f"--env {cfg.env}: {cls.__name__} has no reward() and no --reward is given: "
+                            "an episode needs one")
+    return E.EnvSpec(cfg.env, cls, path, has_reward, hasattr(cls, "step"), has_tools)
+
+
+def check_columns(name: str, cls: type, rows: list) -> None:
+    """Every row holds the columns the class declares its reset reads (`columns`), as it holds those a
+    reward asks for: a row without one would fail its group's reset at every step that drew it."""
+    columns = getattr(cls, "columns", ())
+    if not isinstance(columns, (tuple, list)) or not all(isinstance(c, str) for c in columns):
+        raise C.ConfigError(f"--env {name}: {cls.__name__}.columns must be a tuple of column names, got {columns!r}")
+    for p in rows:
+        if missing := [c for c in columns if c != "prompt" and c not in p.columns]:
+            raise C.ConfigError(f"{p.where}: --env {name} needs the column(s) {missing}, which this row lacks "
+                                f"(it has {sorted(p.columns) or 'none'})")
+
+
+def load_tools(cfg: C.Config) -> dict:
+    """--tool's functions with their schemas (toolcalls.toolset), or one line: a tool that does not
+    import, is not a function, has a parameter JSON cannot describe, or shares a name."""
+    try:
+        return toolcalls.toolset(toolcalls.load(cfg.tool))
+    except ValueError as e:
+        raise C.ConfigError(str(e)) from None
+
+
+PROBE = {"type": "function", "function": {"name": "floe_probe", "description": "A probe.",
+                                          "parameters": {"type": "object", "properties": {}}}}
+
+
+def check_tools(cfg: C.Config, codec: TextCodec, task: T.Task, env: E.EnvSpec | None, tools: dict) -> toolrun.Tools | None:
+    """With tools declared (--tool, or an --env with tools()), what they need of the model directory
+    and the task, else one line: a chat template that shows them, can render a result after a plain
+    assistant turn and writes a known call format (or --tool-format), chat prompts, and no `tools` in
+    --chat-template-kwargs. The episodes' tools, their format and limits, and the runner."""
+    if env is None or not (tools or env.has_tools):
+        return None
+    src = codec.template_source
+    if "tools" in json.loads(cfg.chat_template_kwargs):
+        raise C.ConfigError("--chat-template-kwargs sets `tools`: floe passes the declared tools' schemas (--tool, "
+                            "an environment's tools()); leave it out")
+    if codec.template is None:
+        raise C.ConfigError(f"tools reach the model through the chat template, and {cfg.model} has none")
+    if bad := next((p for p in getattr(task, "train", []) + task.eval_set if isinstance(p.prompt, str)), None):
+        raise C.ConfigError(f"{bad.where or cfg.task}: a string prompt cannot show the tools (the chat template "
+                            "does); give the prompt as chat messages")
+    base = {k: v for k, v in task.template_kwargs.items() if k != "tools"}
+    schemas = [t.schema for t in tools.values()] or [PROBE]
+    probe = [{"role": "user", "content": "floe-probe"}]
+    try:
+        if codec.render_text(probe, True, **base) == codec.render_text(probe, True, **base, tools=schemas):
+            raise C.ConfigError(f"chat template {src} ignores `tools` (it renders the same text with and without "
+                                "them): the model would never see the tools")
+        E.reply_ids(codec, [{"role": "tool", "name": "floe_probe", "content": "1"}], E.end_of_turn(codec, base),
+                    {**base, "tools": schemas})
+    except ValueError as e:
+        if isinstance(e, C.ConfigError):
+            raise
+        raise C.ConfigError(f"chat template {src} cannot render a tool result after a plain assistant turn ({e}); "
+                            "a template that needs the call before its result (as GPT-OSS's) is not supported") from None
+    fmt = cfg.tool_format if cfg.tool_format != "auto" else toolcalls.detect_format(codec.template)
+    if fmt is None:
+        raise C.ConfigError(f"--tool-format auto: chat template {src} writes neither <tool_call> (hermes) nor ipython "
+                            "or <|python_tag|> (llama3-json); give --tool-format")
+    if fmt == "llama3-json" and cfg.max_tool_calls_per_turn > 1:
+        raise C.ConfigError(f"--max-tool-calls-per-turn {cfg.max_tool_calls_per_turn} with llama3-json (read from "
+                            f"{src}): the format is one call a turn")
+    task.tool_format = fmt
+    runner = toolrun.Runner(cfg.tool_timeout, cfg.max_tool_result_chars, codec.encode)
+    return toolrun.Tools(tools, fmt, cfg.max_tool_calls_per_turn, cfg.max_tool_calls, runner, env.has_tools)
