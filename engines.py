@@ -43,10 +43,12 @@ Simplifications:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from data import TokenSupport, truncated
 import lora
@@ -187,7 +189,14 @@ class TorchEngine:
         self.device = next(model.parameters()).device
         self.dtype, self.fp8 = DTYPES[dtype], dtype == "fp8"  # what the weights and each matmul's output hold
         self.emulated = self.device.type == "cpu" and self.dtype != torch.float32  # Rounded/Fp8Linear: fp32 arithmetic
-        self.model = self._built(model, torch.float32 if self.emulated else self.dtype)
+        storage = torch.float32 if self.emulated else self.dtype
+        if self.device.type == "cpu" and not isinstance(next(model.parameters()), DTensor):
+            # one CPU process: a deep copy (the empty-then-filled copy stepped slower in bench/ab.py;
+            # docs/experiments.md "the engine's copy on one CPU process"), in fp32 anyway for an emulated engine
+            self.model = copy.deepcopy(model).to(storage).eval().requires_grad_(False)
+            lora.strip(self.model)  # under LoRA a plain model, whose weights every push merges (load_weights)
+        else:  # CUDA or an FSDP2 shard: no full fp32 copy of the trainer's weights
+            self.model = self._built(model, storage)
         if self.emulated or self.fp8:
             emulate(self.model, dtype, self.emulated)
         self.quantized = {f"{n}.weight": m for n, m in self.model.named_modules() if isinstance(m, Fp8Linear)}
