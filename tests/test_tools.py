@@ -7,7 +7,6 @@ start checks' lines, and a run of the built-in `tools` and `calculator` environm
 """
 
 import json
-import threading
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ import toolrun
 import train
 from engines import Sampling
 from test_episodes import Scripted
-from test_toolcalls import CALLS, LLAMA31_TOOLS, _model_dir, add
+from test_toolcalls import CALLS, LLAMA31_TOOLS, Faults, _model_dir, add
 from textcodec import TextCodec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,25 +103,8 @@ def test_an_episode_that_ends_on_a_call_scores_no_answer(tmp_path, monkeypatch):
     assert seen == [[""]]
 
 
-class Faulty:
-    """Tools that fail on purpose; `gate` holds `hang` (no sleeps)."""
-
-    def __init__(self):
-        self.gate = threading.Event()
-
-    def div(self, a: int, b: int) -> float:
-        """Divide.
-
-        Args:
-            a: numerator
-            b: denominator
-        """
-        return a / b
-
-    def hang(self) -> str:
-        """Wait for the gate."""
-        self.gate.wait()
-        return "late"
+class Faulty(Faults):
+    """Tools that fail on purpose (test_toolcalls.Faults: `gate` holds `hang`, no sleeps), and a long result."""
 
     def big(self) -> str:
         """A long result."""
