@@ -15,20 +15,16 @@ Simplifications:
 3. Metrics stay on the device as (sum, count) pairs and are read once per step.
 4. torch.compile wraps the trainer forward only (static [T] shapes); off by default on a CPU, where
    it is a wash (docs/experiments.md "2026-11-30: torch.compile on the CPU") and needs a C++ compiler.
-5. Under torchrun the trainer is FSDP2 (`shard`) and every rank samples its share of the prompts
-   with its own engine; the ranks swap samples and each packs and validates the whole batch, so
-   the denominators are global with no all_reduce and a bad sample stops every rank with the same
-   line. Eval runs on rank 0 alone; rank 0 writes the files. --inference-gpus k: the last k ranks
-   only sample (remote.py). docs/scale.md has the whole picture.
-6. `--async-level a` (pipeline.AsyncRollouts): step s trains on a batch sampled, on a thread, with
-   the weights after step s-1-a (exactly that version: a fixed seed repeats the run).
+5. Under torchrun (FSDP2) every rank samples its share; the ranks swap samples and each packs the
+   whole batch, so the denominators are global with no all_reduce. Rank 0 evals and writes the
+   files; --inference-gpus, --async-level and --plan: docs/scale.md.
 
     python train.py --loss icepop --icepop-beta 2.0                 # CPU, the tiny model
     python train.py --task arithmetic --model checkpoints/arith-tiny --lr 2e-4 --eval-prompts 256  # a 0/1 reward
     python train.py --task jsonl:prompts.jsonl --reward my_rewards.py:score --model /path/to/model   # your own
     python train.py --model /path/to/Qwen3-0.6B --device cuda        # one GPU
     torchrun --nproc_per_node 2 train.py --loss icepop --steps 6     # two CPU processes (gloo)
-    torchrun --nproc_per_node 8 train.py --model /path/to/Qwen3-8B   # 8 GPUs (NCCL)
+    torchrun --nproc_per_node 8 train.py --model /path/to/Qwen3-8B   # 8 GPUs (NCCL); --plan first: does it fit?
     torchrun --nproc_per_node 3 train.py --inference-gpus 1 --steps 6 # 2 CPU trainers + 1 sampler
     python train.py --stage sft --model scratch --steps 100 --prompts-per-step 64 --micro-batch-tokens 2048  # the tiny model (docs/models.md)
 """
