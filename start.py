@@ -8,7 +8,7 @@ Simplifications:
    (the engine, vLLM included, loads a directory, and checkpoints copy its tokenizer).
 2. Under torchrun the model is built on the meta device and sharded at the start checks, each rank
    reading only its rows of the files (hfdir.fill_shards); the built-in engine builds its own copy
-   and fills it tensor by tensor from the gathered shards. One process loads whole, as before.
+   and fills it tensor by tensor from the gathered shards. One process loads whole.
 """
 
 from __future__ import annotations
