@@ -69,6 +69,7 @@ from engines import Completion, Sampling
 
 ENDS = ("done", "max_turns", "length", "budget", "timeout", "error", "bad_reply", "dropped")
 FAULTS = ("timeout", "error", "bad_reply")  # the ends that take their group out
+LOST = FAULTS + ("dropped",)  # the ends whose episodes neither score nor train (a fault, or its group's)
 DUMMY = [{"role": "user", "content": "floe-dummy-user"}]  # the fixed history a reply is rendered after
 MARK = "floe-dummy-turn"  # the dummy assistant turn's content: the reply is what the template puts after it
 TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>")  # stop tokens that end an assistant turn (ChatML, Qwen; Llama 3)
@@ -252,7 +253,7 @@ def play(pl: Play, rows: list[Prompt], group: int, seeds: list[int]) -> list[Epi
         _drop_failed_groups(eps, group)
     for e in eps:
         e.end = e.end or "max_turns"
-    _rewards(pl, [e for e in eps if e.end not in FAULTS + ("dropped",)])
+    _rewards(pl, [e for e in eps if e.end not in LOST])
     _drop_failed_groups(eps, group)
     return eps
 

@@ -35,6 +35,11 @@ from parallel import RANK
 from rewards import score_groups
 
 
+def eval_sampling(cfg) -> Sampling:
+    """The eval's sampling: training's settings from a fixed seed, so every eval of a run draws alike."""
+    return Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, seed=cfg.seed + 1)
+
+
 def rl_sampling(cfg) -> Sampling:
     return Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens,
                     support=L.reads_support(cfg), draws=cfg.score_centering_k, noise=cfg.engine_noise)
@@ -78,7 +83,7 @@ def score_episodes(task, eps: list[E.Episode], group: int) -> None:
     """--reward functions over whole episodes, added to the environment's reward: `completions` is
     the final model turn's text ("" when it was a tool call: a call never scores as an answer),
     `completion_ids` its ids, `messages` the whole conversation."""
-    parts = [p for g in range(0, len(eps), group) if (p := [e for e in eps[g:g + group] if e.end not in E.FAULTS + ("dropped",)])]
+    parts = [p for g in range(0, len(eps), group) if (p := [e for e in eps[g:g + group] if e.end not in E.LOST])]
     groups = [([e.prompt for e in p], ["" if e.on_call else task.codec.decode(e.last) for e in p], [list(e.last) for e in p],
                {"messages": [e.messages for e in p]}) for p in parts]
     for part, total in zip(parts, score_groups(task.rewards, groups)):
@@ -94,7 +99,7 @@ def episode_stats(eps: list[E.Episode], max_turns: int, pl: E.Play | None = None
     out = {"episode/turns": (float(sum(e.n_turns for e in played)), float(len(played))),
            "episode/model_tokens": (float(sum(sum(e.mask) for e in played)), float(len(played))),
            "episode/env_tokens": (float(sum(len(e.mask) - sum(e.mask) for e in played)), float(len(played))),
-           "skipped/env_error": (float(sum(e.end in E.FAULTS + ("dropped",) for e in eps)), n),
+           "skipped/env_error": (float(sum(e.end in E.LOST for e in eps)), n),
            "skipped/too_long": (float(sum(not e.n_turns and e.end == "budget" for e in eps)), n)}  # no room for a turn
     out.update({f"episode/end/{k}": (float(sum(e.end == k for e in eps)), n) for k in E.ENDS})
     for k in range(1, max_turns + 1):
@@ -117,17 +122,16 @@ def finish_episodes(pl: E.Play, task, eps: list[E.Episode], group: int) -> list[
         counts = ", ".join(f"{sum(e.end == k for e in failed)} {k}" for k in E.FAULTS if any(e.end == k for e in failed))
         print(f"warning: --env {pl.spec.name}: {len(failed)} of {len(eps)} episodes failed ({counts}; their groups "
               f"skipped, counted in skipped/env_error); first: {pl.last_error}", flush=True)
-    return [e.sample() for e in eps if e.end not in E.FAULTS + ("dropped",) and e.n_turns]
+    return [e.sample() for e in eps if e.end not in E.LOST and e.n_turns]
 
 
 @torch.no_grad()
 def evaluate_episodes(cfg, task, pl: E.Play, n: int = 4) -> dict[str, float]:
     """Whole episodes from each held-out row, n per row, at fixed sampling and environment seeds."""
-    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, seed=cfg.seed + 1)
-    pl = dataclasses.replace(pl, sampling=sampling, last_error="")
+    pl = dataclasses.replace(pl, sampling=eval_sampling(cfg), last_error="")
     eps = E.play(pl, task.eval_set, n, [cfg.seed + 1 + i for i in range(len(task.eval_set))])
     score_episodes(task, eps, n)
-    out = T.eval_metrics([e.reward if e.end not in E.FAULTS + ("dropped",) else math.nan for e in eps], n)
+    out = T.eval_metrics([e.reward if e.end not in E.LOST else math.nan for e in eps], n)
     played = [e for e in eps if e.n_turns]
     out["eval/turns"] = sum(e.n_turns for e in played) / max(len(played), 1)
     out["eval/done"] = sum(e.end == "done" for e in eps) / max(len(eps), 1)
@@ -136,7 +140,6 @@ def evaluate_episodes(cfg, task, pl: E.Play, n: int = 4) -> dict[str, float]:
         out["eval/tool_calls"] = len(calls) / max(len(played), 1)
         out["eval/tool_errors"] = sum(bool(c.kind) for c in calls) / max(len(calls), 1)
     return out
-
 
 
 def scored_batch(cfg, samples: list, drawn: int, kept: int):
@@ -198,8 +201,7 @@ def evaluate(cfg, task, engine, play: E.Play | None = None, n: int = 4) -> dict[
         if play is not None:
             return evaluate_episodes(cfg, task, play, n)
         prompts = task.eval_set
-        sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, seed=cfg.seed + 1)
-        out = engine.generate([p.ids for p in prompts], n, sampling, keep=False)
+        out = engine.generate([p.ids for p in prompts], n, eval_sampling(cfg), keep=False)
         rewards = task.score([prompts[i // n] for i in range(len(out))], [c.ids for c in out], n)
         return T.eval_metrics(rewards, n)
     finally:
