@@ -7,6 +7,8 @@ Three studies, each printing a markdown table (docs/experiments.md keeps the mea
   `--arms linears` adds full fine-tuning of the adapted layers alone (the embedding, its tied head
   and the norms frozen, as LoRA leaves them): what the parameters LoRA never trains account for.
   Each run is `train.main` in this process, one after another (bench/experiment.py's run_one).
+  `--arms lora-bf16 --bf16-start` measures `--base-dtype bf16` against the fp32 base: both start
+  from reverse-tiny rounded to bf16, so the two hold the same base and differ only in its dtype.
 - `memory`: a random model of a given shape (Qwen3-0.6B's by default) trained a few steps on the
   CPU, full and at each --ranks, each configuration in a fresh process of its own (its peak RSS
   is its own): the trainer's state counted from its tensors (weights, gradients, AdamW state),
@@ -29,6 +31,7 @@ Simplifications:
 3. The on-the-fly engine exists here only, as a measurement: floe's engines merge.
 
     python bench/lora.py learn --seeds 3 --lora-lr 3e-3 --arms full,linears,lora   # 9 runs of the default job, ~1.5 min each
+    python bench/lora.py learn --seeds 3 --arms lora,lora-bf16 --bf16-start --out runs/lora-bf16  # the bf16 base
     python bench/lora.py learn --seeds 1 --arms lora --lora-lr 1e-3,3e-3,5e-3,1e-2  # a learning-rate sweep
     python bench/lora.py memory                                   # Qwen3-0.6B-shaped: full, ranks 8 and 64 (~14 GiB for full)
     python bench/lora.py memory --device cuda                     # the same on a GPU (bench/gpu.sh)
@@ -100,13 +103,16 @@ def linears_only():
 def learn(a) -> str:
     arms = {"full": [("full", lr, []) for lr in a.full_lr.split(",")],
             "linears": [("full-linears", lr, []) for lr in a.full_lr.split(",")],
-            "lora": [(f"lora-r{a.rank}", lr, ["--lora-rank", str(a.rank)]) for lr in a.lora_lr.split(",")]}
+            "lora": [(f"lora-r{a.rank}", lr, ["--lora-rank", str(a.rank)]) for lr in a.lora_lr.split(",")],
+            "lora-bf16": [(f"lora-r{a.rank}-bf16base", lr, ["--lora-rank", str(a.rank), "--base-dtype", "bf16"])
+                          for lr in a.lora_lr.split(",")]}
     runs = [r for arm in a.arms.split(",") for r in arms[arm]]
+    start_from = ["--model", str(bf16_copy(Path(a.out) / "start-bf16"))] if a.bf16_start else []
     stats, t0, begin = {}, time.perf_counter(), load()
     for name, lr, flags in runs:
         for seed in range(a.seeds):
             run_dir = Path(a.out) / f"{name}-lr{lr}-s{seed}"
-            args = [*flags, "--lr", lr, "--seed", str(seed), "--steps", str(a.steps), "--out-dir", str(run_dir),
+            args = [*flags, *start_from, "--lr", lr, "--seed", str(seed), "--steps", str(a.steps), "--out-dir", str(run_dir),
                     *shlex.split(a.extra)]
             with linears_only() if name == "full-linears" else contextlib.nullcontext():
                 result = run_one(args, run_dir)
@@ -116,13 +122,28 @@ def learn(a) -> str:
     full = next((v for (n, _), v in stats.items() if n == "full"), None)
     lines = [f"{a.steps} steps, seeds 0..{a.seeds - 1}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
              f"{begin} at the start, {load()} at the end, {(time.perf_counter() - t0) / 60:.0f} min in all", "",
-             "| run | lr | reward @0 | reward, final | vs full (paired) | wall s/run |", "|" + " --- |" * 6]
+             "| run | lr | reward @0 | reward, final | vs full (paired) | mismatch kl | wall s/run |",
+             "|" + " --- |" * 7]
     for (name, lr), rs in stats.items():
         g = None if full is None or rs is full else _mean_std([r["eval"] - f["eval"] for r, f in zip(rs, full)])
         lines.append(f"| {name} | {lr} | {_ms([r['eval0'] for r in rs])} | {_ms([r['eval'] for r in rs])} "
                      f"| {'-' if g is None else f'{g[0]:+.3f} ± {g[1]:.3f}'} "
-                     f"| {statistics.fmean(r['wall_s'] for r in rs):.0f} |")
+                     f"| {statistics.fmean(r['kl'] for r in rs):.2e} | {statistics.fmean(r['wall_s'] for r in rs):.0f} |")
     return "\n".join(lines)
+
+
+def bf16_copy(out: Path, src: Path = ROOT / "checkpoints" / "reverse-tiny") -> Path:
+    """`src` with every weight rounded to bf16 and stored in fp32: a start on which `--base-dtype
+    bf16` and fp32 hold the same base, as they do for a real checkpoint stored in bf16."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    if out.is_dir():
+        shutil.rmtree(out)
+    shutil.copytree(src, out)
+    weights = load_file(str(src / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16).float() for k, v in weights.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out
 
 
 # ----------------------------------------------------------------------------- memory
@@ -317,8 +338,10 @@ def main(argv=None):
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--full-lr", default="5e-4", help="full fine-tuning's --lr (train.py's rl default)")
     p.add_argument("--lora-lr", default="3e-3", help="LoRA's --lr (train.py's LoRA default); a comma-separated list sweeps")
-    p.add_argument("--arms", default="full,lora", help="of full, lora and linears (full fine-tuning of the "
-                   "layers LoRA adapts alone: embedding, head and norms frozen), comma-separated")
+    p.add_argument("--arms", default="full,lora", help="of full, lora, lora-bf16 (--base-dtype bf16) and linears "
+                   "(full fine-tuning of the layers LoRA adapts alone: embedding, head and norms frozen), comma-separated")
+    p.add_argument("--bf16-start", action="store_true", help="start every run from reverse-tiny rounded to bf16 "
+                   "(stored in fp32), so that a bf16 base loses nothing against an fp32 one")
     p.add_argument("--extra", default="", help="more train.py flags for every run")
     p.add_argument("--out", default="runs/lora")
     p = sub.add_parser("memory")

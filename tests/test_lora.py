@@ -213,6 +213,21 @@ def test_bench_linears_arm_trains_exactly_the_layers_lora_adapts():
     assert trained == {f"{name}.weight" for name in lora.adapted(adapters)} and len(trained) == 4 * 7
 
 
+def test_bench_bf16_start_holds_the_base_rounded_once(tmp_path):
+    """bench/lora.py's --bf16-start: every weight of the start equals reverse-tiny's rounded to bf16,
+    so --base-dtype bf16 stores it without loss and the two arms hold the same base."""
+    from conftest import ROOT, bench_module
+
+    src = hfdir.load(ROOT / "checkpoints" / "reverse-tiny").state_dict()
+    copy_dir = bench_module("lora").bf16_copy(tmp_path / "start")
+    got = hfdir.load(copy_dir).state_dict()
+    assert got.keys() == src.keys()
+    for k, v in src.items():
+        assert torch.equal(got[k], v.to(torch.bfloat16).float()), k
+        assert torch.equal(got[k], got[k].to(torch.bfloat16).float()), k
+    assert any(not torch.equal(got[k], v) for k, v in src.items())  # the rounding did something
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_lora_compiled_forward_gradients_and_push_equal_the_cpu():
