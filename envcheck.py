@@ -2,7 +2,9 @@
 (--env: it imports, is a class with the contract's methods, every row holds the columns its reset
 reads, the episodes have a reward) and the tools (--tool, an environment's tools(): their schemas
 build, the chat template renders them and a result, a call format is found). Each refusal is one
-line naming what was wrong (start.check_start calls these; train.main exits 2).
+line naming what was wrong (start.check_start calls these; train.main exits 2). An environment's
+tools() exist after reset, so the eval-set fit asks `eval_prompt_length` for a held-out row's
+first prompt as the eval will render it.
 
     python -m pytest -q tests/test_tools.py tests/test_episodes.py -k "refus or column or env"
 """
