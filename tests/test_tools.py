@@ -446,3 +446,13 @@ def test_the_eval_set_fit_sees_an_environments_tool_schemas(tmp_path, capsys, mo
     assert e.value.code == 2 and len(err) == 1 and not (tmp_path / "all").exists(), err
     assert err[0] == ("floe: error: no held-out prompt fits the context (1024 tokens with --max-new-tokens 4); lower "
                       "--max-new-tokens or use --eval-every 0")
+
+
+def test_the_overlap_bench_runs_every_call_and_reports_time_tools(capsys):
+    """bench/tool_overlap.py on a tiny step (its figure is docs/experiments.md's; the overlap itself is
+    test_toolcalls' barrier test, which cannot flake): every call runs and returns, and a row is printed."""
+    from conftest import bench_module
+
+    bench_module("tool_overlap").main(["--groups", "2", "--group-size", "2", "--turns", "2", "--ms", "1"])
+    rows = [x for x in capsys.readouterr().out.splitlines() if x.startswith(("| wait", "| spin"))]
+    assert [r.split(" | ")[:2] for r in rows] == [["| wait", "8"], ["| spin", "8"]]
