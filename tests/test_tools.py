@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 
+import config as C
 import data as D
 import envs
 import episodes as E
 import hfdir
 import model as M
 import rollout
+import start
 import toolcalls as T
 import toolrun
 import train
@@ -411,11 +413,11 @@ class Wide:
 '''
 
 
-def test_the_eval_set_fit_sees_an_environments_tool_schemas(tmp_path, capsys, monkeypatch):
+def test_the_eval_set_fit_sees_an_environments_tool_schemas(tmp_path, capsys):
     """The held-out rows' ids hold no schemas of an environment's tools() (they exist after reset);
     the fit renders each first prompt as the eval will, so the wide rows are left out at the start
-    (the eval would otherwise play them as episodes with no room for a turn), and with every row wide
-    the run is refused in one line."""
+    (the eval would otherwise play them as episodes with no room for a turn, scored as lost), and with
+    every row wide the run is refused in one line."""
     model, f = tools_model(tmp_path), tmp_path / "wide.py"
     f.write_text(WIDE)
     codec, rows, held = TextCodec.load(model), tmp_path / "rows.jsonl", tmp_path / "held.jsonl"
@@ -432,13 +434,10 @@ def test_the_eval_set_fit_sees_an_environments_tool_schemas(tmp_path, capsys, mo
             "--eval-file", str(held), "--eval-prompts", "4", "--steps", "1", "--prompts-per-step", "2",
             "--group-size", "2", "--max-new-tokens", "4", "--max-turns", "1"]
     write(held, [False, True, False, True])
-    played, real = [], rollout.evaluate_episodes
-    monkeypatch.setattr(rollout, "evaluate_episodes", lambda cfg, task, *a: played.append(
-        [p.columns["wide"] for p in task.eval_set]) or real(cfg, task, *a))
-    train.main([*args, "--out-dir", str(tmp_path / "some")])
+    begun = start.check_start(start.settled(C.parse([*args, "--out-dir", str(tmp_path / "some")]).resolve(False)))
     out = capsys.readouterr().out
     assert "warning: 2 of 4 held-out prompts do not fit the context (1024 tokens, --max-new-tokens 4)" in out, out
-    assert played == [[False, False]] * 2  # the evals at steps 0 and 1 play the narrow rows alone
+    assert [p.columns["wide"] for p in begun.task.eval_set] == [False, False]  # what rollout.evaluate_episodes plays
     write(held, [True] * 4)
     with pytest.raises(SystemExit) as e:
         train.main([*args, "--out-dir", str(tmp_path / "all")])
