@@ -31,6 +31,7 @@ import torch
 import lora
 import model as M
 import hfdir
+from textcodec import TextCodec
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_vllm = pytest.mark.skipif(not __import__("importlib").util.find_spec("vllm") and not os.environ.get("CI"),
@@ -195,17 +196,16 @@ LETTERS = "abcdefghijklmno"
 
 @pytest.fixture(scope="module")
 def caller(tmp_path_factory) -> Path:
-    """A tiny Qwen3-shaped model with the tool template that calls: test_tools.tools_model's random
-    model, untied, its embeddings near one-hot and its LM head near a bigram table, so that after the
-    assistant header ("\\n") it opens a call (<tool_call>, a third of turns) or guesses a letter, and
-    either is followed by <|im_end|>. Its calls are malformed (no JSON), so each is answered with an
-    error result in the template's <tool_response> turn; its guesses with the game's replies. The
-    blocks stay random (each token's log-prob depends on its context) and every weight trains."""
-    from test_tools import tools_model
-    from textcodec import TextCodec
+    """A tiny Qwen3-shaped model that calls, on test_toolcalls' tool template and tokenizer: random,
+    untied, its embeddings near one-hot and its LM head near a bigram table, so that after the
+    assistant header ("\\n") it opens a call (<tool_call>) or guesses a letter, and either is followed
+    by <|im_end|>. Its calls are malformed (no JSON), so each is answered with an error result in the
+    template's <tool_response> turn; its guesses with the game's replies. The blocks stay random
+    (each token's log-prob depends on its context) and every weight trains."""
+    from test_toolcalls import _model_dir
 
     d = tmp_path_factory.mktemp("caller")
-    src = tools_model(d).parent / "qwen3"
+    src = _model_dir(d, "qwen3")
     codec = TextCodec.load(src)
     V, ids = codec.tok.get_vocab_size(), codec.tok.token_to_id
     m = M.Transformer(M.ModelArgs(V, **{**M.TINY, "max_position_embeddings": 1024}, tie_word_embeddings=False,
@@ -246,7 +246,8 @@ def test_episodes_with_tools_are_exact_on_each_path(caller, tmp_path, path):
     rows = _rows(tmp_path / "run")
     assert [x["step"] for x in rows] == list(range(1, steps + 1)) and any(x["episode/turns"] > 1 for x in rows)
     assert all(x["tools/calls"] > 0 and x["tools/errors/parse"] > 0 for x in rows)  # malformed calls, answered
-    assert sum(x["tools/result_tokens"] for x in rows) > 0
+    response = TextCodec.load(caller).tok.token_to_id("<tool_response>")  # a result's turn inside a checked episode
+    assert any(response in json.loads(x)["completion"] for x in (tmp_path / "dump.jsonl").read_text().splitlines())
     assert _check_tokens(tmp_path, version_of, tol, caller) > 40
     ids = torch.tensor(json.loads((tmp_path / "dump.jsonl").read_text().splitlines()[-1])["prompt"])
     pos, seg = torch.arange(len(ids)), torch.zeros(len(ids), dtype=torch.long)
