@@ -2,15 +2,19 @@
 (--env: it imports, is a class with the contract's methods, every row holds the columns its reset
 reads, the episodes have a reward) and the tools (--tool, an environment's tools(): their schemas
 build, the chat template renders them and a result, a call format is found). Each refusal is one
-line naming what was wrong (start.check_start calls these; train.main exits 2).
+line naming what was wrong (start.check_start calls these; train.main exits 2). An environment's
+tools() exist after reset, so the eval-set fit asks `eval_prompt_length` for a held-out row's
+first prompt as the eval will render it.
 
     python -m pytest -q tests/test_tools.py tests/test_episodes.py -k "refus or column or env"
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
+from typing import Callable
 
 import config as C
 import envs
@@ -19,6 +23,7 @@ import tasks as T
 import toolcalls
 import toolrun
 import usercode
+from data import Prompt
 from textcodec import TextCodec
 
 
@@ -118,3 +123,26 @@ def check_tools(cfg: C.Config, codec: TextCodec, task: T.Task, env: E.EnvSpec | 
     task.tool_format = fmt
     runner = toolrun.Runner(cfg.tool_timeout, cfg.max_tool_result_chars, codec.encode)
     return toolrun.Tools(tools, fmt, cfg.max_tool_calls_per_turn, cfg.max_tool_calls, runner, env.has_tools)
+
+
+def eval_prompt_length(cfg: C.Config, codec: TextCodec, task: T.Task, env: E.EnvSpec | None,
+                       tools: toolrun.Tools | None) -> Callable[[Prompt, int], int] | None:
+    """With an environment that declares tools(), the tokens of a held-out row's first prompt as the
+    eval plays it, for Task.fit_eval_set: reset with the seed the row at place j of the eval set gets
+    (rollout.evaluate_episodes: --seed + 1 + j), its tools()' schemas beside --tool's, rendered. So the
+    eval-set fit sees the prompt as the model will, hundreds of tokens of schemas included. A reset or
+    render that fails is the eval's to count (it drops the group): the row's own ids then."""
+    if env is None or tools is None or not env.has_tools:
+        return None
+
+    def first_prompt(p: Prompt, seed: int) -> int:
+        e = env.cls()
+        first = e.reset(copy.deepcopy({"prompt": p.prompt, **p.columns}), seed) if hasattr(e, "reset") else None
+        fns = toolcalls.toolset([t.fn for t in tools.fns.values()] + list(e.tools()))
+        raw = p.prompt if first is None else first
+        return len(codec.render(raw, **{**task.template_kwargs, "tools": [t.schema for t in fns.values()]}))
+
+    def length(p: Prompt, j: int) -> int:
+        res = usercode.call_all([lambda: first_prompt(p, cfg.seed + 1 + j)], cfg.call_timeout)[0]
+        return res.value if res.ok else len(p.ids)
+    return length

@@ -97,7 +97,8 @@ def check_start(cfg: C.Config) -> Start:
         whole = {n: p.detach() for n, p in model.named_parameters() if not p.is_meta}  # the adapters
         shard(model)
         hfdir.fill_shards(model, src, whole, cfg.device)
-    task.fit_eval_set(cfg.max_new_tokens, model.args.max_position_embeddings, cfg.eval_every > 0)
+    task.fit_eval_set(cfg.max_new_tokens, model.args.max_position_embeddings, cfg.eval_every > 0,
+                      envcheck.eval_prompt_length(cfg, codec, task, env, tools) if cfg.eval_every > 0 else None)
     if cfg.engine == "vllm":  # can vLLM report the support this loss needs? Ask before starting it
         vllm_logprobs(Sampling(top_k=cfg.top_k, support=L.reads_support(cfg)), model.args.vocab_size)
     if (n := codec.tok.get_vocab_size()) > model.args.vocab_size:

@@ -123,9 +123,16 @@ class Task:
                   for a in range(0, len(texts), group)]
         return [v for total in score_groups(self.rewards, groups) for v in total]
 
-    def fit_eval_set(self, max_new_tokens: int, context: int, needed: bool = True) -> None:
-        """Leave out held-out prompts whose completion budget does not fit the context, and say so."""
-        fits = [p for p in self.eval_set if len(p.ids) + max_new_tokens <= context]
+    def fit_eval_set(self, max_new_tokens: int, context: int, needed: bool = True,
+                     length: Callable[[Prompt, int], int] | None = None) -> None:
+        """Leave out held-out prompts whose completion budget does not fit the context, and say so.
+        `length(p, j)`: the tokens of row p's first prompt as the eval plays it at place j of the
+        fitted set (envcheck.eval_prompt_length: an environment's tools() join it after reset); by
+        default its ids."""
+        fits = []
+        for p in self.eval_set:
+            if (len(p.ids) if length is None else length(p, len(fits))) + max_new_tokens <= context:
+                fits.append(p)
         if len(fits) < len(self.eval_set):
             print(f"warning: {len(self.eval_set) - len(fits)} of {len(self.eval_set)} held-out prompts do not fit "
                   f"the context ({context} tokens, --max-new-tokens {max_new_tokens}); eval leaves them out", flush=True)

@@ -8,7 +8,11 @@ those weights (the checkpoint of that version; --save-every 1). A hung environme
 --async-level 1 and under torchrun is counted and the run exits cleanly; a SIGKILL mid-episode
 then --resume repeats the uninterrupted run (one process) or completes it validly (async).
 
-    python -m pytest -q tests/test_episode_paths.py     # ~3 min on 2 cores, vLLM included
+The game with a tool runs on the same paths (one process, --async-level 1, torchrun, --inference-gpus,
+LoRA, vLLM) on a tiny model that calls: its episodes hold call turns answered by the template's
+tool-result turns, and the same check holds for every model token.
+
+    python -m pytest -q tests/test_episode_paths.py     # ~5 min on 2 cores, vLLM included
 """
 
 import json
@@ -27,6 +31,7 @@ import torch
 import lora
 import model as M
 import hfdir
+from textcodec import TextCodec
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_vllm = pytest.mark.skipif(not __import__("importlib").util.find_spec("vllm") and not os.environ.get("CI"),
@@ -162,38 +167,93 @@ def test_the_one_process_reference_is_exact_too(one_process):
     assert _check_tokens(one_process, lambda s: s - 1, 1e-5) > 50
 
 
-GUESS_TOOLS = '''
+GUESS_TOOLS = """
 from envs import GuessLetter
 class GuessWithTools(GuessLetter):
+    answers = 0
+
     def tools(self):
         return [self.add]
+
     def add(self, a: int, b: int) -> int:
-        """Add two integers.
+        \"\"\"Add two integers.
 
         Args:
             a: the first
             b: the second
-        """
+        \"\"\"
         return a + b
-'''
+
+    def step(self, text, ids):
+        self.answers += 1
+        return super().step(text, ids)
+
+    def reward(self):  # a group's episodes differ in how many turns were answers: the weights move every step
+        return super().reward() + 0.1 * self.answers
+"""
+LETTERS = "abcdefghijklmno"
 
 
-@pytest.mark.parametrize("extra", [[], ["--async-level", "1"]], ids=["one_process", "async"])
-def test_episodes_with_tools_are_exact_too(tmp_path, extra):
-    """The guessing game with a tool (its schema in every first prompt and reply, every turn parsed for
-    calls) on a random tiny Qwen3-shaped model with the tool template: every model token's logq is its
-    version's full forward."""
-    from test_tools import tools_model
+@pytest.fixture(scope="module")
+def caller(tmp_path_factory) -> Path:
+    """A tiny Qwen3-shaped model that calls, on test_toolcalls' tool template and tokenizer: random,
+    untied, its embeddings near one-hot and its LM head near a bigram table, so that after the
+    assistant header ("\\n") it opens a call (<tool_call>) or guesses a letter, and either is followed
+    by <|im_end|>. Its calls are malformed (no JSON), so each is answered with an error result in the
+    template's <tool_response> turn; its guesses with the game's replies. The blocks stay random
+    (each token's log-prob depends on its context) and every weight trains."""
+    from test_toolcalls import _model_dir
 
-    base, f = tools_model(tmp_path), tmp_path / "guess_tools.py"
+    d = tmp_path_factory.mktemp("caller")
+    src = _model_dir(d, "qwen3")
+    codec = TextCodec.load(src)
+    V, ids = codec.tok.get_vocab_size(), codec.tok.token_to_id
+    m = M.Transformer(M.ModelArgs(V, **{**M.TINY, "max_position_embeddings": 1024}, tie_word_embeddings=False,
+                                  eos_token_id=codec.stop_ids[0]))
+    M.init_weights(m, seed=0)
+    logits = torch.zeros(V, V)  # [from, to], as far as the blocks leave them: the normed one-hot is ~sqrt(hidden)
+    logits[ids("\n"), ids("<tool_call>")] = 6.0
+    for c in LETTERS:
+        logits[ids("\n"), ids(c)] = 4.0
+        logits[ids(c), ids("<|im_end|>")] = 6.0
+    logits[ids("<tool_call>"), ids("<|im_end|>")] = 6.0
+    with torch.no_grad():
+        m.model.embed_tokens.weight[:, :V] += 10 * torch.eye(V)
+        m.lm_head.weight[:, :V] += logits.T / m.args.hidden_size ** 0.5
+    hfdir.save(m, d / "caller", src)
+    return d / "caller"
+
+
+TOOL_PATHS = {  # name -> (extra flags, processes, the version that samples step s, logq tolerance, steps)
+    "one_process": ([], 1, lambda s: s - 1, 1e-5, 2),
+    **{p: (*PATHS[p], 3 if "async" in p else 2) for p in ("async", "torchrun", "inference_gpus", "lora", "vllm")}}
+
+
+@pytest.mark.parametrize("path", [p if "vllm" not in p else pytest.param(p, marks=[pytest.mark.vllm, needs_vllm])
+                                  for p in TOOL_PATHS])
+def test_episodes_with_tools_are_exact_on_each_path(caller, tmp_path, path):
+    """The guessing game with a tool (its schema in every first prompt and reply, every turn parsed
+    for calls, each call answered with its result) on each path: every model token's logq is its
+    version's full forward, and version 1 is not version 0 (the weights moved). Steps: enough for a
+    token of version 1 (--async-level 1: step 3)."""
+    extra, nproc, version_of, tol, steps = TOOL_PATHS[path]
+    f = tmp_path / "guess_tools.py"
     f.write_text(GUESS_TOOLS)
-    flags = [*FLAGS, "--model", str(base), "--env", f"{f}:GuessWithTools", *extra, "--out-dir", str(tmp_path / "run")]
-    r = _launch(tmp_path, flags)
+    flags = [*FLAGS, "--model", str(caller), "--env", f"{f}:GuessWithTools", "--prompts-per-step", "2",
+             "--steps", str(steps), *extra, "--out-dir", str(tmp_path / "run")]
+    r = _launch(tmp_path, flags, nproc)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = _rows(tmp_path / "run")
-    assert any(x["episode/turns"] > 1 for x in rows) and all("tools/calls" in x for x in rows)
-    version_of = (lambda s: max(0, s - 2)) if extra else (lambda s: s - 1)
-    assert _check_tokens(tmp_path, version_of, 1e-5, base) > 50
+    assert [x["step"] for x in rows] == list(range(1, steps + 1)) and any(x["episode/turns"] > 1 for x in rows)
+    assert all(x["tools/calls"] > 0 and x["tools/errors/parse"] > 0 for x in rows)  # malformed calls, answered
+    response = TextCodec.load(caller).tok.token_to_id("<tool_response>")  # a result's turn inside a checked episode
+    assert any(response in json.loads(x)["completion"] for x in (tmp_path / "dump.jsonl").read_text().splitlines())
+    assert _check_tokens(tmp_path, version_of, tol, caller) > 40
+    ids = torch.tensor(json.loads((tmp_path / "dump.jsonl").read_text().splitlines()[-1])["prompt"])
+    pos, seg = torch.arange(len(ids)), torch.zeros(len(ids), dtype=torch.long)
+    with torch.no_grad():
+        a, b = (m(ids, pos, seg) @ m.head_weight.T for m in (_version(tmp_path, 0, caller), _version(tmp_path, 1, caller)))
+    assert (a.log_softmax(-1) - b.log_softmax(-1)).abs().max() > 100 * tol
 
 
 SLEEPY = """

@@ -1,22 +1,27 @@
 """Tools in episodes (episodes.py with toolcalls.py and toolrun.py): the token rule with calls on
 the Qwen3- and Llama-3.1-behaving tool templates of tests/test_toolcalls.py (two calls in one Qwen
 turn; a Llama turn ending <|eom_id|>), the SFT round trip, a tool's faults inside an episode, the
-start checks' lines, and a run of the built-in `tools` and `calculator` environments.
+start checks' lines, a run of the built-in `tools` and `calculator` environments, whole runs that
+stop (past the abandoned-call limit; an environment whose tools() differ within a group), and the
+eval-set fit with an environment's schemas.
 
     python -m pytest -q tests/test_tools.py
 """
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
 
+import config as C
 import data as D
 import envs
 import episodes as E
 import hfdir
 import model as M
 import rollout
+import start
 import toolcalls as T
 import toolrun
 import train
@@ -277,3 +282,176 @@ def test_the_tools_environment_and_the_calculator_train_with_their_metrics(tmp_p
             assert k in last, (name, k)
     assert envs.CalculatorOff().add(1, 2) == "error: the calculator is off" and envs.Calculator().add(1, 2) == 3
     assert T.schema(envs.CalculatorOff().add) == T.schema(T.load(("examples/calculator.py:add",))[0])
+
+
+# ----------------------------------------------------------------------------- whole runs that stop
+
+GATE = threading.Event()  # holds HANG's tool until the test ends (no sleeps)
+HANG = '''
+import test_tools
+
+
+def hang(x: int) -> int:
+    """Wait for the test's gate.
+
+    Args:
+        x: anything
+    """
+    test_tools.GATE.wait()
+    return x
+'''
+
+
+def test_more_than_the_abandoned_limit_stop_the_run_in_one_line_naming_the_tool(tmp_path, capsys, monkeypatch):
+    """Every episode calls a tool that never returns (the engine samples the call: a random model
+    would not); past toolrun.MAX_ABANDONED (256, lowered here so that one step reaches it) calls still
+    alive, the run stops with its line, exit 1."""
+    from engines import Completion, TorchEngine
+
+    assert toolrun.MAX_ABANDONED == 256
+    monkeypatch.setattr(toolrun, "MAX_ABANDONED", 5)
+    model, rows, f = tools_model(tmp_path), _rows(tmp_path), tmp_path / "hangs.py"
+    f.write_text(HANG)
+    codec = TextCodec.load(model)
+    call = codec.encode(T.write_calls("hermes", [{"function": {"name": "hang", "arguments": {"x": 1}}}])) + [codec.stop_ids[0]]
+
+    def generate(self, prompts, n, sampling, budgets=None, keep=True):
+        return [Completion(list(call), [-0.5] * len(call), [self.version] * len(call), "stop") for _ in range(len(prompts) * n)]
+
+    monkeypatch.setattr(TorchEngine, "generate", generate)
+    out = tmp_path / "run"
+    try:
+        with pytest.raises(SystemExit) as e:
+            train.main(["--task", f"jsonl:{rows}", "--model", str(model), "--tool", f"{f}:hang", "--reward", "numeric_match",
+                        "--steps", "2", "--prompts-per-step", "2", "--group-size", "3", "--max-turns", "3",
+                        "--eval-every", "0", "--tool-timeout", "0.05", "--eval-prompts", "2", "--out-dir", str(out)])
+    finally:
+        GATE.set()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1, err
+    assert err[0] == ("floe: error: 6 timed-out tool calls are still running (6 of them calls of hang): make hang return, "
+                      "or give it longer with --tool-timeout (now 0.05 s)")
+
+
+DRIFTING = '''
+import itertools
+
+
+class Drifting:
+    """Each new episode declares the tool under another name: a group's episodes differ."""
+
+    count = itertools.count()
+
+    def reset(self, row, seed):
+        self.k = next(self.count)
+
+    def tools(self):
+        return [self.add if self.k % 2 else self.plus]
+
+    def add(self, a: int) -> int:
+        """Add one.
+
+        Args:
+            a: the number
+        """
+        return a + 1
+
+    def plus(self, a: int) -> int:
+        """Add one.
+
+        Args:
+            a: the number
+        """
+        return a + 1
+'''
+
+
+def test_an_environment_whose_tools_differ_for_one_row_and_seed_is_refused_in_its_own_line(tmp_path, capsys):
+    model, rows, f = tools_model(tmp_path), _rows(tmp_path), tmp_path / "drifting.py"
+    f.write_text(DRIFTING)
+    with pytest.raises(SystemExit) as e:
+        train.main(["--task", f"jsonl:{rows}", "--model", str(model), "--env", f"{f}:Drifting", "--reward", "numeric_match",
+                    "--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-every", "0",
+                    "--eval-prompts", "2", "--out-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1, err
+    assert err[0] == (f"floe: error: --env {f}:Drifting: tools() gave different tools for one row and seed; they must "
+                      "depend on (row, seed) alone (their schemas are part of the group's first prompt)")
+
+
+# ----------------------------------------------------------------------------- the eval-set fit
+
+WIDE = '''
+def _named(fn, name):
+    def f(self, a: int, b: int) -> int:
+        return fn(self, a, b)
+    f.__name__, f.__doc__ = name, fn.__doc__
+    return f
+
+
+class Wide:
+    """A row marked `wide` gets eight tools: their schemas alone outgrow the tiny model's context."""
+
+    columns = ("wide",)
+
+    def reset(self, row, seed):
+        self.wide = row["wide"]
+
+    def tools(self):
+        return [self.add] + ([getattr(self, f"add{k}") for k in range(7)] if self.wide else [])
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers and say nothing else about them at all, for this is a long line.
+
+        Args:
+            a: the first integer, which may be any integer that Python holds
+            b: the second integer, which may be any integer that Python holds
+        """
+        return a + b
+
+    add0, add1, add2, add3, add4, add5, add6 = map(_named, [add] * 7, [f"add{k}" for k in range(7)])
+'''
+
+
+def test_the_eval_set_fit_sees_an_environments_tool_schemas(tmp_path, capsys):
+    """The held-out rows' ids hold no schemas of an environment's tools() (they exist after reset);
+    the fit renders each first prompt as the eval will, so the wide rows are left out at the start
+    (the eval would otherwise play them as episodes with no room for a turn, scored as lost), and with
+    every row wide the run is refused in one line."""
+    model, f = tools_model(tmp_path), tmp_path / "wide.py"
+    f.write_text(WIDE)
+    codec, rows, held = TextCodec.load(model), tmp_path / "rows.jsonl", tmp_path / "held.jsonl"
+    one = [{"role": "user", "content": "0+1="}]
+    narrow, wide = (len(codec.render(one, tools=[T.schema(add)] * k)) for k in (1, 8))  # the schemas' text, as the template puts it
+    assert narrow + 4 <= 1024 < wide + 4
+
+    def write(path, flags):
+        path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{k}+1="}], "answer": str(k + 1),
+                                            "wide": w}) + "\n" for k, w in enumerate(flags)))
+
+    write(rows, [False] * 8)
+    args = ["--task", f"jsonl:{rows}", "--model", str(model), "--env", f"{f}:Wide", "--reward", "numeric_match",
+            "--eval-file", str(held), "--eval-prompts", "4", "--steps", "1", "--prompts-per-step", "2",
+            "--group-size", "2", "--max-new-tokens", "4", "--max-turns", "1"]
+    write(held, [False, True, False, True])
+    begun = start.check_start(start.settled(C.parse([*args, "--out-dir", str(tmp_path / "some")]).resolve(False)))
+    out = capsys.readouterr().out
+    assert "warning: 2 of 4 held-out prompts do not fit the context (1024 tokens, --max-new-tokens 4)" in out, out
+    assert [p.columns["wide"] for p in begun.task.eval_set] == [False, False]  # what rollout.evaluate_episodes plays
+    write(held, [True] * 4)
+    with pytest.raises(SystemExit) as e:
+        train.main([*args, "--out-dir", str(tmp_path / "all")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and not (tmp_path / "all").exists(), err
+    assert err[0] == ("floe: error: no held-out prompt fits the context (1024 tokens with --max-new-tokens 4); lower "
+                      "--max-new-tokens or use --eval-every 0")
+
+
+def test_the_overlap_bench_runs_every_call_and_reports_time_tools(capsys):
+    """bench/tool_overlap.py on a tiny step (its figure is docs/experiments.md's; the overlap itself is
+    test_toolcalls' barrier test, which cannot flake): every call runs and returns, and a row is printed."""
+    from conftest import bench_module
+
+    bench_module("tool_overlap").main(["--groups", "2", "--group-size", "2", "--turns", "2", "--ms", "1"])
+    rows = [x for x in capsys.readouterr().out.splitlines() if x.startswith(("| wait", "| spin"))]
+    assert [r.split(" | ")[:2] for r in rows] == [["| wait", "8"], ["| spin", "8"]]
