@@ -1,0 +1,152 @@
+"""A checkpoint's tensors written without holding them all: safetensors files streamed a tensor at a
+time, the HF weights in HF's sharded layout, and each trainer rank's optimizer state in its own file.
+
+Why by hand: safetensors' own writers take the whole dict of one file and serialize it into one
+buffer first (the tensors, then their bytes again), so a save that used them would hold a file's
+tensors twice, up to 5 GB each, and for a model under 5 GB the whole model. The format is small
+enough to write directly: 8 bytes (little-endian u64) giving the header's length, the header (JSON:
+each tensor's dtype, shape and [begin, end) byte offsets into the data that follows, plus
+`__metadata__`; padded with spaces to a multiple of 8), then the tensors' raw bytes back to back.
+Every name, shape and dtype is known before the first tensor is gathered (from the model's
+parameters, which FSDP2 keeps as DTensors of the full shape), so the header goes first and each
+tensor's bytes follow as it arrives: the writer holds one tensor, never a file's worth.
+
+Layout, as `save_pretrained` writes it (transformers and vLLM read it as it is):
+- weights: one `model.safetensors` when the model fits in MAX_SHARD_BYTES, else
+  `model-00001-of-0000N.safetensors`... filled in state_dict order up to MAX_SHARD_BYTES each, and
+  `model.safetensors.index.json` (tensor name -> file);
+- `trainer_state/optim_rng-0000R-of-0000W.safetensors`: rank R's rows of every AdamW tensor (its
+  FSDP2 shard: dim 0 cut as torch.chunk cuts it), AdamW's step, and its engine's sampling generator.
+
+    python -m pytest -q tests/test_checkpoint_files.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default max_shard_size ("5GB"); tests set it small
+INDEX = "model.safetensors.index.json"
+DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+          torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+Spec = tuple[str, torch.dtype, tuple[int, ...]]  # a tensor's name, dtype and shape, as its header states them
+
+
+def header(specs: list[Spec]) -> bytes:
+    """The file's first bytes: the header's length, then the header, for tensors laid out in `specs`' order."""
+    entries: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape in specs:
+        end = offset + math.prod(shape) * dtype.itemsize
+        entries[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    blob = json.dumps(entries, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-aligned, as safetensors' own writer pads it
+    return struct.pack("<Q", len(blob)) + blob
+
+
+class Stream:
+    """One safetensors file at `path`, its header written at once and each tensor's bytes as `add` gets it
+    (in `specs`' order, each checked against its spec). A file of the wrong length never reads: the
+    reader checks the header's offsets cover the data exactly."""
+
+    def __init__(self, path: Path, specs: list[Spec]):
+        self.path, self.specs, self.n = path, specs, 0
+        self.f = open(path, "xb")  # a new file: the temporary directory is this save's own
+        self.f.write(header(specs))
+
+    def add(self, t: torch.Tensor) -> None:
+        name, dtype, shape = self.specs[self.n]
+        t = t.detach().to("cpu", dtype).contiguous()
+        assert tuple(t.shape) == shape, f"{name}: shape {tuple(t.shape)}, its header says {shape}"
+        self.f.write(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's own memory, no copy
+        self.n += 1
+
+    def close(self) -> None:
+        if self.n != len(self.specs):
+            self.f.close()
+            raise ValueError(f"{self.path}: {self.n} of {len(self.specs)} tensors written")
+        self.f.close()
+
+
+def write_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A dict of tensors (already held: one rank's optimizer state) as one file, streamed."""
+    st = Stream(path, [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()])
+    for v in tensors.values():
+        st.add(v)
+    st.close()
+
+
+def weight_files(shapes: dict[str, tuple[int, ...]], itemsize: int = 4) -> list[tuple[str, list[str]]]:
+    """(file name, its tensors) for HF's layout: in order, a new file whenever the next tensor would take
+    the current one past MAX_SHARD_BYTES (a tensor larger than that is a file of its own)."""
+    groups, size = [[]], 0
+    for k, shape in shapes.items():
+        n = math.prod(shape) * itemsize
+        if groups[-1] and size + n > MAX_SHARD_BYTES:
+            groups, size = groups + [[]], 0
+        groups[-1].append(k)
+        size += n
+    if len(groups) == 1:
+        return [("model.safetensors", groups[0])]
+    return [(f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors", g) for i, g in enumerate(groups)]
+
+
+def save_weights(d: Path, shapes: dict[str, tuple[int, ...]], tensor: Callable[[str], torch.Tensor],
+                 write: bool) -> OSError | None:
+    """The HF weights into `d` as fp32, `tensor(name)` giving each whole in `shapes`' order. Under torchrun every
+    rank calls this (`tensor` gathers: a collective), and only `write` (rank 0) keeps what it gets, one
+    tensor at a time. A failed write (a full disk) stops the writing, not the gathering, so every rank
+    reaches the save's verdict: the error is returned, not raised."""
+    err, total, where = None, 0, {}
+    for name, keys in weight_files(shapes):
+        st = None
+        if write and err is None:
+            try:
+                st = Stream(d / name, [(k, torch.float32, tuple(shapes[k])) for k in keys])
+            except OSError as e:
+                err = e
+        for k in keys:
+            t = tensor(k)
+            if st is not None:
+                try:
+                    st.add(t)
+                except OSError as e:
+                    err, st = e, st.f.close()
+            del t
+        if st is not None:
+            try:
+                st.close()
+            except OSError as e:
+                err = e
+        where.update(dict.fromkeys(keys, name))
+        total += sum(4 * math.prod(shapes[k]) for k in keys)
+    if write and err is None and len(set(where.values())) > 1:
+        try:
+            (d / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": where}, indent=2))
+        except OSError as e:
+            err = e
+    return err
+
+
+# ----------------------------------------------------------------------------- each rank's optimizer file
+
+def optim_file(rank: int, world: int) -> str:
+    return f"optim_rng-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def rows(n: int, rank: int, world: int) -> int:
+    """How many of a tensor's n rows (dim 0) rank `rank` holds under FSDP2: torch.chunk's split,
+    ceil(n / world) a rank, the last ranks fewer or none."""
+    size = -(-n // world)
+    return max(0, min(n, (rank + 1) * size) - min(n, rank * size))
+
+
+def local_shape(shape: tuple[int, ...], rank: int, world: int) -> tuple[int, ...]:
+    return shape if not shape or world == 1 else (rows(shape[0], rank, world), *shape[1:])
