@@ -32,12 +32,12 @@ import model as M
 import hfdir
 import parallel as P
 import shardfiles
-from parallel import RANK, full, gather, shard
+from parallel import RANK, gather, shard
+from shardfiles import MERGED  # noqa: F401  (checkpoint.MERGED: where a LoRA run's merged model lies)
 import rundir as R
 from rundir import STATE
 from runlog import read_rows
 
-ADAM = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}  # AdamW's state per parameter
 # a resume may change them; config.json follows (compile: a machine without a C++ compiler resumes a compiled run eager;
 # activation checkpointing recomputes the same values, and auto may settle otherwise on another device)
 FREE = ("steps", "eval_every", "save_every", "wandb_project", "dist_timeout", "call_timeout", "tool_timeout", "compile",
@@ -55,7 +55,7 @@ class NothingToDo(Exception):
 def save_checkpoint(out: Path, step: int, model, opt, rng, gen: torch.Generator, src, scale=None,
                     final: bool = False) -> Path | None:
     """A HF directory plus the training state (optimizer, RNGs, step, the fp16 loss scale), written by
-    every rank into one temporary directory (`write_parts`), then, once every rank's part is in, fsynced
+    every rank into one temporary directory (shardfiles.write_parts), then, once every rank's part is in, fsynced
     and renamed by rank 0. Under LoRA the adapter in PEFT's files in place of the HF directory, and at
     the `final` step the merged weights as a HF directory in `merged/` as well."""
     path = out / f"step_{step:06d}"
@@ -69,7 +69,7 @@ def save_checkpoint(out: Path, step: int, model, opt, rng, gen: torch.Generator,
             except OSError as e:
                 made = e
         _agree(made, tmp)  # the directory exists before any rank writes into it
-        _agree(write_parts(tmp, model, opt, gen, Path(src), final), tmp)
+        _agree(shardfiles.write_parts(tmp, model, opt, gen, Path(src), final), tmp)
         if RANK:
             return None
         state = {"step": step, "python_rng": rng.getstate(), "world_size": P.world()}
@@ -95,60 +95,6 @@ def _agree(err: OSError | None, tmp: Path) -> None:
     failed = [r for r, bad in enumerate(gather([err is not None])) if bad]
     if failed:
         raise err or OSError(errno.EIO, f"rank {failed[0]} could not write its part of the checkpoint", str(tmp))
-
-
-def write_parts(tmp: Path, model, opt, gen: torch.Generator, src: Path, final: bool) -> OSError | None:
-    """This rank's parts of a checkpoint into `tmp`, returning a failed write's error: its optimizer file
-    (its shard of every AdamW tensor and its engine's generator), and with rank 0 writing, the weights
-    gathered one tensor at a time (shardfiles.save_weights: every rank joins the gathers)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    own = {f"optim/{names[id(p)]}/{k}": v.to_local() if isinstance(v, DTensor) else v
-           for p, st in opt.state.items() for k, v in st.items()}
-    own["rng/engine"] = gen.get_state()
-    err = None
-    try:
-        shardfiles.write_file(tmp / STATE / shardfiles.optim_file(RANK, P.world()), own)
-    except OSError as e:
-        err = e
-    del own
-    state = model.state_dict()
-    base = {k: tuple(v.shape) for k, v in state.items() if not lora.is_adapter_key(k)}
-    if model.lora is None:
-        return _weights(tmp, model, src, base, lambda k: full(state[k])) or err
-    adapter = lora.adapter_state(model)  # (collectives: every rank joins, rank 0 writes)
-    if RANK == 0 and err is None:
-        try:
-            lora.write_adapter(tmp, adapter, model.lora, str(src.resolve()))
-        except OSError as e:
-            err = e
-    if not final:
-        return err
-    scale, adapted = model.lora.scale, {f"{m}.weight": m for m in {lora.module_of(k) for k in adapter}}
-
-    def merged(k: str) -> torch.Tensor:  # W + (alpha / r) B A for an adapted layer (lora.merged's, tensor by tensor)
-        w, m = full(state[k]), adapted.get(k)
-        return w if m is None or RANK else lora.merge(w, adapter[lora.peft_key(m, "A")], adapter[lora.peft_key(m, "B")], scale)
-    if RANK == 0 and err is None:
-        try:
-            (tmp / MERGED).mkdir()
-        except OSError as e:
-            err = e
-    return _weights(tmp / MERGED, model, src, base, merged) or err
-
-
-def _weights(d: Path, model, src: Path, shapes: dict, tensor) -> OSError | None:
-    """A HF directory's files into `d`: the weights streamed (rank 0 writes, every rank gathers), then
-    config.json and the tokenizer files."""
-    err = shardfiles.save_weights(d, shapes, tensor, RANK == 0)
-    if RANK == 0 and err is None:
-        try:
-            hfdir.write_files(d, hfdir.saved_config(model.args, src), src)
-        except OSError as e:
-            err = e
-    return err
-
-
-MERGED = "merged"  # a LoRA run's last checkpoint: W + (alpha / r) B A as a HF directory, loaded with no peft
 
 
 def whole(path: Path, base: tuple | None = None, device: str = "cpu") -> tuple[M.Transformer, TextCodec]:
@@ -203,33 +149,10 @@ def _checked(path: Path, base: tuple | None) -> tuple[M.Transformer, TextCodec]:
     adapter = None if model.lora is None else _adapter(path, model)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
     for r in range(world):
-        _optim_header(path / STATE / shardfiles.optim_file(r, world), shapes, r, world)
+        shardfiles.check_optim(path / STATE / shardfiles.optim_file(r, world), shapes, r, world)
     if adapter is not None:
         lora.load_adapter(model, adapter)
     return model, codec
-
-
-def _optim_header(f: Path, shapes: dict[str, tuple], rank: int, world: int) -> None:
-    """Rank `rank`'s optimizer file, by its header alone: AdamW state of the trained parameters in fp32, each
-    in that rank's rows of its parameter (shardfiles.local_shape), and the engine generator's bytes."""
-    name = f"{STATE}/{f.name}"
-    if not f.is_file():
-        raise ValueError(f"{name}: missing (rank {rank} of the run's {world})")
-    with safe_open(str(f), framework="pt") as st:
-        for key in st.keys():
-            part = st.get_slice(key)
-            if key == "rng/engine":
-                if part.get_dtype() != "U8" or len(part.get_shape()) != 1:
-                    raise ValueError(f"{name}: rng/engine is no generator state")
-                continue
-            param, _, kind = key.removeprefix("optim/").rpartition("/")
-            if not key.startswith("optim/") or param not in shapes or kind not in ADAM:
-                raise ValueError(f"{name}: {key} is no optimizer state of this model")
-            want = () if kind == "step" else shardfiles.local_shape(shapes[param], rank, world)
-            if (got := tuple(part.get_shape())) != want or part.get_dtype() != "F32":
-                raise ValueError(f"{name}: {key} has shape {got} ({part.get_dtype()}), its parameter's rows {want} (F32)")
-        if "rng/engine" not in st.keys():
-            raise ValueError(f"{name}: no rng/engine")
 
 
 def _adapter(path: Path, model) -> dict[str, torch.Tensor]:

@@ -30,11 +30,21 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import safe_open
+from torch.distributed.tensor import DTensor
+
+import hfdir
+import lora
+import parallel as P
+from parallel import RANK, full
+from rundir import STATE
 
 MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default max_shard_size ("5GB"); tests set it small
 INDEX = "model.safetensors.index.json"
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
           torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+MERGED = "merged"  # a LoRA run's last checkpoint: W + (alpha / r) B A as a HF directory, loaded with no peft
+ADAM = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}  # AdamW's state per parameter
 Spec = tuple[str, torch.dtype, tuple[int, ...]]  # a tensor's name, dtype and shape, as its header states them
 
 
@@ -69,10 +79,7 @@ class Stream:
         self.n += 1
 
     def close(self) -> None:
-        if self.n != len(self.specs):
-            self.f.close()
-            raise ValueError(f"{self.path}: {self.n} of {len(self.specs)} tensors written")
-        self.f.close()
+        self.f.close()  # (OSError: a full disk's last bytes)
 
 
 def write_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -80,6 +87,7 @@ def write_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     st = Stream(path, [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()])
     for v in tensors.values():
         st.add(v)
+    assert st.n == len(st.specs)
     st.close()
 
 
@@ -104,30 +112,26 @@ def save_weights(d: Path, shapes: dict[str, tuple[int, ...]], tensor: Callable[[
     rank calls this (`tensor` gathers: a collective), and only `write` (rank 0) keeps what it gets, one
     tensor at a time. A failed write (a full disk) stops the writing, not the gathering, so every rank
     reaches the save's verdict: the error is returned, not raised."""
-    err, total, where = None, 0, {}
+    err, where = None, {}
     for name, keys in weight_files(shapes):
         st = None
-        if write and err is None:
-            try:
-                st = Stream(d / name, [(k, torch.float32, tuple(shapes[k])) for k in keys])
-            except OSError as e:
-                err = e
         for k in keys:
             t = tensor(k)
-            if st is not None:
+            if write and err is None:
                 try:
+                    st = st or Stream(d / name, [(k, torch.float32, tuple(shapes[k])) for k in keys])
                     st.add(t)
                 except OSError as e:
-                    err, st = e, st.f.close()
+                    err = e
             del t
-        if st is not None:
+        if st is not None:  # a file cut short by an error says so on reading (its header's offsets pass its end)
             try:
                 st.close()
             except OSError as e:
-                err = e
+                err = err or e
         where.update(dict.fromkeys(keys, name))
-        total += sum(4 * math.prod(shapes[k]) for k in keys)
     if write and err is None and len(set(where.values())) > 1:
+        total = sum(4 * math.prod(shape) for shape in shapes.values())
         try:
             (d / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": where}, indent=2))
         except OSError as e:
@@ -150,3 +154,79 @@ def rows(n: int, rank: int, world: int) -> int:
 
 def local_shape(shape: tuple[int, ...], rank: int, world: int) -> tuple[int, ...]:
     return shape if not shape or world == 1 else (rows(shape[0], rank, world), *shape[1:])
+
+
+def check_optim(f: Path, shapes: dict[str, tuple], rank: int, world: int) -> None:
+    """Rank `rank`'s optimizer file, by its header alone: AdamW state of the trained parameters in fp32, each
+    in that rank's rows of its parameter (`local_shape`), and the engine generator's bytes."""
+    name = f"{STATE}/{f.name}"
+    if not f.is_file():
+        raise ValueError(f"{name}: missing (rank {rank} of the run's {world})")
+    with safe_open(str(f), framework="pt") as st:
+        for key in st.keys():
+            part = st.get_slice(key)
+            if key == "rng/engine":
+                if part.get_dtype() != "U8" or len(part.get_shape()) != 1:
+                    raise ValueError(f"{name}: rng/engine is no generator state")
+                continue
+            param, _, kind = key.removeprefix("optim/").rpartition("/")
+            if not key.startswith("optim/") or param not in shapes or kind not in ADAM:
+                raise ValueError(f"{name}: {key} is no optimizer state of this model")
+            want = () if kind == "step" else local_shape(shapes[param], rank, world)
+            if (got := tuple(part.get_shape())) != want or part.get_dtype() != "F32":
+                raise ValueError(f"{name}: {key} has shape {got} ({part.get_dtype()}), its parameter's rows {want} (F32)")
+        if "rng/engine" not in st.keys():
+            raise ValueError(f"{name}: no rng/engine")
+
+
+# ----------------------------------------------------------------------------- a checkpoint's parts
+
+def write_parts(tmp: Path, model, opt, gen: torch.Generator, src: Path, final: bool) -> OSError | None:
+    """This rank's parts of a checkpoint into `tmp`, returning a failed write's error: its optimizer file
+    (its shard of every AdamW tensor and its engine's generator), and with rank 0 writing, the weights
+    gathered one tensor at a time (`save_weights`: every rank joins the gathers)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    own = {f"optim/{names[id(p)]}/{k}": v.to_local() if isinstance(v, DTensor) else v
+           for p, st in opt.state.items() for k, v in st.items()}
+    own["rng/engine"] = gen.get_state()
+    err = None
+    try:
+        write_file(tmp / STATE / optim_file(RANK, P.world()), own)
+    except OSError as e:
+        err = e
+    del own
+    state = model.state_dict()
+    base = {k: tuple(v.shape) for k, v in state.items() if not lora.is_adapter_key(k)}
+    if model.lora is None:
+        return _weights(tmp, model, src, base, lambda k: full(state[k])) or err
+    adapter = lora.adapter_state(model)  # (collectives: every rank joins, rank 0 writes)
+    if RANK == 0 and err is None:
+        try:
+            lora.write_adapter(tmp, adapter, model.lora, str(src.resolve()))
+        except OSError as e:
+            err = e
+    if not final:
+        return err
+    scale, adapted = model.lora.scale, {f"{m}.weight": m for m in {lora.module_of(k) for k in adapter}}
+
+    def merged(k: str) -> torch.Tensor:  # W + (alpha / r) B A for an adapted layer (lora.merged's, tensor by tensor)
+        w, m = full(state[k]), adapted.get(k)
+        return w if m is None or RANK else lora.merge(w, adapter[lora.peft_key(m, "A")], adapter[lora.peft_key(m, "B")], scale)
+    if RANK == 0 and err is None:
+        try:
+            (tmp / MERGED).mkdir()
+        except OSError as e:
+            err = e
+    return _weights(tmp / MERGED, model, src, base, merged) or err
+
+
+def _weights(d: Path, model, src: Path, shapes: dict, tensor) -> OSError | None:
+    """A HF directory's files into `d`: the weights streamed (rank 0 writes, every rank gathers), then
+    config.json and the tokenizer files."""
+    err = save_weights(d, shapes, tensor, RANK == 0)
+    if RANK == 0 and err is None:
+        try:
+            hfdir.write_files(d, hfdir.saved_config(model.args, src), src)
+        except OSError as e:
+            err = e
+    return err
