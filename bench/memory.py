@@ -20,6 +20,14 @@ named point), one process at a time, so no figure holds another's memory. Studie
   peak RSS right after start.build returns, before step 1, beside the plan's start-up peak and
   the arithmetic of what the load before the sharded one held (every rank the whole model and an
   fp32 deep copy for its engine).
+- `save`: on the same checkpoint, the trainer's model (one process: whole; two gloo ranks: the
+  sharded load) with AdamW state of its shape: each rank's RSS before checkpoint.save_checkpoint
+  and its peak during it (VmHWM, reset just before the save), then a fresh process per rank reading
+  the checkpoint back as a resume does (`whole`, load_training_state; no engine) and its peak RSS;
+  beside the arithmetic of what the save and resume before the streamed, per-rank files held.
+- `steady`: train.py for 3 steps with no checkpoint, one process and 2 ranks, full fine-tuning and
+  --lora-rank 16 with --base-dtype fp32 and bf16: each rank's peak RSS after step 3's optimizer
+  step beside the plan's per-rank total.
 
 Simplifications:
 1. Memory only: nothing here is timed.
@@ -27,6 +35,8 @@ Simplifications:
     python bench/memory.py baseline
     python bench/memory.py activations     # 13 processes, ~15 min on 2 cores, the largest ~3 GiB
     python bench/memory.py startup         # 4 runs (2 with 2 ranks), the largest ~9 GiB in all; writes runs/memory/
+    python bench/memory.py save            # 2 saves and 2 resumes (one with 2 ranks); writes runs/memory/
+    python bench/memory.py steady          # 6 runs of 3 steps (3 with 2 ranks), the largest ~17 GiB in all
     python bench/memory.py scale           # docs/scale.md's table: computed, nothing is measured
     python bench/memory.py cuda            # on a GPU: the plan against max_memory_allocated
 """
@@ -321,8 +331,12 @@ def resume_child(path: str) -> None:
     opt = torch.optim.AdamW(model.parameters())
     engine = types.SimpleNamespace(gen=torch.Generator(), load_weights=lambda *a, **k: None)
     checkpoint.load_training_state(Path(path), model, opt, rnd.Random(), engine)
-    held = sum(t.numel() for st in opt.state.values() for t in st.values())
-    print(json.dumps({"rank": parallel.RANK, "peak": peak_rss(), "rss": rss(), "held": held}), flush=True)
+    read = peak_rss()  # the AdamW tensors are still the file's pages (safetensors maps it), none read yet
+    with torch.no_grad():
+        for st in opt.state.values():  # as the first step finds them: written in place, so held by the process
+            for t in st.values():
+                t.mul_(1.0)
+    print(json.dumps({"rank": parallel.RANK, "read": read, "peak": peak_rss()}), flush=True)
     os._exit(0)
 
 
@@ -350,9 +364,10 @@ def save_resume(a) -> str:
     lines = [f"random Qwen3-0.6B-shaped checkpoint ({n / 1e6:.0f}M parameters), fp32 weights and AdamW state "
              f"(12 B a parameter, {12 * n / GIB:.2f} GiB in all); baseline (empty start) {baseline / GIB:.2f} GiB; "
              f"largest tensor {4 * shape.largest_tensor() / GIB:.2f} GiB fp32, one block {4 * shape.block_params() / GIB:.2f} GiB", "",
-             "| ranks | rank | RSS before the save | peak during the save | save's own | peak of a resume "
-             "| before this change (computed): save, resume | plan: trainer state + save buffer + baseline |",
-             "|" + " --- |" * 8]
+             "| ranks | rank | RSS before the save | peak during the save | save's own | peak of a resume (its "
+             "AdamW state read; written once, as the first step does) "
+             "| before this change (computed): save, resume | plan: shard + AdamW shard + memplan.save_bytes + baseline "
+             "| plan: shard + AdamW shard + one tensor or block + baseline |", "|" + " --- |" * 9]
     for ranks in (1, 2):
         out = Path(a.out) / f"save-w{ranks}"
         import shutil
@@ -363,15 +378,17 @@ def save_resume(a) -> str:
                           else [child(["_resume", str(out / "step_000001")])]), key=lambda r: r["rank"])
         before_save, before_resume, how = save_before(shape, ranks, baseline)
         role = P.plan(shape, P.Setup(world=ranks)).role("trainer rank")
-        host = P.plan(shape, P.Setup(world=ranks, device="cuda")).role("host per node")
-        planned = role.parts["weights"] + role.parts["AdamW state"] + host.parts["save buffer"] + baseline
+        planned = role.parts["weights"] + role.parts["AdamW state"] + P.save_bytes(shape, P.Setup(world=ranks)) + baseline
+        staging = 4 * max(shape.largest_tensor(), shape.block_params())  # the load's one tensor or block, as start-up's
+        resumed = role.parts["weights"] + role.parts["AdamW state"] + staging + baseline
         for s, r in zip(saves, resumes):
             lines.append(f"| {ranks} | {s['rank']} | {s['before'] / GIB:.2f} GiB | {s['peak'] / GIB:.2f} GiB | "
-                         f"{(s['peak'] - s['before']) / GIB:.2f} GiB | {r['peak'] / GIB:.2f} GiB | "
+                         f"{(s['peak'] - s['before']) / GIB:.2f} GiB | {r.get('read', 0) / GIB:.2f}, {r['peak'] / GIB:.2f} GiB | "
                          f"{before_save / GIB:.2f}, {before_resume / GIB:.2f} GiB | {planned / GIB:.2f} GiB "
-                         f"({planned / s['peak']:.2f} of the save's peak) |")
+                         f"({planned / s['peak']:.2f} of the save's peak) | {resumed / GIB:.2f} GiB "
+                         f"({resumed / r['peak']:.2f} of the resume's) |")
             print(lines[-1], flush=True)
-        lines.append(f"| {ranks} | | | | | | {how} | |")
+        lines.append(f"| {ranks} | | | | | | {how} | | |")
     return "\n".join(lines)
 
 
