@@ -264,6 +264,51 @@ def test_ranks_that_cannot_see_each_others_files_are_refused_in_one_line(tmp_pat
                                                          "the files rank 0 writes there"), said
 
 
+FULL_DISK = """
+import errno, os, random, sys
+sys.path[:0] = [{root!r}]
+from pathlib import Path
+import torch, torch.distributed as dist
+import checkpoint, model as M, parallel, shardfiles
+dist.init_process_group("gloo")
+rank, out = dist.get_rank(), Path(sys.argv[1])
+ckpt = out.parent / "tok"
+m = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
+parallel.shard(m)
+opt = torch.optim.AdamW(m.parameters())
+m(torch.arange(8), torch.arange(8), torch.zeros(8, dtype=torch.long)).sum().backward()
+opt.step()
+real = shardfiles.write_file
+def full(path, tensors):  # rank 1's optimizer file meets a full disk
+    if rank == 1:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return real(path, tensors)
+shardfiles.write_file = full
+try:
+    checkpoint.save_checkpoint(out, 1, m, opt, random.Random(0), torch.Generator(), ckpt)
+    print(f"rank {{rank}} save: saved")
+except OSError as e:
+    print(f"rank {{rank}} save: {{e}}")
+dist.barrier()
+print(f"rank {{rank}} left: {{sorted(p.name for p in out.iterdir())}}")
+dist.destroy_process_group()
+"""
+
+
+def test_a_full_disk_on_one_rank_stops_every_rank_and_leaves_no_checkpoint(tmp_path):
+    """Rank 1 cannot write its optimizer file: both ranks stop at the save's verdict (rank 0 naming rank 1),
+    and the torn temporary directory is gone."""
+    (tmp_path / "tok").mkdir()  # the source whose tokenizer files a save copies: none
+    (tmp_path / "run").mkdir()
+    (tmp_path / "worker.py").write_text(FULL_DISK.format(root=str(ROOT)))
+    r = torchrun(str(tmp_path / "worker.py"), str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = dict(line.split(": ", 1) for line in r.stdout.splitlines() if line.startswith("rank "))
+    assert said["rank 1 save"].startswith("[Errno 28] No space left on device"), said
+    assert said["rank 0 save"] == f"[Errno 5] rank 1 could not write its part of the checkpoint: '{tmp_path}/run/step_000001.tmp'"
+    assert said["rank 0 left"] == said["rank 1 left"] == "[]", said
+
+
 REWARD = '''
 import os
 calls = 0
