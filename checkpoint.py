@@ -148,7 +148,9 @@ def _checked(path: Path, base: tuple | None) -> tuple[M.Transformer, TextCodec]:
         model, codec = base
     adapter = None if model.lora is None else _adapter(path, model)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
-    for r in range(world):
+    if _legacy(path):  # read as it was written: whole tensors, each rank's generator under its own key
+        shardfiles.check_optim(path / STATE / shardfiles.LEGACY, shapes, 0, 1, tuple(_engine_key(r) for r in range(world)))
+    for r in range(0 if _legacy(path) else world):
         shardfiles.check_optim(path / STATE / shardfiles.optim_file(r, world), shapes, r, world)
     if adapter is not None:
         lora.load_adapter(model, adapter)
@@ -178,23 +180,35 @@ def load_training_state(path: Path, model, opt, rng, engine, scale=None) -> int:
     """The optimizer state, RNGs and fp16 loss scale of a checkpoint that `whole` passed: each rank reads
     its own optimizer file alone (its rows of each AdamW tensor, put in place as FSDP2 shards them)."""
     state = json.loads((path / STATE / "state.json").read_text())
-    params = dict(model.named_parameters())
-    with safe_open(str(path / STATE / shardfiles.optim_file(RANK, P.world())), framework="pt") as st:
+    params, legacy = dict(model.named_parameters()), _legacy(path)
+    f = shardfiles.LEGACY if legacy else shardfiles.optim_file(RANK, P.world())
+    with safe_open(str(path / STATE / f), framework="pt") as st:
         for key in sorted(st.keys()):  # one order on every rank (safetensors' is not fixed)
             if key.startswith("optim/"):
                 name, k = key[len("optim/"):].rsplit("/", 1)
-                p, v = params[name], st.get_tensor(key)
+                p = params[name]
+                whole_rows = legacy and isinstance(p, DTensor) and len(st.get_slice(key).get_shape())
+                v = st.get_slice(key)[hfdir.rows(p)] if whole_rows else st.get_tensor(key)
                 if isinstance(p, DTensor) and v.dim():  # this rank's shard, the rows FSDP2 gives it
                     v = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False,
                                            shape=p.shape, stride=p.stride())
                 opt.state[p][k] = v.to(p.device) if v.dim() else v
-        engine.gen.set_state(st.get_tensor("rng/engine"))
+        engine.gen.set_state(st.get_tensor(_engine_key(RANK) if legacy else "rng/engine"))
     version, internal, gauss = state["python_rng"]
     rng.setstate((version, tuple(internal), gauss))
     if scale is not None and scale.dynamic and "loss_scale" in state:  # (a run resumed in another dtype starts afresh)
         scale.value, scale.good = state["loss_scale"]
     engine.load_weights(model, version=state["step"])
     return state["step"]
+
+
+def _legacy(path: Path) -> bool:
+    """A checkpoint written before the per-rank optimizer files (shardfiles.LEGACY): still resumed."""
+    return (path / STATE / shardfiles.LEGACY).is_file() and not any((path / STATE).glob("optim_rng-*"))
+
+
+def _engine_key(rank: int) -> str:
+    return "rng/engine" + (f"/{rank}" if rank else "")  # a LEGACY file's generator of each rank
 
 
 # ----------------------------------------------------------------------------- resume

@@ -141,6 +141,9 @@ def save_weights(d: Path, shapes: dict[str, tuple[int, ...]], tensor: Callable[[
 
 # ----------------------------------------------------------------------------- each rank's optimizer file
 
+LEGACY = "optim_rng.safetensors"  # a checkpoint before the per-rank files: every AdamW tensor whole, every rank's generator
+
+
 def optim_file(rank: int, world: int) -> str:
     return f"optim_rng-{rank:05d}-of-{world:05d}.safetensors"
 
@@ -156,18 +159,19 @@ def local_shape(shape: tuple[int, ...], rank: int, world: int) -> tuple[int, ...
     return shape if not shape or world == 1 else (rows(shape[0], rank, world), *shape[1:])
 
 
-def check_optim(f: Path, shapes: dict[str, tuple], rank: int, world: int) -> None:
+def check_optim(f: Path, shapes: dict[str, tuple], rank: int, world: int, engines: tuple[str, ...] = ("rng/engine",)) -> None:
     """Rank `rank`'s optimizer file, by its header alone: AdamW state of the trained parameters in fp32, each
-    in that rank's rows of its parameter (`local_shape`), and the engine generator's bytes."""
+    in that rank's rows of its parameter (`local_shape`), and the `engines` generators' bytes (a LEGACY
+    file: every tensor whole, rank 0 of 1, and every rank's generator)."""
     name = f"{STATE}/{f.name}"
     if not f.is_file():
         raise ValueError(f"{name}: missing (rank {rank} of the run's {world})")
     with safe_open(str(f), framework="pt") as st:
         for key in st.keys():
             part = st.get_slice(key)
-            if key == "rng/engine":
+            if key in engines:
                 if part.get_dtype() != "U8" or len(part.get_shape()) != 1:
-                    raise ValueError(f"{name}: rng/engine is no generator state")
+                    raise ValueError(f"{name}: {key} is no generator state")
                 continue
             param, _, kind = key.removeprefix("optim/").rpartition("/")
             if not key.startswith("optim/") or param not in shapes or kind not in ADAM:
@@ -175,8 +179,8 @@ def check_optim(f: Path, shapes: dict[str, tuple], rank: int, world: int) -> Non
             want = () if kind == "step" else local_shape(shapes[param], rank, world)
             if (got := tuple(part.get_shape())) != want or part.get_dtype() != "F32":
                 raise ValueError(f"{name}: {key} has shape {got} ({part.get_dtype()}), its parameter's rows {want} (F32)")
-        if "rng/engine" not in st.keys():
-            raise ValueError(f"{name}: no rng/engine")
+        if missing := sorted(set(engines) - set(st.keys())):
+            raise ValueError(f"{name}: no {missing[0]} (world_size {world if len(engines) == 1 else len(engines)})")
 
 
 # ----------------------------------------------------------------------------- a checkpoint's parts

@@ -124,3 +124,15 @@ def test_a_damaged_shard_or_a_missing_rank_file_falls_back_to_the_checkpoint_bef
     s = start.check_start(C.parse(["--steps", "3", "--resume", "--out-dir", str(out), *SMALL]).resolve(False))
     said = capsys.readouterr().out
     assert s.resume_from.name == "step_000001" and "step_000002 is damaged" in said and words in said, said
+
+
+def test_a_checkpoint_from_before_the_per_rank_files_still_resumes_exactly(sharded, tmp_path):
+    """One process's file then was today's under the old name (optim_rng.safetensors): the resume reads it."""
+    out = tmp_path / "run"
+    shutil.copytree(sharded, out, symlinks=True)
+    state = out / "step_000001" / "trainer_state"
+    (state / "optim_rng-00000-of-00001.safetensors").rename(state / shardfiles.LEGACY)
+    shutil.rmtree(out / "step_000002")
+    assert checkpoint.damage(out / "step_000001") is None
+    train.main(["--steps", "2", "--resume", "--out-dir", str(out), *SMALL])
+    assert _rows(out) == _rows(sharded)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
 import config as C
@@ -230,6 +230,19 @@ def test_each_rank_saves_its_own_optimizer_rows_and_a_missing_rank_file_falls_ba
     assert r.returncode == 0, r.stderr[-3000:]
     assert "optim_rng-00001-of-00002.safetensors: missing" in r.stdout and "resuming from step_000001" in r.stdout
     assert _rows(out) == rows
+    # a checkpoint from before the per-rank files (every AdamW tensor whole, each rank's generator under
+    # its own key) resumes exactly too: each rank reads its rows of it
+    old = out / "step_000001" / "trainer_state"
+    parts = [load_file(str(old / f"optim_rng-{r:05d}-of-00002.safetensors")) for r in (0, 1)]
+    legacy = {k: (torch.cat([parts[0][k], parts[1][k]]) if v.dim() else v) for k, v in parts[0].items() if k != "rng/engine"}
+    legacy.update({"rng/engine": parts[0]["rng/engine"], "rng/engine/1": parts[1]["rng/engine"]})
+    save_file(legacy, str(old / "optim_rng.safetensors"))
+    for r in (0, 1):
+        (old / f"optim_rng-{r:05d}-of-00002.safetensors").unlink()
+    shutil.rmtree(out / "step_000002")
+    r = torchrun(*args, "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming at step 1" in r.stdout and _rows(out) == rows
 
 
 SHARED = """
