@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -22,9 +23,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 import config as C
 from textcodec import TextCodec
@@ -32,12 +31,13 @@ import lora
 import model as M
 import hfdir
 import parallel as P
-from parallel import RANK, full, gather
+import shardfiles
+from parallel import RANK, gather, shard
+from shardfiles import MERGED  # noqa: F401  (checkpoint.MERGED: where a LoRA run's merged model lies)
 import rundir as R
 from rundir import STATE
 from runlog import read_rows
 
-ADAM = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}  # AdamW's state per parameter
 # a resume may change them; config.json follows (compile: a machine without a C++ compiler resumes a compiled run eager;
 # activation checkpointing recomputes the same values, and auto may settle otherwise on another device)
 FREE = ("steps", "eval_every", "save_every", "wandb_project", "dist_timeout", "call_timeout", "tool_timeout", "compile",
@@ -52,40 +52,35 @@ class NothingToDo(Exception):
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def gathered(named) -> dict[str, torch.Tensor]:
-    """(name, tensor) pairs: every rank gathers each FSDP shard in turn, rank 0 alone keeps a CPU copy."""
-    return {k: v.detach().cpu() for k, v in ((k, full(v)) for k, v in named) if RANK == 0}
-
-
 def save_checkpoint(out: Path, step: int, model, opt, rng, gen: torch.Generator, src, scale=None,
                     final: bool = False) -> Path | None:
-    """A HF directory plus the training state (optimizer, RNGs, step, the fp16 loss scale) in one
-    atomic rename, by rank 0. Under LoRA the adapter in PEFT's files in place of the HF directory,
-    and at the `final` step the merged weights as a HF directory in `merged/` as well."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    tensors = gathered((f"optim/{names[id(p)]}/{k}", v) for p, st in opt.state.items() for k, v in st.items())
-    if model.lora is None:
-        weights = gathered(model.state_dict().items())
-    else:
-        adapter = lora.adapter_state(model)  # (collectives: every rank joins, rank 0 writes)
-        base = gathered((k, v) for k, v in model.state_dict().items() if not lora.is_adapter_key(k)) if final else None
-    gens = gather([gen.get_state()])  # the engine's sampling generator, every rank's
-    if RANK:
-        return None
-    tensors.update({"rng/engine" + (f"/{r}" if r else ""): g for r, g in enumerate(gens)})  # each rank's engine
-    state = {"step": step, "python_rng": rng.getstate(), "world_size": P.world()}
-    if scale is not None and scale.dynamic:
-        state["loss_scale"] = [scale.value, scale.good]
+    """A HF directory plus the training state (optimizer, RNGs, step, the fp16 loss scale), written by
+    every rank into one temporary directory (shardfiles.write_parts), then, once every rank's part is in, fsynced
+    and renamed by rank 0. Under LoRA the adapter in PEFT's files in place of the HF directory, and at
+    the `final` step the merged weights as a HF directory in `merged/` as well."""
     path = out / f"step_{step:06d}"
-    extra = {f"{STATE}/state.json": json.dumps(state).encode(), f"{STATE}/optim_rng.safetensors": st_save(tensors)}
+    tmp = path.with_name(path.name + ".tmp")
     try:
-        if model.lora is None:
-            hfdir.save(model, path, src, state=weights, extra=extra)
-        else:
-            save_adapter(path, model, adapter, None if base is None else lora.merged(base, adapter, model.lora), Path(src), extra)
+        made = None
+        if RANK == 0:
+            try:
+                hfdir.new_tmp(path)
+                (tmp / STATE).mkdir()
+            except OSError as e:
+                made = e
+        _agree(made, tmp)  # the directory exists before any rank writes into it
+        _agree(shardfiles.write_parts(tmp, model, opt, gen, Path(src), final), tmp)
+        if RANK:
+            return None
+        state = {"step": step, "python_rng": rng.getstate(), "world_size": P.world()}
+        if scale is not None and scale.dynamic:
+            state["loss_scale"] = [scale.value, scale.good]
+        (tmp / STATE / "state.json").write_text(json.dumps(state))  # last: rundir.checkpoints looks for it
+        hfdir.publish_dir(tmp, path)
     except BaseException:  # a full or read-only disk mid-write, a Ctrl-C: the torn copy never became step_NNNNNN
-        with contextlib.suppress(OSError):
-            hfdir.remove_path(path.with_name(path.name + ".tmp"))  # hfdir.write_dir's temporary name: free its space
+        if RANK == 0:
+            with contextlib.suppress(OSError):
+                hfdir.remove_path(tmp)  # free its space
         raise
     link = out / "final.tmp"  # `final` points at the newest checkpoint; replaced atomically
     link.unlink(missing_ok=True)  # a stale one: the link itself goes; symlink_to then creates, never follows
@@ -94,31 +89,44 @@ def save_checkpoint(out: Path, step: int, model, opt, rng, gen: torch.Generator,
     return path
 
 
-MERGED = "merged"  # a LoRA run's last checkpoint: W + (alpha / r) B A as a HF directory, loaded with no peft
+def _agree(err: OSError | None, tmp: Path) -> None:
+    """Every rank's verdict on its part of a save: each raises the first failed rank's error (its own,
+    or one naming that rank), so all stop together instead of waiting at the next collective."""
+    failed = [r for r, bad in enumerate(gather([err is not None])) if bad]
+    if failed:
+        raise err or OSError(errno.EIO, f"rank {failed[0]} could not write its part of the checkpoint", str(tmp))
 
 
-def save_adapter(path: Path, model, adapter: dict, merged: dict | None, src: Path, extra: dict[str, bytes]) -> None:
-    """A LoRA checkpoint: PEFT's adapter files (naming the base `src`), the training state, and the merged
-    HF directory when given, under one temporary name (hfdir.write_dir)."""
-    def fill(tmp: Path) -> None:
-        lora.write_adapter(tmp, adapter, model.lora, str(src.resolve()))
-        hfdir.write_extra(tmp, extra)
-        if merged is not None:
-            (tmp / MERGED).mkdir()
-            hfdir.write_hf(tmp / MERGED, hfdir.saved_config(model.args, src), src, merged)
-    hfdir.write_dir(path, fill)
+def whole(path: Path, base: tuple | None = None, device: str = "cpu") -> tuple[M.Transformer, TextCodec]:
+    """The checkpoint's model and tokenizer, every part of the checkpoint checked (`_checked`): raises
+    naming the first damaged one. One process reads the weights whole, values checked as --model's
+    are (hfdir.load); under torchrun the ranks agree on the headers, then each reads only its own rows
+    of the weights (hfdir.fill_shards: its verdict on the values is every rank's). A LoRA run's
+    checkpoint holds an adapter instead of the HF directory: `base` is (the base model with the run's
+    adapters, its tokenizer); the adapter is loaded into it once every part passed (its base is
+    filled by check_resumable)."""
+    try:
+        model, codec = _checked(path, base)
+        err = None
+    except Exception as e:  # as in `damage`
+        err = e
+    if P.world() > 1 and (failed := [r for r, bad in enumerate(gather([err is not None])) if bad]) and err is None:
+        raise ValueError(f"rank {failed[0]} finds it damaged")
+    if err is not None:
+        raise err
+    if P.world() > 1 and base is None:
+        shard(model)
+        hfdir.fill_shards(model, path, {}, device)
+    return model, codec
 
 
-def whole(path: Path, base: tuple | None = None) -> tuple[M.Transformer, TextCodec]:
-    """The checkpoint's model (on the CPU) and tokenizer, every part of the checkpoint checked: raises
-    naming the first damaged one. state.json: its step is the directory's, its RNG state one that
-    `random` takes; the HF directory: config.json, tokenizer.json and the weights as --model's are
-    checked (hfdir.load: keys, shapes, finite values); optim_rng.safetensors: its header (a truncated
-    file fails there) holds AdamW state for this model's trained parameters only, in their shapes,
-    and every rank's engine generator. A LoRA run's checkpoint holds an adapter instead of the HF
-    directory: `base` is (the base model with the run's adapters, its tokenizer), and the adapter
-    must be the run's (rank, alpha, targets) for exactly its layers; it is loaded into the base
-    once every part passed."""
+def _checked(path: Path, base: tuple | None) -> tuple[M.Transformer, TextCodec]:
+    """state.json: its step is the directory's, its RNG state one that `random` takes; the HF directory:
+    config.json, tokenizer.json and the weights' headers as --model's are checked (hfdir.load_meta: keys,
+    shapes; one process reads the values too); each rank's optimizer file: its header (a truncated file
+    fails there) holds AdamW state for this model's trained parameters only, in that rank's rows of
+    their shapes, and its engine generator; the adapter, under LoRA: the run's (rank, alpha, targets)
+    for exactly its layers."""
     state = json.loads((path / STATE / "state.json").read_text())
     step, world = state.get("step"), state.get("world_size", 1)
     if type(step) is not int or path.name != f"step_{step:06d}":
@@ -133,22 +141,17 @@ def whole(path: Path, base: tuple | None = None) -> tuple[M.Transformer, TextCod
         value, good = state["loss_scale"]
         if not (isinstance(value, float) and math.isfinite(value) and type(good) is int):
             raise ValueError(f"{STATE}/state.json: loss_scale {state['loss_scale']!r}")
-    model, codec = (hfdir.load(path), TextCodec.load(path)) if base is None else base
+    if base is None:
+        model = hfdir.load(path) if P.world() == 1 else hfdir.load_meta(path)[0]
+        codec = TextCodec.load(path)
+    else:
+        model, codec = base
     adapter = None if model.lora is None else _adapter(path, model)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
-    engines = {"rng/engine"} | {f"rng/engine/{r}" for r in range(1, world)}
-    with safe_open(str(path / STATE / "optim_rng.safetensors"), framework="pt") as st:
-        for key in st.keys():
-            name, _, kind = key.removeprefix("optim/").rpartition("/")
-            if key in engines:
-                continue
-            if not key.startswith("optim/") or name not in shapes or kind not in ADAM:
-                raise ValueError(f"{STATE}/optim_rng.safetensors: {key} is no optimizer state of this model")
-            want, got = () if kind == "step" else shapes[name], tuple(st.get_slice(key).get_shape())
-            if got != want:
-                raise ValueError(f"{STATE}/optim_rng.safetensors: {key} has shape {got}, its parameter {want}")
-        if missing := sorted(engines - set(st.keys())):
-            raise ValueError(f"{STATE}/optim_rng.safetensors: no {missing[0]} (world_size {world})")
+    if _legacy(path):  # read as it was written: whole tensors, each rank's generator under its own key
+        shardfiles.check_optim(path / STATE / shardfiles.LEGACY, shapes, 0, 1, tuple(_engine_key(r) for r in range(world)))
+    for r in range(0 if _legacy(path) else world):
+        shardfiles.check_optim(path / STATE / shardfiles.optim_file(r, world), shapes, r, world)
     if adapter is not None:
         lora.load_adapter(model, adapter)
     return model, codec
@@ -174,24 +177,38 @@ def damage(path: Path, base: tuple | None = None) -> str | None:
 
 
 def load_training_state(path: Path, model, opt, rng, engine, scale=None) -> int:
-    """The optimizer state, RNGs and fp16 loss scale of a checkpoint that `whole` passed."""
+    """The optimizer state, RNGs and fp16 loss scale of a checkpoint that `whole` passed: each rank reads
+    its own optimizer file alone (its rows of each AdamW tensor, put in place as FSDP2 shards them)."""
     state = json.loads((path / STATE / "state.json").read_text())
-    tensors = st_load((path / STATE / "optim_rng.safetensors").read_bytes())
-    params = dict(model.named_parameters())
-    for key, v in sorted(tensors.items()):  # one order on every rank (safetensors' is not fixed)
-        if key.startswith("optim/"):
-            name, k = key[len("optim/"):].rsplit("/", 1)
-            p = params[name]
-            if isinstance(p, DTensor) and v.dim():  # this rank's shard, cut like the parameter's
-                v = distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
-            opt.state[p][k] = v.to(p.device) if v.dim() else v
-    engine.gen.set_state(tensors["rng/engine" + (f"/{RANK}" if RANK else "")])
+    params, legacy = dict(model.named_parameters()), _legacy(path)
+    f = shardfiles.LEGACY if legacy else shardfiles.optim_file(RANK, P.world())
+    with safe_open(str(path / STATE / f), framework="pt") as st:
+        for key in sorted(st.keys()):  # one order on every rank (safetensors' is not fixed)
+            if key.startswith("optim/"):
+                name, k = key[len("optim/"):].rsplit("/", 1)
+                p = params[name]
+                whole_rows = legacy and isinstance(p, DTensor) and len(st.get_slice(key).get_shape())
+                v = st.get_slice(key)[hfdir.rows(p)] if whole_rows else st.get_tensor(key)
+                if isinstance(p, DTensor) and v.dim():  # this rank's shard, the rows FSDP2 gives it
+                    v = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False,
+                                           shape=p.shape, stride=p.stride())
+                opt.state[p][k] = v.to(p.device) if v.dim() else v
+        engine.gen.set_state(st.get_tensor(_engine_key(RANK) if legacy else "rng/engine"))
     version, internal, gauss = state["python_rng"]
     rng.setstate((version, tuple(internal), gauss))
     if scale is not None and scale.dynamic and "loss_scale" in state:  # (a run resumed in another dtype starts afresh)
         scale.value, scale.good = state["loss_scale"]
     engine.load_weights(model, version=state["step"])
     return state["step"]
+
+
+def _legacy(path: Path) -> bool:
+    """A checkpoint written before the per-rank optimizer files (shardfiles.LEGACY): still resumed."""
+    return (path / STATE / shardfiles.LEGACY).is_file() and not any((path / STATE).glob("optim_rng-*"))
+
+
+def _engine_key(rank: int) -> str:
+    return "rng/engine" + (f"/{rank}" if rank else "")  # a LEGACY file's generator of each rank
 
 
 # ----------------------------------------------------------------------------- resume
@@ -222,7 +239,7 @@ def check_resumable(cfg: C.Config, out: Path) -> tuple[Path, list[dict], M.Trans
     base = lora_base(cfg, saved, out) if cfg.lora_rank else None
     rows, gone = read_rows(out), not (out / "metrics.jsonl").exists()
     have = None if gone else {r["step"] for r in rows}  # no file at all: no row is asked for
-    path, model, codec, why = _newest_whole(found, have, out, None if base is None else base[:2])
+    path, model, codec, why = _newest_whole(found, have, out, None if base is None else base[:2], cfg.device)
     if path is None:  # a whole checkpoint that lacks only rows can go on without the history (as when the file is gone)
         way = "" if why[1] is None else (f"delete {out / 'metrics.jsonl'} to resume from {why[1].name} without the "
                                          "history before it, or ")
@@ -242,6 +259,13 @@ def check_resumable(cfg: C.Config, out: Path) -> tuple[Path, list[dict], M.Trans
     if step >= cfg.steps:
         raise NothingToDo(f"nothing to do: the run in {out} is at step {step} and --steps is {cfg.steps}; give "
                           f"--steps above {step} to continue it")
+    if base is not None and P.world() > 1:  # the base's rows on each rank, beside the checkpoint's whole adapters
+        adapters = {n: p.detach() for n, p in model.named_parameters() if not p.is_meta}
+        shard(model)
+        try:
+            hfdir.fill_shards(model, base[2], adapters, cfg.device)
+        except ValueError as e:
+            raise C.ConfigError(f"--resume: the run's base model does not load ({e})") from None
     if cfg.model != saved.get("model"):
         P.print0(f"note: --model {cfg.model} is not used: a resumed run continues from {path}"
                  + (f" on its base {base[2]}" if base else ""))
@@ -257,11 +281,15 @@ def lora_base(cfg: C.Config, saved: dict, out: Path) -> tuple[M.Transformer, Tex
         raise C.ConfigError(f"--resume: {out / 'config.json'} records no lora_base (the base model's directory and "
                             "sha256) for its --lora-rank run")
     path = Path(rec["path"])
-    try:
-        model, codec = hfdir.load(path), TextCodec.load(path)
+    try:  # under torchrun its headers alone: each rank reads its rows once a checkpoint is chosen
+        model = hfdir.load(path) if P.world() == 1 else hfdir.load_meta(path)[0]
+        codec = TextCodec.load(path)
     except (FileNotFoundError, ValueError) as e:
         raise C.ConfigError(f"--resume: the run's base model does not load ({e})") from None
-    if (now := lora.weights_sha256(path)) != rec["sha256"]:
+    now = gather([_sha256(path) if RANK == 0 else None])[0]  # hashed once, by rank 0: every rank gets its verdict
+    if now.startswith("error: "):
+        raise C.ConfigError(f"--resume: the run's base model does not load ({now[7:]})")
+    if now != rec["sha256"]:
         raise C.ConfigError(f"--resume: the base model in {path} changed since the run started (the sha256 of its "
                             f"weights was {rec['sha256'][:12]}, now {now[:12]}); its adapters were trained on the old one")
     args = dataclasses.asdict(model.args)  # a record older than this key: the weights alone are compared
@@ -270,18 +298,25 @@ def lora_base(cfg: C.Config, saved: dict, out: Path) -> tuple[M.Transformer, Tex
         raise C.ConfigError(f"--resume: the base model in {path} changed since the run started (its config.json's {k} "
                             f"was {json.dumps(rec['config'].get(k))}, now {json.dumps(args[k])}); its adapters were "
                             "trained on the old one")
-    lora.add(model, lora.spec_of(cfg), cfg.base_dtype)
+    lora.add(model, lora.spec_of(cfg), cfg.base_dtype, None if P.world() == 1 else cfg.device)
     return model, codec, path
 
 
-def _newest_whole(found: list[Path], have: set[int] | None, out: Path, base: tuple | None = None):
+def _sha256(path: Path) -> str:
+    try:
+        return lora.weights_sha256(path)
+    except (OSError, ValueError) as e:
+        return f"error: {e}"
+
+
+def _newest_whole(found: list[Path], have: set[int] | None, out: Path, base: tuple | None = None, device: str = "cpu"):
     """(path, model, codec, None) for the first of `found` that reads whole with its rows in `have` (None: any),
     warning for each one passed over; when none does, (None, None, None, (why the newest failed, the newest
     that read whole but lacked rows, or None))."""
     first = rowless = None
     for p in found:
         try:
-            model, codec = whole(p, base)
+            model, codec = whole(p, base, device)
         except Exception as e:  # as in `damage`
             why = f"{p} is damaged ({type(e).__name__}: {e})"
         else:

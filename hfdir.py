@@ -233,6 +233,11 @@ def write_hf(d: Path, config: dict, src: Path, state: dict[str, torch.Tensor]) -
     """A HF directory's files into the existing directory `d`: fp32 weights, `config`, and the
     tokenizer and generation files of `src`."""
     write_weights({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}, d / "model.safetensors")
+    write_files(d, config, src)
+
+
+def write_files(d: Path, config: dict, src: Path) -> None:
+    """A HF directory's files besides the weights: `config`, and the tokenizer and generation files of `src`."""
     (d / "config.json").write_text(json.dumps(config, indent=2))
     for f in TOKENIZER_FILES:
         if (src / f).is_file():
@@ -250,11 +255,23 @@ def write_dir(out_dir: str | Path, fill) -> None:
     into place. The temporary directory is made new (mkdir fails on anything left there, which is
     removed first, a planted symlink included, never followed), so every file in it is this call's."""
     out = Path(out_dir)
+    tmp = new_tmp(out)
+    fill(tmp)
+    publish_dir(tmp, out)
+
+
+def new_tmp(out: Path) -> Path:
+    """`out`'s temporary name (out.tmp), made new: whatever stood there removed first, never followed."""
     tmp = out.with_name(out.name + ".tmp")
     remove_path(tmp)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     tmp.mkdir()
-    fill(tmp)
+    return tmp
+
+
+def publish_dir(tmp: Path, out: Path) -> None:
+    """A finished temporary directory renamed into place at `out`, every file fsynced first (under
+    torchrun, files other ranks wrote too: on a shared filesystem an fsync reaches them wherever they came from)."""
     for f in tmp.rglob("*"):  # data on disk before the rename makes it visible
         if f.is_file():
             with open(f, "rb") as fh:

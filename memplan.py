@@ -326,8 +326,8 @@ def inference_role(shape: Shape, s: Setup) -> Role:
 
 def host_role(shape: Shape, s: Setup, trainer: Role, inference: Role | None) -> Role:
     """A node's RAM. On a CPU the processes are the devices. On CUDA each process holds the baseline
-    and stages one tensor or block in fp32 while loading; rank 0 gathers one block and writes it
-    during a save (counted twice: the tensors and their serialized bytes)."""
+    and stages one tensor or block in fp32 while loading; rank 0 copies one gathered tensor at a time
+    to the host during a save and writes it from there (shardfiles.py: no serialized copy)."""
     ranks = s.ranks_per_node or s.world + s.inference_gpus
     trainers = min(ranks, s.world)
     if s.device == "cpu":
@@ -335,8 +335,16 @@ def host_role(shape: Shape, s: Setup, trainer: Role, inference: Role | None) -> 
         start = trainers * trainer.startup + (ranks - trainers) * (inference.startup if inference else 0)
         return Role("host per node", {"processes": step}, start)
     staging = 4 * max(shape.largest_tensor(), shape.block_params())
-    parts = {"baseline": ranks * CPU_BASELINE, "save buffer": 2 * 4 * shape.block_params()}
+    parts = {"baseline": ranks * CPU_BASELINE, "save buffer": 4 * shape.largest_tensor()}
     return Role("host per node", parts, ranks * (CPU_BASELINE + staging))
+
+
+def save_bytes(shape: Shape, s: Setup) -> int:
+    """What a save adds on each trainer rank's device, beyond its shard and AdamW state: under FSDP2 each
+    weight is gathered whole in turn, the all-gather's output and the whole tensor made of it (measured:
+    twice the largest tensor, docs/experiments.md "2026-12-02: saves and resumes that scale"); one process
+    writes its tensors from their own memory. Below the step's peak (the activations are gone by then)."""
+    return 0 if s.world == 1 else 2 * 4 * shape.largest_tensor()
 
 
 def plan(shape: Shape, setup: Setup) -> Plan:

@@ -27,6 +27,7 @@ import stat
 from pathlib import Path
 
 import config as C
+import parallel as P
 from parallel import RANK
 
 STATE = "trainer_state"  # a checkpoint's sub-folder, so vLLM's *.safetensors glob sees only the model
@@ -235,3 +236,29 @@ def claimed(out: Path, seen: tuple):
             (out / "config.json.tmp").unlink(missing_ok=True)
         lock.release()
         raise
+
+
+def check_shared(out: Path) -> None:
+    """Under torchrun every rank writes its part of a checkpoint into one directory, which rank 0 then
+    renames: the ranks must share --out-dir's filesystem. Rank 0 writes a token into it, every rank
+    reads it back, and all reach one verdict (ranks that cannot see each other's files stop with one
+    line). The token file is removed either way."""
+    if P.world() == 1:
+        return
+    probe, token = out.absolute() / ".ranks", os.urandom(16).hex()
+    if RANK == 0:
+        with create_new(probe) as f:
+            f.write(token)
+            publish(f, probe)
+    token = P.gather([token])[0]  # rank 0's, once its file is in place
+    try:
+        seen = probe.read_text() == token
+    except OSError:
+        seen = False
+    blind = [r for r, ok in enumerate(P.gather([seen])) if not ok]
+    if RANK == 0:
+        probe.unlink(missing_ok=True)
+    if blind:
+        raise C.ConfigError(f"--out-dir {out}: rank {blind[0]} cannot see the files rank 0 writes there (another "
+                            "machine's disk?); every rank writes its part of a checkpoint into one directory: give an "
+                            "--out-dir on a filesystem all ranks share")

@@ -62,7 +62,7 @@ from pipeline import AsyncRollouts, RolloutRNG
 from precision import DTYPES, LossScale
 from remote import RemoteEngine, dismiss, serve
 from rewards import reward_hashes
-from rundir import claimed, way_on, write_file
+from rundir import check_shared, claimed, way_on, write_file
 import runlog
 from start import Start, build, check_start, plan_text, settled, write_scratch
 
@@ -220,6 +220,8 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
         note_changed_rewards(s.out, hashes)
     print0(cfg.changed())  # the flags that differ from their defaults; config.json gets them all
     with claimed(s.out, s.seen) as lock:  # everything was checked: rank 0 holds the directory, the run may write
+        with P.collective("the start (the ranks' shared --out-dir)", cfg.dist_timeout):
+            check_shared(s.out)
         src = s.src or write_scratch(cfg, s.out, s.model, s.task)  # the engine loads from a directory
         try:
             with P.collective("the start (the engine, the sharded model)", cfg.dist_timeout):

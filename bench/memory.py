@@ -20,6 +20,14 @@ named point), one process at a time, so no figure holds another's memory. Studie
   peak RSS right after start.build returns, before step 1, beside the plan's start-up peak and
   the arithmetic of what the load before the sharded one held (every rank the whole model and an
   fp32 deep copy for its engine).
+- `save`: on the same checkpoint, the trainer's model (one process: whole; two gloo ranks: the
+  sharded load) with AdamW state of its shape: each rank's RSS before checkpoint.save_checkpoint
+  and its peak during it (VmHWM, reset just before the save), then a fresh process per rank reading
+  the checkpoint back as a resume does (`whole`, load_training_state; no engine) and its peak RSS;
+  beside the arithmetic of what the save and resume before the streamed, per-rank files held.
+- `steady`: train.py for 3 steps with no checkpoint, one process and 2 ranks, full fine-tuning and
+  --lora-rank 16 with --base-dtype fp32 and bf16: each rank's peak RSS after step 3's optimizer
+  step beside the plan's per-rank total.
 
 Simplifications:
 1. Memory only: nothing here is timed.
@@ -27,6 +35,8 @@ Simplifications:
     python bench/memory.py baseline
     python bench/memory.py activations     # 13 processes, ~15 min on 2 cores, the largest ~3 GiB
     python bench/memory.py startup         # 4 runs (2 with 2 ranks), the largest ~9 GiB in all; writes runs/memory/
+    python bench/memory.py save            # 2 saves and 2 resumes (one with 2 ranks); writes runs/memory/
+    python bench/memory.py steady          # 6 runs of 3 steps (3 with 2 ranks), the largest ~17 GiB in all
     python bench/memory.py scale           # docs/scale.md's table: computed, nothing is measured
     python bench/memory.py cuda            # on a GPU: the plan against max_memory_allocated
 """
@@ -262,6 +272,167 @@ def startup(a) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- save and resume
+
+def reset_peak() -> None:
+    """The kernel's peak RSS (VmHWM) set back to the current RSS: what follows is measured alone."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_since_reset() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:"))
+
+
+def trainer_model(model_dir: Path):
+    """The trainer's model as start.py builds it: whole in one process, under torchrun sharded with
+    each rank reading its rows (the sharded load); AdamW over it, its state filled as a step leaves it."""
+    import hfdir
+    import parallel
+    parallel.setup_distributed("cpu")
+    if parallel.world() > 1:
+        model = hfdir.load_meta(model_dir)[0]
+        parallel.shard(model)
+        hfdir.fill_shards(model, model_dir, {}, "cpu")
+    else:
+        model = hfdir.load(model_dir)
+    opt = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():  # written, so every page is resident
+        opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.full_like(p, 1e-3), "exp_avg_sq": torch.full_like(p, 1e-6)}
+    return model, opt
+
+
+def save_child(model_dir: str, out: str) -> None:
+    """One checkpoint.save_checkpoint of the model with its AdamW state: each rank's RSS before it and its
+    peak during it (VmHWM, reset just before)."""
+    import random as rnd
+    import checkpoint
+    import parallel
+    model, opt = trainer_model(Path(model_dir))
+    Path(out).mkdir(parents=True, exist_ok=True)
+    before = rss()
+    reset_peak()
+    checkpoint.save_checkpoint(Path(out), 1, model, opt, rnd.Random(0), torch.Generator(), Path(model_dir))
+    print(json.dumps({"rank": parallel.RANK, "before": before, "peak": peak_since_reset()}), flush=True)
+    os._exit(0)
+
+
+def resume_child(path: str) -> None:
+    """A resume's reading of a checkpoint, from nothing: `whole` (one process: the weights whole; torchrun:
+    the headers, then each rank its rows) and load_training_state (each rank its own optimizer file); the
+    process's peak RSS after it. The engine is not built (its copy is the start-up's, measured there)."""
+    import random as rnd
+    import types
+    import checkpoint
+    import parallel
+    parallel.setup_distributed("cpu")
+    model, _ = checkpoint.whole(Path(path))
+    opt = torch.optim.AdamW(model.parameters())
+    engine = types.SimpleNamespace(gen=torch.Generator(), load_weights=lambda *a, **k: None)
+    checkpoint.load_training_state(Path(path), model, opt, rnd.Random(), engine)
+    read = peak_rss()  # the AdamW tensors are still the file's pages (safetensors maps it), none read yet
+    with torch.no_grad():
+        for st in opt.state.values():  # as the first step finds them: written in place, so held by the process
+            for t in st.values():
+                t.mul_(1.0)
+    print(json.dumps({"rank": parallel.RANK, "read": read, "peak": peak_rss()}), flush=True)
+    os._exit(0)
+
+
+def save_before(shape: P.Shape, ranks: int, baseline: int) -> tuple[int, int, str]:
+    """What the save and the resume before this change held on rank 0's host (computed): the save gathered
+    every weight (4) and AdamW tensor (8) whole on rank 0, serialized the optimizer state into one blob
+    (8 more) and the weights into safetensors' buffer (4 more) while the blob was held; the resume loaded
+    the whole model on every rank (4) and read the optimizer file's bytes (8) and its tensors (8) whole."""
+    n = shape.params()
+    own = 12 * n // ranks  # this rank's weights and AdamW state
+    gathered = (12 * n - own) if ranks > 1 else 0  # one process: .cpu() of a CPU tensor is the tensor itself
+    save = baseline + own + gathered + 8 * n + 4 * n
+    resume = baseline + 4 * n + 16 * n
+    return save, resume, (f"save: {baseline / GIB:.2f} baseline + {own / GIB:.2f} held + {gathered / GIB:.2f} gathered + "
+                          f"{8 * n / GIB:.2f} optimizer blob + {4 * n / GIB:.2f} weights' buffer; resume: baseline + "
+                          f"{4 * n / GIB:.2f} model + {16 * n / GIB:.2f} optimizer bytes and tensors")
+
+
+def save_resume(a) -> str:
+    d = Path(a.out) / "qwen3-0.6b-shaped-bf16"
+    child(["_write", str(d)])
+    shape = P.Shape.from_dir(d)
+    baseline = child(["_baseline"])["peak"]
+    n = shape.params()
+    lines = [f"random Qwen3-0.6B-shaped checkpoint ({n / 1e6:.0f}M parameters), fp32 weights and AdamW state "
+             f"(12 B a parameter, {12 * n / GIB:.2f} GiB in all); baseline (empty start) {baseline / GIB:.2f} GiB; "
+             f"largest tensor {4 * shape.largest_tensor() / GIB:.2f} GiB fp32, one block {4 * shape.block_params() / GIB:.2f} GiB", "",
+             "| ranks | rank | RSS before the save | peak during the save | save's own | peak of a resume (its "
+             "AdamW state read; written once, as the first step does) "
+             "| before this change (computed): save, resume | plan: shard + AdamW shard + memplan.save_bytes + baseline "
+             "| plan: shard + AdamW shard + one tensor or block + baseline |", "|" + " --- |" * 9]
+    for ranks in (1, 2):
+        out = Path(a.out) / f"save-w{ranks}"
+        import shutil
+        shutil.rmtree(out, ignore_errors=True)
+        saves = sorted((ranks_child(["_save", str(d), str(out)], ranks) if ranks > 1
+                        else [child(["_save", str(d), str(out)])]), key=lambda r: r["rank"])
+        resumes = sorted((ranks_child(["_resume", str(out / "step_000001")], ranks) if ranks > 1
+                          else [child(["_resume", str(out / "step_000001")])]), key=lambda r: r["rank"])
+        before_save, before_resume, how = save_before(shape, ranks, baseline)
+        role = P.plan(shape, P.Setup(world=ranks)).role("trainer rank")
+        planned = role.parts["weights"] + role.parts["AdamW state"] + P.save_bytes(shape, P.Setup(world=ranks)) + baseline
+        staging = 4 * max(shape.largest_tensor(), shape.block_params())  # the load's one tensor or block, as start-up's
+        resumed = role.parts["weights"] + role.parts["AdamW state"] + staging + baseline
+        for s, r in zip(saves, resumes):
+            lines.append(f"| {ranks} | {s['rank']} | {s['before'] / GIB:.2f} GiB | {s['peak'] / GIB:.2f} GiB | "
+                         f"{(s['peak'] - s['before']) / GIB:.2f} GiB | {r.get('read', 0) / GIB:.2f}, {r['peak'] / GIB:.2f} GiB | "
+                         f"{before_save / GIB:.2f}, {before_resume / GIB:.2f} GiB | {planned / GIB:.2f} GiB "
+                         f"({planned / s['peak']:.2f} of the save's peak) | {resumed / GIB:.2f} GiB "
+                         f"({resumed / r['peak']:.2f} of the resume's) |")
+            print(lines[-1], flush=True)
+        lines.append(f"| {ranks} | | | | | | {how} | | |")
+    return "\n".join(lines)
+
+
+def steady_child(model_dir: str, rank: int, base_dtype: str) -> None:
+    """train.py for 3 steps with no checkpoint (the steps' memory, not a save's): each rank's peak RSS
+    once step 3's optimizer step is done."""
+    import train
+    import parallel
+
+    def loop(run, start):
+        real(run, start)
+        os.write(1, (json.dumps({"rank": parallel.RANK, "peak": peak_rss()}) + "\n").encode())  # sys.stdout is muted
+        os._exit(0)
+
+    real, train.loop = train.loop, loop
+    train.save_checkpoint = lambda *a, **k: None
+    flags = ["--model", model_dir, "--steps", "3", "--eval-every", "0", "--prompts-per-step", "2", "--group-size", "2",
+             "--max-new-tokens", "8", "--micro-batch-tokens", "256", "--device", "cpu", "--engine", "torch",
+             "--compile", "off", "--out-dir", str(Path(model_dir).parent / f"steady-r{rank}-{base_dtype}-w"
+                                                  f"{os.environ.get('WORLD_SIZE', 1)}")]
+    import shutil
+    shutil.rmtree(flags[-1], ignore_errors=True)
+    sys.stdout = open(os.devnull, "w")
+    train.main(flags + (["--lora-rank", str(rank), "--base-dtype", base_dtype] if rank else []))
+
+
+def steady(a) -> str:
+    """Each rank's peak RSS after step 3 beside the plan's per-rank total for the same flags."""
+    d = Path(a.out) / "qwen3-0.6b-shaped-bf16"
+    child(["_write", str(d)])
+    shape = P.Shape.from_dir(d)
+    lines = ["| run | ranks | peak RSS after step 3, each rank | plan's trainer rank | plan / measured |", "|" + " --- |" * 5]
+    for ranks in (1, 2):
+        for rank, dtype in ((0, "fp32"), (16, "fp32"), (16, "bf16")):
+            args = ["_steady", str(d), str(rank), dtype]
+            peaks = [r["peak"] for r in sorted(ranks_child(args, ranks) if ranks > 1 else [child(args)], key=lambda r: r["rank"])]
+            role = P.plan(shape, P.Setup(world=ranks, lora_rank=rank, base_dtype=dtype, micro_batch_tokens=256)).role("trainer rank")
+            lines.append(f"| {'full' if not rank else f'LoRA r{rank}, base {dtype}'} | {ranks} | "
+                         f"{', '.join(f'{p / GIB:.2f}' for p in peaks)} GiB | {role.total / GIB:.2f} GiB | "
+                         f"{role.total / max(peaks):.2f} |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- the plan on CUDA
 
 def cuda_step(a) -> str:
@@ -346,18 +517,25 @@ def main(argv=None):
             r = head_tiles(int(argv[1]))
         elif argv[0] == "_write":
             r = {"dir": str(write_sharded(Path(argv[1]), QWEN3_06B))}
+        elif argv[0] == "_save":
+            return save_child(argv[1], argv[2])
+        elif argv[0] == "_resume":
+            return resume_child(argv[1])
+        elif argv[0] == "_steady":
+            return steady_child(argv[1], int(argv[2]), argv[3])
         else:
             return after_build(argv[1], int(argv[2]))
         print(json.dumps(r))
         return None
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("study", choices=["baseline", "activations", "startup", "scale", "cuda"])
+    ap.add_argument("study", choices=["baseline", "activations", "startup", "save", "steady", "scale", "cuda"])
     ap.add_argument("--out", default="runs/memory")
     a = ap.parse_args(argv)
     if a.study == "baseline":
         print(f"empty start: peak RSS {child(['_baseline'])['peak']} bytes")
     else:
-        print({"activations": activations, "startup": startup, "scale": scale, "cuda": cuda_step}[a.study](a))
+        print({"activations": activations, "startup": startup, "save": save_resume, "steady": steady,
+               "scale": scale, "cuda": cuda_step}[a.study](a))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
 import config as C
@@ -202,6 +203,123 @@ def test_torchrun_trains_and_resumes_a_lora_run_exactly(tmp_path):
     r = torchrun(*args, "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     assert _rows(out) == rows
+
+
+def test_each_rank_saves_its_own_optimizer_rows_and_a_missing_rank_file_falls_back(tmp_path):
+    """Two ranks: each writes its FSDP2 rows of every AdamW tensor into its own file (together the whole
+    tensor, split as torch.chunk splits it), the weights are rank 0's one HF directory; rank 1's file
+    of step 2 gone, a 2-rank resume warns, goes on from step 1 and redoes step 2 exactly."""
+    out = tmp_path / "run"
+    args = [str(ROOT / "train.py"), "--steps", "2", "--save-every", "1", "--out-dir", str(out), *SMALL]
+    r = torchrun(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = _rows(out)
+    state = out / "step_000002" / "trainer_state"
+    assert sorted(p.name for p in state.iterdir()) == ["optim_rng-00000-of-00002.safetensors",
+                                                      "optim_rng-00001-of-00002.safetensors", "state.json"]
+    ranks = [load_file(str(state / f"optim_rng-{r:05d}-of-00002.safetensors")) for r in (0, 1)]
+    weights = hfdir.load(out / "step_000002").state_dict()
+    for key, v in ranks[0].items():
+        name, _, kind = key.removeprefix("optim/").rpartition("/")
+        if key.startswith("optim/") and kind != "step":
+            assert [len(x) for x in torch.chunk(weights[name], 2)] == [len(ranks[0][key]), len(ranks[1][key])], key
+            assert torch.cat([ranks[0][key], ranks[1][key]]).shape == weights[name].shape
+    assert not torch.equal(ranks[0]["rng/engine"], ranks[1]["rng/engine"])  # each rank's own sampler
+    (state / "optim_rng-00001-of-00002.safetensors").unlink()
+    r = torchrun(*args, "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "optim_rng-00001-of-00002.safetensors: missing" in r.stdout and "resuming from step_000001" in r.stdout
+    assert _rows(out) == rows
+    # a checkpoint from before the per-rank files (every AdamW tensor whole, each rank's generator under
+    # its own key) resumes exactly too: each rank reads its rows of it
+    old = out / "step_000001" / "trainer_state"
+    parts = [load_file(str(old / f"optim_rng-{r:05d}-of-00002.safetensors")) for r in (0, 1)]
+    legacy = {k: (torch.cat([parts[0][k], parts[1][k]]) if v.dim() else v) for k, v in parts[0].items() if k != "rng/engine"}
+    legacy.update({"rng/engine": parts[0]["rng/engine"], "rng/engine/1": parts[1]["rng/engine"]})
+    save_file(legacy, str(old / "optim_rng.safetensors"))
+    for r in (0, 1):
+        (old / f"optim_rng-{r:05d}-of-00002.safetensors").unlink()
+    shutil.rmtree(out / "step_000002")
+    r = torchrun(*args, "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming at step 1" in r.stdout and _rows(out) == rows
+
+
+SHARED = """
+import sys
+sys.path[:0] = [{root!r}]
+import torch.distributed as dist
+from pathlib import Path
+import config as C, rundir
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+for where in ("shared", f"node{{rank}}"):  # one directory, then each rank its own (no shared filesystem)
+    d = Path(sys.argv[1]) / where
+    d.mkdir(exist_ok=True)
+    try:
+        rundir.check_shared(d)
+        print(f"rank {{rank}} {{where}}: ok")
+    except C.ConfigError as e:
+        print(f"rank {{rank}} {{where}}: {{e}}")
+    assert sorted(p.name for p in d.iterdir()) == []  # the token file is gone either way
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_that_cannot_see_each_others_files_are_refused_in_one_line(tmp_path):
+    (tmp_path / "shared.py").write_text(SHARED.format(root=str(ROOT)))
+    r = torchrun(str(tmp_path / "shared.py"), str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = dict(line.split(": ", 1) for line in r.stdout.splitlines())
+    for rank in (0, 1):  # one verdict, said alike by both ranks
+        assert said[f"rank {rank} shared"] == "ok"
+        assert said[f"rank {rank} node{rank}"].startswith(f"--out-dir {tmp_path / f'node{rank}'}: rank 1 cannot see "
+                                                         "the files rank 0 writes there"), said
+
+
+FULL_DISK = """
+import errno, os, random, sys
+sys.path[:0] = [{root!r}]
+from pathlib import Path
+import torch, torch.distributed as dist
+import checkpoint, model as M, parallel, shardfiles
+dist.init_process_group("gloo")
+rank, out = dist.get_rank(), Path(sys.argv[1])
+ckpt = out.parent / "tok"
+m = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
+parallel.shard(m)
+opt = torch.optim.AdamW(m.parameters())
+m(torch.arange(8), torch.arange(8), torch.zeros(8, dtype=torch.long)).sum().backward()
+opt.step()
+real = shardfiles.write_file
+def full(path, tensors):  # rank 1's optimizer file meets a full disk
+    if rank == 1:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return real(path, tensors)
+shardfiles.write_file = full
+try:
+    checkpoint.save_checkpoint(out, 1, m, opt, random.Random(0), torch.Generator(), ckpt)
+    print(f"rank {{rank}} save: saved")
+except OSError as e:
+    print(f"rank {{rank}} save: {{e}}")
+dist.barrier()
+print(f"rank {{rank}} left: {{sorted(p.name for p in out.iterdir())}}")
+dist.destroy_process_group()
+"""
+
+
+def test_a_full_disk_on_one_rank_stops_every_rank_and_leaves_no_checkpoint(tmp_path):
+    """Rank 1 cannot write its optimizer file: both ranks stop at the save's verdict (rank 0 naming rank 1),
+    and the torn temporary directory is gone."""
+    (tmp_path / "tok").mkdir()  # the source whose tokenizer files a save copies: none
+    (tmp_path / "run").mkdir()
+    (tmp_path / "worker.py").write_text(FULL_DISK.format(root=str(ROOT)))
+    r = torchrun(str(tmp_path / "worker.py"), str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = dict(line.split(": ", 1) for line in r.stdout.splitlines() if line.startswith("rank "))
+    assert said["rank 1 save"].startswith("[Errno 28] No space left on device"), said
+    assert said["rank 0 save"] == f"[Errno 5] rank 1 could not write its part of the checkpoint: '{tmp_path}/run/step_000001.tmp'"
+    assert said["rank 0 left"] == said["rank 1 left"] == "[]", said
 
 
 REWARD = '''

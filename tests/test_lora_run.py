@@ -61,7 +61,7 @@ def test_each_step_holds_the_adapter_and_the_last_one_the_merged_model(run):
                       "config": json.loads(json.dumps(dataclasses.asdict(hfdir.load(base).args)))}
     spec, tensors, named = lora.read_adapter(run / "final")
     assert (spec.rank, spec.alpha, named) == (4, 8.0, str(base.resolve()))
-    state = load_file(str(run / "final" / "trainer_state" / "optim_rng.safetensors"))
+    state = load_file(str(run / "final" / "trainer_state" / "optim_rng-00000-of-00001.safetensors"))
     assert {k.rsplit("/", 1)[0][len("optim/"):] for k in state if k.startswith("optim/")} == {
         k.removeprefix(lora.PREFIX) for k in tensors}  # AdamW state of the adapters alone
     assert max(t.abs().max() for k, t in tensors.items() if "lora_B" in k) > 0  # it trained

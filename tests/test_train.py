@@ -181,17 +181,17 @@ def test_a_run_saved_before_the_mask_flags_rename_resumes_under_either_name(tmp_
 KILLER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import hfdir, train
-real, calls = hfdir.save_file, [0]
-def dying(state, path, metadata=None):
+import shardfiles, train
+real, calls = shardfiles.save_weights, [0]
+def dying(d, shapes, tensor, write):
     calls[0] += 1
     if calls[0] == 2:  # the second checkpoint: half a file on disk, then SIGKILL
-        with open(path, "wb") as f:
+        with open(d / "model.safetensors", "wb") as f:
             f.write(b"x" * 1000)
             f.flush()
         os.kill(os.getpid(), signal.SIGKILL)
-    return real(state, path, metadata=metadata)
-hfdir.save_file = dying
+    return real(d, shapes, tensor, write)
+shardfiles.save_weights = dying
 train.main(sys.argv[1:])
 """
 
