@@ -255,9 +255,10 @@ def check_shared(out: Path) -> None:
         seen = probe.read_text() == token
     except OSError:
         seen = False
-    blind = [r for r, ok in enumerate(P.gather([seen])) if not ok]
+    blind = [r for r, ok in enumerate(P.gather([seen])) if not ok]  # every rank has read it
     if RANK == 0:
         probe.unlink(missing_ok=True)
+    P.gather([None])  # the token is gone on every rank's return, as it was before the check
     if blind:
         raise C.ConfigError(f"--out-dir {out}: rank {blind[0]} cannot see the files rank 0 writes there (another "
                             "machine's disk?); every rank writes its part of a checkpoint into one directory: give an "

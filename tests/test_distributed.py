@@ -258,9 +258,9 @@ for where in ("shared", f"node{{rank}}"):  # one directory, then each rank its o
     d.mkdir(exist_ok=True)
     try:
         rundir.check_shared(d)
-        print(f"rank {{rank}} {{where}}: ok")
+        print(f"rank {{rank}} {{where}}: ok", flush=True)  # one write a line: the ranks share the pipe
     except C.ConfigError as e:
-        print(f"rank {{rank}} {{where}}: {{e}}")
+        print(f"rank {{rank}} {{where}}: {{e}}", flush=True)
     assert sorted(p.name for p in d.iterdir()) == []  # the token file is gone either way
 dist.destroy_process_group()
 """
