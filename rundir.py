@@ -258,7 +258,7 @@ def check_shared(out: Path) -> None:
     blind = [r for r, ok in enumerate(P.gather([seen])) if not ok]  # every rank has read it
     if RANK == 0:
         probe.unlink(missing_ok=True)
-    P.gather([None])  # the token is gone on every rank's return, as it was before the check
+    P.gather([None])  # no rank returns while the token file is still there
     if blind:
         raise C.ConfigError(f"--out-dir {out}: rank {blind[0]} cannot see the files rank 0 writes there (another "
                             "machine's disk?); every rank writes its part of a checkpoint into one directory: give an "
