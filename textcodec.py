@@ -6,7 +6,8 @@ Simplifications:
    tokenizer.json, a chat template (tokenizer_config.json or chat_template.jinja) renders
    `messages` prompts with jinja2 the way transformers does, and generation stops at the
    directory's own stop ids (generation_config.json eos_token_id, else the tokenizer's eos).
-2. The tiny models' tokenizers are one token per character with the ChatML specials; a
+2. The tiny models' tokenizers are one token per character with the ChatML specials (calc-tiny's
+   also with the four hermes tool tags, one id each, and a template that renders tools); a
    character outside a tokenizer is an error, never a silent unknown id.
 
     python -m pytest -q tests/test_tasks.py tests/test_model.py -k "codec or template or tokenizer"
