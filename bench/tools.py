@@ -16,6 +16,7 @@ go one after another in this process (on 2 cores parallel runs would only slow e
 
     python bench/tools.py                             # 3 arms x 3 seeds (docs/experiments.md)
     python bench/tools.py --seeds 1 --steps 2 --out /tmp/tools    # smoke test
+    python bench/tools.py rows                        # examples/calc.jsonl and calc-direct.jsonl
     python bench/tools.py scratch runs/calc-scratch   # the starting directory of both checkpoints
 """
 
@@ -41,12 +42,13 @@ import tasks  # noqa: E402
 import train  # noqa: E402
 from textcodec import CHATML_TOOLS, TOOL_TAGS  # noqa: E402
 
-ROWS = "examples/calc.jsonl"
-FLAGS = (f"--task jsonl:{ROWS} --reward numeric_match --max-new-tokens 64 --prompts-per-step 16 --group-size 8 "
+ROWS = "examples/calc.jsonl"  # the tool arms' rows; the direct arm's are the same rows without `episode`
+DIRECT = "examples/calc-direct.jsonl"
+FLAGS = ("--reward numeric_match --max-new-tokens 64 --prompts-per-step 16 --group-size 8 "
          "--lr 5e-4 --eval-prompts 128")
-ARMS = {"A calculator": "--model checkpoints/calc-tiny --env calculator --max-turns 3",
-        "B calculator-off": "--model checkpoints/calc-tiny --env calculator-off --max-turns 3",
-        "C direct": "--model checkpoints/direct-tiny"}
+ARMS = {"A calculator": f"--task jsonl:{ROWS} --model checkpoints/calc-tiny --env calculator --max-turns 3",
+        "B calculator-off": f"--task jsonl:{ROWS} --model checkpoints/calc-tiny --env calculator-off --max-turns 3",
+        "C direct": f"--task jsonl:{DIRECT} --model checkpoints/direct-tiny"}
 SHOWN = ("tools/calls", "tools/errors/parse", "tools/errors/args", "tools/errors/unknown", "tools/errors/limit")
 
 
@@ -54,6 +56,15 @@ def scratch(out: str, seed: int = 0) -> None:
     """calc-tiny's and direct-tiny's starting directory: every printable ASCII character (digits, the
     JSON characters, and what the prompts and error lines need), the hermes tags, the tool template."""
     hfdir.write_tiny(out, tasks.PRINTABLE, CHATML_TOOLS, TOOL_TAGS, seed)
+
+
+def rows() -> None:
+    """examples/calc.jsonl (`python envs.py calculator`, seed 0) and calc-direct.jsonl, the same rows in
+    the same order without the `episode` column: an SFT row with one trains on it, not on its
+    `completion`. The same order holds out the same rows (--eval-prompts picks rows by index)."""
+    envs.write_rows("calculator", str(ROOT / ROWS))
+    with open(ROOT / ROWS) as f, open(ROOT / DIRECT, "w") as out:
+        out.writelines(json.dumps({k: v for k, v in json.loads(x).items() if k != "episode"}) + "\n" for x in f)
 
 
 def windows(rows: list[dict], key: str, parts: int = 3) -> list[float | None]:
@@ -128,16 +139,19 @@ def main() -> None:
             raise SystemExit(2)
         scratch(sys.argv[2])
         return
+    if sys.argv[1:] == ["rows"]:
+        rows()
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default="runs/tools")
     ap.add_argument("--extra", default="", help="more train.py flags for every run")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    if not (ROOT / ROWS).is_file():
-        envs.write_rows("calculator", str(ROOT / ROWS))
+    if not (ROOT / DIRECT).is_file():
+        rows()
     results = {arm: [] for arm in ARMS}
     for s in range(a.seeds):  # seed by seed: an interrupted bench has every arm at the seeds it finished
         for arm in ARMS:
