@@ -92,11 +92,9 @@ def run(arm: str, seed: int, steps: int, out: Path, extra: str) -> dict:
         train.main(shlex.split(flags))
     wall = time.time() - t0
     rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
-    evals, steps_rows = [r for r in rows if "eval/pass@1" in r], [r for r in rows if "loss" in r or "tokens/train" in r]
-    tokens = [r["episode/model_tokens"] + r["episode/env_tokens"] if "episode/model_tokens" in r
-              else r["tokens/train"] / r["samples"] if "samples" in r else None for r in steps_rows]
+    evals, steps_rows = [r for r in rows if "eval/pass@1" in r], [r for r in rows if "length" in r]
     result = {"flags": flags, "start": evals[0]["eval/pass@1"], "end": evals[-1]["eval/pass@1"],
-              "tokens": statistics.mean(t for t in tokens if t is not None) if any(t is not None for t in tokens) else None,
+              "tokens": statistics.mean(r["length"] for r in steps_rows),  # after the first prompt: turns and replies
               "steps": len(steps_rows), "wall": wall, **{k: windows(steps_rows, k) for k in SHOWN}}
     done.write_text(json.dumps(result))
     return result
@@ -117,11 +115,11 @@ def table(results: dict[str, list[dict]], steps: int) -> str:
     lines = [f"{FLAGS} --steps {steps} --eval-every {steps} (--seed 0..{len(next(iter(results.values()))) - 1})", ""]
     for arm, extra in ARMS.items():
         lines.append(f"    {arm}: {extra}")
-    lines += ["", "| arm | pass@1, step 0 | at the end | per seed (end) | gain (end − start) | tokens per episode | "
+    lines += ["", "| arm | pass@1, step 0 | at the end | per seed (end) | gain (end − start) | tokens per episode after the prompt | "
               "steps | wall per run |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for arm, rs in results.items():
         per = " / ".join(f"{r['end']:.3f}" for r in rs)
-        tokens = "-" if rs[0]["tokens"] is None else f"{statistics.mean(r['tokens'] for r in rs):.0f}"
+        tokens = f"{statistics.mean(r['tokens'] for r in rs):.0f}"
         walls = " / ".join(f"{r['wall']:.0f}" for r in rs)
         lines.append(f"| {arm} | {ms([r['start'] for r in rs])} | {ms([r['end'] for r in rs])} | {per} | "
                      f"{ms([r['end'] - r['start'] for r in rs])} | {tokens} | {rs[0]['steps']} | {walls} s |")
