@@ -115,8 +115,9 @@ def table(results: dict[str, list[dict]], steps: int) -> str:
     lines = [f"{FLAGS} --steps {steps} --eval-every {steps} (--seed 0..{len(next(iter(results.values()))) - 1})", ""]
     for arm, extra in ARMS.items():
         lines.append(f"    {arm}: {extra}")
-    lines += ["", "| arm | pass@1, step 0 | at the end | per seed (end) | gain (end − start) | tokens per episode after the prompt | "
-              "steps | wall per run |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    head = ("| arm | pass@1, step 0 | at the end | per seed (end) | gain (end − start) | tokens per episode after the prompt "
+            "| steps | wall per run |")
+    lines += ["", head, "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for arm, rs in results.items():
         per = " / ".join(f"{r['end']:.3f}" for r in rs)
         tokens = f"{statistics.mean(r['tokens'] for r in rs):.0f}"

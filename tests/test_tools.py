@@ -1,7 +1,8 @@
 """Tools in episodes (episodes.py with toolcalls.py and toolrun.py): the token rule with calls on
 the Qwen3- and Llama-3.1-behaving tool templates of tests/test_toolcalls.py (two calls in one Qwen
 turn; a Llama turn ending <|eom_id|>), the SFT round trip, a tool's faults inside an episode, the
-start checks' lines, and a run of the built-in `tools` and `calculator` environments.
+start checks' lines, a run of the built-in `tools` and `calculator` environments, and the calculator
+demonstration's models (their starting directory against transformers, an episode on calc-tiny).
 
     python -m pytest -q tests/test_tools.py
 """
