@@ -121,12 +121,15 @@ class GuessLetterBlind(GuessLetter):
 
 
 class Calculator(Environment):
-    """The sum of two numbers up to 999 with one tool, `add`; no step (the first turn that is no call
+    """The sum of two three-digit numbers with one tool, `add`; no step (the first turn that is no call
     is the answer) and no reward (`--reward numeric_match` scores the answer against the row's
     `answer`). The same as `--tool examples/calculator.py:add` without --env."""
 
     columns = ("answer",)
     on = True
+    # three digits each: a tiny model cannot add them in its head (the point of the tool), and a
+    # prompt of one length puts every digit it copies into the call at one distance from its source
+    operands = (100, 999)
 
     @classmethod
     def rows(cls, n: int = 1024, seed: int = 0) -> list[dict]:
@@ -134,7 +137,7 @@ class Calculator(Environment):
         for the SFT warm-up of the tool arm and a `completion` (the bare sum) for a model without tools."""
         rng, out = random.Random(seed), []
         for _ in range(n):
-            a, b = rng.randint(0, 999), rng.randint(0, 999)
+            a, b = rng.randint(*cls.operands), rng.randint(*cls.operands)
             call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
             episode = [{"role": "assistant", "content": "", "tool_calls": [call]},
                        {"role": "tool", "name": "add", "content": str(a + b)}, {"role": "assistant", "content": str(a + b)}]

@@ -229,6 +229,22 @@ def save(model: M.Transformer, out_dir: str | Path, src_dir: str | Path, extra: 
     write_dir(out_dir, fill)
 
 
+def write_tiny(out_dir: str | Path, alphabet: str, template: str, tags: list[str] = (), seed: int = 0) -> None:
+    """A fresh tiny model's directory (model.TINY's shape, random weights from `seed`) with a one-character
+    tokenizer of `alphabet` and `tags` and the chat template `template` (textcodec.write_tokenizer): a
+    starting point that `--model scratch` cannot make, since that one writes the letters' ChatML tokenizer."""
+    from textcodec import char_tokenizer, write_tokenizer
+
+    model = M.Transformer(M.ModelArgs(char_tokenizer(alphabet, tags).get_vocab_size(), **M.TINY, eos_token_id=2))
+    M.init_weights(model, seed=seed)  # eos: <|im_end|>, id 2 in every tiny tokenizer
+
+    def fill(tmp: Path) -> None:
+        write_tokenizer(tmp, alphabet, template, tags)
+        write_weights(model.state_dict(), tmp / "model.safetensors")
+        (tmp / "config.json").write_text(json.dumps(model.args.to_hf(), indent=2))
+    write_dir(out_dir, fill)
+
+
 def write_hf(d: Path, config: dict, src: Path, state: dict[str, torch.Tensor]) -> None:
     """A HF directory's files into the existing directory `d`: fp32 weights, `config`, and the
     tokenizer and generation files of `src`."""

@@ -6,7 +6,8 @@ Simplifications:
    tokenizer.json, a chat template (tokenizer_config.json or chat_template.jinja) renders
    `messages` prompts with jinja2 the way transformers does, and generation stops at the
    directory's own stop ids (generation_config.json eos_token_id, else the tokenizer's eos).
-2. The tiny models' tokenizers are one token per character with the ChatML specials; a
+2. The tiny models' tokenizers are one token per character with the ChatML specials (calc-tiny's
+   also with the four hermes tool tags, one id each, and a template that renders tools); a
    character outside a tokenizer is an error, never a silent unknown id.
 
     python -m pytest -q tests/test_tasks.py tests/test_model.py -k "codec or template or tokenizer"
@@ -28,26 +29,53 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # the tiny tokenizer
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 LETTERS = "abcdefghijklmnopqrstuvwxyz :\n"  # reverse-tiny's alphabet (the role names need the letters)
+# calc-tiny's template: ChatML that renders tools as Qwen3 does, the list compact (one `name(params)` a
+# tool: the schema's tojson would cost a character tokenizer hundreds of ids a prompt), calls and
+# results exactly hermes: a call `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>` after the
+# turn's text, consecutive results merged into one user turn of <tool_response> blocks.
+CHATML_TOOLS = (
+    "{%- set first = 1 if messages[0].role == 'system' else 0 -%}"
+    "{%- if tools -%}{{- '<|im_start|>system\\n' + (messages[0].content + '\\n' if first else '') + 'tools:' -}}"
+    "{%- for t in tools -%}{{- ' ' + t.function.name + '(' + (t.function.parameters.properties | join(', ')) + ')' -}}"
+    "{%- endfor -%}{{- '<|im_end|>\\n' -}}"
+    "{%- elif first -%}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- for m in messages[first:] -%}{%- set i = loop.index0 + first -%}"
+    "{%- if m.role == 'assistant' -%}{{- '<|im_start|>assistant\\n' + (m.content or '') -}}"
+    "{%- for tc in m.tool_calls or [] -%}{%- set f = tc.function if tc.function is defined else tc -%}"
+    "{%- if not loop.first or m.content -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\\n{\"name\": \"' + f.name + '\", \"arguments\": ' -}}"
+    "{{- f.arguments if f.arguments is string else f.arguments | tojson -}}{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}{{- '<|im_end|>\\n' -}}"
+    "{%- elif m.role == 'tool' -%}"
+    "{%- if i == first or messages[i - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[i + 1].role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]  # one id each, not special (as Qwen3's)
 
 
-def char_tokenizer(alphabet: str = LETTERS) -> Tokenizer:
-    """A tiny model's tokenizer: one token per character of `alphabet`, after the ChatML specials."""
-    vocab = {t: i for i, t in enumerate(SPECIALS + list(dict.fromkeys(alphabet)))}
+def char_tokenizer(alphabet: str = LETTERS, tags: list[str] = ()) -> Tokenizer:
+    """A tiny model's tokenizer: one token per character of `alphabet`, after the ChatML specials and
+    `tags` (one id each, added as tokens that are not special: decode keeps them, as Qwen3's tool tags)."""
+    vocab = {t: i for i, t in enumerate(SPECIALS + list(tags) + list(dict.fromkeys(alphabet)))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")  # every character, newlines too
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    if tags:
+        tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in tags])
     return tok
 
 
-def write_tokenizer(out_dir: str | Path, alphabet: str = LETTERS) -> None:
-    """A tiny model's tokenizer files: tokenizer.json, tokenizer_config.json (with the ChatML
-    template) and generation_config.json (generation stops at <|im_end|> or <|endoftext|>)."""
+def write_tokenizer(out_dir: str | Path, alphabet: str = LETTERS, template: str = CHATML, tags: list[str] = ()) -> None:
+    """A tiny model's tokenizer files: tokenizer.json, tokenizer_config.json (with the chat template,
+    ChatML unless told) and generation_config.json (generation stops at <|im_end|> or <|endoftext|>)."""
     out = Path(out_dir)
-    char_tokenizer(alphabet).save(str(out / "tokenizer.json"))
+    char_tokenizer(alphabet, tags).save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-         "bos_token": None, "unk_token": "<|endoftext|>", "model_max_length": 512, "chat_template": CHATML}, indent=2))
+         "bos_token": None, "unk_token": "<|endoftext|>", "model_max_length": 512, "chat_template": template}, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}, indent=2))
 
 

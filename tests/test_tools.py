@@ -2,8 +2,9 @@
 the Qwen3- and Llama-3.1-behaving tool templates of tests/test_toolcalls.py (two calls in one Qwen
 turn; a Llama turn ending <|eom_id|>), the SFT round trip, a tool's faults inside an episode, the
 start checks' lines, a run of the built-in `tools` and `calculator` environments, whole runs that
-stop (past the abandoned-call limit; an environment whose tools() differ within a group), and the
-eval-set fit with an environment's schemas.
+stop (past the abandoned-call limit; an environment whose tools() differ within a group), the
+eval-set fit with an environment's schemas, and the calculator demonstration's models (their
+starting directory against transformers, an episode on calc-tiny).
 
     python -m pytest -q tests/test_tools.py
 """
@@ -27,7 +28,7 @@ import toolrun
 import train
 from engines import Sampling
 from test_episodes import Scripted
-from test_toolcalls import CALLS, LLAMA31_TOOLS, Faults, _model_dir, add
+from test_toolcalls import CALLS, LLAMA31_TOOLS, Faults, _model_dir, add, lookup
 from textcodec import TextCodec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -455,3 +456,61 @@ def test_the_overlap_bench_runs_every_call_and_reports_time_tools(capsys):
     bench_module("tool_overlap").main(["--groups", "2", "--group-size", "2", "--turns", "2", "--ms", "1"])
     rows = [x for x in capsys.readouterr().out.splitlines() if x.startswith(("| wait", "| spin"))]
     assert [r.split(" | ")[:2] for r in rows] == [["| wait", "8"], ["| spin", "8"]]
+
+
+# ----------------------------------------------------------------------------- the calculator demonstration
+
+def test_the_calculator_starting_directory_renders_tools_as_transformers_does(tmp_path):
+    """`python bench/tools.py scratch DIR` (calc-tiny's and direct-tiny's start): floe loads it, the four
+    hermes tags are single ids, and floe's text equals transformers' apply_chat_template with tools, for a
+    first prompt with and without them and for histories of calls and merged results. The shipped
+    checkpoints carry the same tokenizer and template."""
+    from conftest import bench_module
+
+    d = tmp_path / "calc"
+    bench_module("tools").scratch(str(d))
+    model, codec = hfdir.load(d), TextCodec.load(d)
+    assert sum(p.numel() for p in model.parameters()) <= 1_000_000
+    assert all(len(codec.encode(t)) == 1 for t in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"))
+    assert T.detect_format(codec.template) == "hermes"
+    hf = pytest.importorskip("transformers").AutoTokenizer.from_pretrained(d)
+    row = envs.Calculator.rows(1, 0)[0]
+    two = [{"role": "assistant", "content": "Two.", "tool_calls": CALLS},
+           {"role": "tool", "name": "add", "content": "3"}, {"role": "tool", "name": "lookup", "content": '{"t": 21}'}]
+    system = [{"role": "system", "content": "Be exact."}]
+    for messages, fns in [(row["prompt"], None), (row["prompt"], [add]), (row["prompt"] + row["episode"], [add]),
+                          (system + row["prompt"] + two, [add, lookup]), (system + row["prompt"], None)]:
+        kwargs = {"tools": [T.schema(f) for f in fns]} if fns else {}
+        text = hf.apply_chat_template(messages, tools=fns, tokenize=False, add_generation_prompt=True)
+        assert codec.render_text(messages, True, **kwargs) == text
+        assert codec.render(messages, **kwargs) == hf.encode(text, add_special_tokens=False)
+        assert ("tools: add(a, b)" in text) == bool(fns)
+    merged = codec.render_text(row["prompt"] + two, False, tools=[T.schema(add), T.schema(lookup)])
+    assert "<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n{\"t\": 21}\n</tool_response><|im_end|>" in merged
+    for name in ("calc-tiny", "direct-tiny"):
+        for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            assert (ROOT / "checkpoints" / name / f).read_bytes() == (d / f).read_bytes(), (name, f)
+
+
+def test_a_calculator_episode_on_calc_tiny_calls_add_and_answers():
+    """checkpoints/calc-tiny plays `--env calculator` with the built-in engine: its first turns parse as
+    calls of `add`, the environment's add answers each with the sum of the arguments it parsed, and
+    episodes end on an answer turn."""
+    from engines import TorchEngine
+
+    d = ROOT / "checkpoints" / "calc-tiny"
+    codec = TextCodec.load(d)
+    rows = envs.Calculator.rows(4, 1)
+    kwargs = {"tools": [T.schema(envs.Calculator().add)]}
+    prompts = [D.Prompt(codec.render(r["prompt"], **kwargs), r["prompt"], r) for r in rows]
+    tools = toolrun.Tools({}, "hermes", 0, 8, toolrun.Runner(5.0, 2000, codec.encode), env_tools=True)
+    spec = E.EnvSpec("calculator", envs.Calculator, None, False, has_step=False, has_tools=True)
+    engine = TorchEngine(hfdir.load(d), "fp32", codec.stop_ids, seed=0)
+    pl = E.Play(spec, codec, engine, Sampling(max_new_tokens=64), 512, 3, 5.0, kwargs, tools=tools)
+    eps = E.play(pl, prompts, 2, [0] * len(rows))
+    calls = [c for e in eps for c in e.calls]
+    assert calls and all(c.name == "add" for c in calls)
+    good = [(e, c) for e in eps for c in e.calls if not c.kind]
+    assert good, [c.content for c in calls]  # well-formed calls, run by the environment's add
+    assert all(c.content == str(c.arguments["a"] + c.arguments["b"]) for _, c in good)
+    assert all(e.call_turns >= 1 for e in eps) and any(e.end == "done" and not e.on_call for e in eps)
