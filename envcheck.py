@@ -45,6 +45,10 @@ def load_env(cfg: C.Config, task: T.Task, tools: dict) -> E.EnvSpec | None:
     if not inspect.isclass(cls):
         raise C.ConfigError(f"--env {cfg.env}: {cls!r} is not a class (one instance is made per episode)")
     has_tools = hasattr(cls, "tools")
+    if has_tools and cfg.stage == "sft":  # rollout.sft_samples renders the task's prompts: no reset, no tools()
+        raise C.ConfigError(f"--env {cfg.env}: {cls.__name__}.tools() reach an episode's prompt after reset, which "
+                            "--stage sft does not call, so its references would train on prompts without them; "
+                            "give the same tools with --tool for the warm-up")
     for method in tuple(m for m in ("step", "reset", "reward", "tools") if hasattr(cls, m) or (m == "step" and not has_tools)):
         if not callable(getattr(cls, method, None)):
             raise C.ConfigError(f"--env {cfg.env}: {cls.__name__}.{method} is not a method (envs.py has the contract)")

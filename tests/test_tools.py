@@ -514,3 +514,18 @@ def test_a_calculator_episode_on_calc_tiny_calls_add_and_answers():
     assert good, [c.content for c in calls]  # well-formed calls, run by the environment's add
     assert all(c.content == str(c.arguments["a"] + c.arguments["b"]) for _, c in good)
     assert all(e.call_turns >= 1 for e in eps) and any(e.end == "done" and not e.on_call for e in eps)
+
+
+def test_sft_with_an_environment_that_declares_tools_is_refused_in_one_line(tmp_path, capsys):
+    """--stage sft renders the task's prompts (no reset), so an environment's tools() would be missing
+    from every reference's prompt while the eval's episodes show them: refused before anything is
+    written, pointing at --tool."""
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        train.main(["--stage", "sft", "--task", f"jsonl:{ROOT / 'examples' / 'calc.jsonl'}", "--env", "calculator",
+                    "--reward", "numeric_match", "--model", str(ROOT / "checkpoints" / "calc-tiny"), "--steps", "1",
+                    "--out-dir", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and not out.exists(), err
+    assert err[0].startswith("floe: error: --env calculator: Calculator.tools() reach an episode's prompt after reset")
+    assert err[0].endswith("give the same tools with --tool for the warm-up")
