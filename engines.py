@@ -277,11 +277,15 @@ class TorchEngine:
         assert min(caps) >= 1, caps
         T_new = max(caps)
         cap = torch.tensor(caps, device=dev).repeat_interleave(n)  # (B,) each row's own budget
-        logits, cache, pos = self._prefill(prompts, n, T_new)
-        store = cache if self.reuse and keep else None  # every output row's cache, as it leaves the decode batch
         gen = self.gen if sampling.seed is None else torch.Generator(device=dev).manual_seed(sampling.seed)
         rec = SupportRecorder(sampling, len(cap), dev) if sampling.support else None
-        ids, logq = self._decode(logits, cache, pos, cap, sampling, gen, rec, store)
+        # inference mode: the same arithmetic as no_grad without autograd's per-operator bookkeeping,
+        # which the decode's thousands of small operators pay. Its tensors (the cache, kept for the
+        # next call, is one) never meet autograd: the support's are rebuilt outside it (rec.finish)
+        with torch.inference_mode():
+            logits, cache, pos = self._prefill(prompts, n, T_new)
+            store = cache if self.reuse and keep else None  # every output row's cache, as it leaves the decode batch
+            ids, logq = self._decode(logits, cache, pos, cap, sampling, gen, rec, store)
         if rec is not None:
             rec.finish()
         out = self._completions(ids, logq, rec, cap.tolist())

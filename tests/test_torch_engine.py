@@ -1,7 +1,9 @@
 """The built-in engine's own dtype and seeding, and group advantages (the engine against a full
 forward: tests/test_engines.py, the suite both engines pass)."""
 
+import contextlib
 import math
+import unittest.mock
 
 import pytest
 import torch
@@ -158,6 +160,26 @@ def test_sampling_is_seeded():
     a = TorchEngine(model, "fp32", [2], seed=3).generate([[5, 6]], 4, Sampling(max_new_tokens=8))
     b = TorchEngine(model, "fp32", [2], seed=3).generate([[5, 6]], 4, Sampling(max_new_tokens=8))
     assert [c.ids for c in a] == [c.ids for c in b]
+
+
+@pytest.mark.parametrize("top_k", [0, 5])  # K draws per token; the kept set of a truncated sampler
+def test_generate_is_the_same_under_no_grad_and_leaves_no_inference_tensors_to_the_trainer(top_k):
+    """The decode runs under inference mode (no autograd bookkeeping per operator): the same draws
+    and log-probs as a plain no_grad run of the same code, and what the trainer receives (the
+    support's tensors) are ordinary tensors that autograd may save."""
+    model = _model()
+    s = Sampling(max_new_tokens=6, seed=5, support=True, top_k=top_k)
+    prompts = [[5, 6, 7], [8, 9]]
+    fast = TorchEngine(model, "bf16", [2], seed=0).generate(prompts, 3, s)
+    with torch.no_grad(), unittest.mock.patch.object(torch, "inference_mode", contextlib.nullcontext):
+        plain = TorchEngine(model, "bf16", [2], seed=0).generate(prompts, 3, s)
+    for a, b in zip(fast, plain):
+        assert (a.ids, a.logq) == (b.ids, b.logq)
+        assert torch.equal(a.support.ids, b.support.ids) and torch.equal(a.support.logq, b.support.logq)
+        assert not a.support.ids.is_inference() and not a.support.logq.is_inference()
+        w = torch.ones(len(a.support.logq), requires_grad=True)
+        (w * a.support.logq.float()).sum().backward()  # saves the support's tensor for the backward
+        assert torch.equal(w.grad, a.support.logq.float())
 
 
 def test_group_advantages():
