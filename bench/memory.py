@@ -11,6 +11,9 @@ named point), one process at a time, so no figure holds another's memory. Studie
   grows with the document) and with each block recomputed in the backward
   (--activation-checkpointing blocks: model.Transformer.checkpointing), each beside the plan's figure;
   and the LM head's peak in [chunk, V] tiles (memplan.CPU_HEAD_TILES).
+- `recompute`: the time of one forward and backward at the same 4-layer shape and tokens (packed
+  64-token documents), checkpointing off and blocks alternating in one process (repeats, after a
+  warm-up of each): the step-time cost of recomputing each block, as the ratio of medians.
 - `scale`: docs/scale.md's table of the plan for Qwen3-1.7B to 32B on 8 GPUs (computed only).
 - `cuda` (bench/gpu.sh runs it): one step's torch.cuda.max_memory_allocated at the 0.6B shape, 4k
   and 16k tokens, checkpointing off and blocks, beside the plan.
@@ -30,13 +33,15 @@ named point), one process at a time, so no figure holds another's memory. Studie
   step beside the plan's per-rank total.
 
 Simplifications:
-1. Memory only: nothing here is timed.
+1. Memory only, except `recompute`, which is timed (run it alone on the machine).
 
     python bench/memory.py baseline
     python bench/memory.py activations     # 13 processes, ~15 min on 2 cores, the largest ~3 GiB
     python bench/memory.py startup         # 4 runs (2 with 2 ranks), the largest ~9 GiB in all; writes runs/memory/
+    python bench/memory.py startup --shape 1.7b --runs 2x16    # LoRA r16 on Qwen3-1.7B, 2 ranks: ~21 GiB in all
     python bench/memory.py save            # 2 saves and 2 resumes (one with 2 ranks); writes runs/memory/
     python bench/memory.py steady          # 6 runs of 3 steps (3 with 2 ranks), the largest ~17 GiB in all
+    python bench/memory.py recompute       # off against blocks, timed: ~3 min on 2 quiet cores
     python bench/memory.py scale           # docs/scale.md's table: computed, nothing is measured
     python bench/memory.py cuda            # on a GPU: the plan against max_memory_allocated
 """
@@ -181,6 +186,35 @@ def against_plan(shape: P.Shape, per_layer: float, outside: float, calibration: 
     return lines
 
 
+def recompute(a) -> str:
+    """Checkpointing's time: one forward and backward, off and blocks alternating in this process."""
+    import statistics
+    import time
+    lines = [f"4 layers at Qwen3-0.6B widths, vocab {SMALL_VOCAB}, fp32, row attention, packed {DOCUMENT}-token "
+             f"documents, torch {torch.__version__}, {torch.get_num_threads()} threads; medians of {a.repeats} "
+             "alternating repeats after one warm-up each", "",
+             "| tokens | off | blocks | blocks / off | each repeat's blocks / off |", "|" + " --- |" * 5]
+    torch.manual_seed(0)
+    model = M.Transformer(M.ModelArgs(**layer_shape(4)))
+    M.init_weights(model)
+    for t in TOKENS:
+        ids = torch.randint(0, SMALL_VOCAB, (t,))
+        positions, docs = torch.arange(t) % DOCUMENT, torch.arange(t) // DOCUMENT
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for rep in range(a.repeats + 1):
+            for blocks in (False, True) if rep % 2 else (True, False):
+                model.checkpointing = blocks
+                model.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                model(ids, positions, docs).sum().backward()
+                if rep:  # rep 0 is the warm-up
+                    times[blocks].append(time.perf_counter() - t0)
+        off, on = statistics.median(times[False]), statistics.median(times[True])
+        each = [b / o for o, b in zip(times[False], times[True])]
+        lines.append(f"| {t} | {off:.3f} s | {on:.3f} s | {on / off:.2f} | {min(each):.2f}-{max(each):.2f} |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- start-up
 
 def write_sharded(d: Path, shape: dict, shard_bytes: int = 500 * 2**20) -> Path:
@@ -214,7 +248,7 @@ def write_sharded(d: Path, shape: dict, shard_bytes: int = 500 * 2**20) -> Path:
     return d
 
 
-def after_build(model_dir: str, rank: int) -> None:
+def after_build(model_dir: str, rank: int, base_dtype: str = "fp32") -> None:
     """train.py until start.build returns, then the peak RSS and out: nothing of step 1 runs."""
     import train
 
@@ -231,7 +265,7 @@ def after_build(model_dir: str, rank: int) -> None:
              "--compile", "off", "--out-dir", str(Path(model_dir).parent / f"run-r{rank}-w{os.environ.get('WORLD_SIZE', 1)}")]
     sys.stdout, stdout = open(os.devnull, "w"), sys.stdout
     try:
-        train.main(flags + (["--lora-rank", str(rank)] if rank else []))
+        train.main(flags + (["--lora-rank", str(rank), "--base-dtype", base_dtype] if rank else []))
     finally:
         sys.stdout = stdout
 
@@ -246,29 +280,32 @@ def before_arithmetic(shape: P.Shape, rank: int, baseline: int, largest_file: in
                    f" + 4 x {n / 1e6:.0f}M engine" + (f" + {adapters / GIB:.2f} adapters x 2" if rank else ""))
 
 
+SHAPES = {"0.6b": QWEN3_06B, "1.7b": {**QWEN3_06B, "hidden_size": 2048, "intermediate_size": 6144}}  # Qwen3-1.7B: tied, 28 layers
+
+
 def startup(a) -> str:
-    d = Path(a.out) / "qwen3-0.6b-shaped-bf16"
-    child(["_write", str(d)])  # in a child: a process's ru_maxrss passes to those it starts, so this one stays small
+    d = Path(a.out) / ("qwen3-0.6b-shaped-bf16" if a.shape == "0.6b" else f"qwen3-{a.shape}-shaped-bf16")
+    child(["_write", str(d), a.shape])  # in a child: a process's ru_maxrss passes to those it starts, so this one stays small
     shape = P.Shape.from_dir(d)
     baseline = child(["_baseline"])["peak"]
     largest_file = max(f.stat().st_size for f in d.glob("*.safetensors"))
-    lines = [f"random Qwen3-0.6B-shaped checkpoint in bf16, {len(list(d.glob('*.safetensors')))} shard files; "
-             f"baseline (empty start) {baseline / GIB:.2f} GiB", "",
+    lines = [f"random Qwen3-{a.shape.upper()}-shaped checkpoint ({shape.params() / 1e9:.2f}B) in bf16, "
+             f"{len(list(d.glob('*.safetensors')))} shard files; baseline (empty start) {baseline / GIB:.2f} GiB", "",
              "| run | ranks | peak RSS after build, each rank | before the sharded load (computed) | plan | plan's terms | "
              "plan / measured |", "|" + " --- |" * 7]
-    for ranks in (1, 2):
-        for rank in (0, 16):
-            peaks = [r["peak"] for r in (ranks_child(["_startup", str(d), str(rank)], ranks) if ranks > 1
-                                         else [child(["_startup", str(d), str(rank)])])]
-            before, how = before_arithmetic(shape, rank, baseline, largest_file)
-            role = P.plan(shape, P.Setup(world=ranks, lora_rank=rank)).role("trainer rank")
-            terms = (f"{role.parts['weights'] / GIB:.2f} shard + {role.parts['engine copy'] / GIB:.2f} engine + "
-                     f"{4 * max(shape.largest_tensor(), shape.block_params()) / GIB:.2f} largest tensor + "
-                     f"{role.parts['baseline'] / GIB:.2f} baseline")
-            lines.append(f"| {'full' if not rank else f'LoRA r{rank}'} | {ranks} | "
-                         f"{', '.join(f'{p / GIB:.2f}' for p in peaks)} GiB | {before / GIB:.2f} GiB = {how} | "
-                         f"{role.startup / GIB:.2f} GiB | {terms} | {role.startup / max(peaks):.2f} |")
-            print(lines[-1], flush=True)
+    for ranks, rank in a.runs:
+        peaks = [r["peak"] for r in (ranks_child(["_startup", str(d), str(rank), a.base_dtype], ranks) if ranks > 1
+                                     else [child(["_startup", str(d), str(rank), a.base_dtype])])]
+        before, how = before_arithmetic(shape, rank, baseline, largest_file)
+        role = P.plan(shape, P.Setup(world=ranks, lora_rank=rank, base_dtype=a.base_dtype if rank else "fp32")).role("trainer rank")
+        terms = (f"{role.parts['weights'] / GIB:.2f} shard + {role.parts['engine copy'] / GIB:.2f} engine + "
+                 f"{4 * max(shape.largest_tensor(), shape.block_params()) / GIB:.2f} largest tensor + "
+                 f"{role.parts['baseline'] / GIB:.2f} baseline")
+        base = f", base {a.base_dtype}" if rank and a.base_dtype != "fp32" else ""
+        lines.append(f"| {'full' if not rank else f'LoRA r{rank}'}{base} | {ranks} | "
+                     f"{', '.join(f'{p / GIB:.2f}' for p in peaks)} GiB | {before / GIB:.2f} GiB = {how} | "
+                     f"{role.startup / GIB:.2f} GiB | {terms} | {role.startup / max(peaks):.2f} |")
+        print(lines[-1], flush=True)
     return "\n".join(lines)
 
 
@@ -505,6 +542,11 @@ def scale(a) -> str:
     return "\n".join(lines)
 
 
+def run_spec(text: str) -> tuple[int, int]:
+    ranks, _, rank = text.partition("x")
+    return int(ranks), int(rank)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0].startswith("_"):
@@ -516,7 +558,7 @@ def main(argv=None):
         elif argv[0] == "_head":
             r = head_tiles(int(argv[1]))
         elif argv[0] == "_write":
-            r = {"dir": str(write_sharded(Path(argv[1]), QWEN3_06B))}
+            r = {"dir": str(write_sharded(Path(argv[1]), SHAPES[argv[2] if len(argv) > 2 else "0.6b"]))}
         elif argv[0] == "_save":
             return save_child(argv[1], argv[2])
         elif argv[0] == "_resume":
@@ -524,17 +566,22 @@ def main(argv=None):
         elif argv[0] == "_steady":
             return steady_child(argv[1], int(argv[2]), argv[3])
         else:
-            return after_build(argv[1], int(argv[2]))
+            return after_build(argv[1], int(argv[2]), *argv[3:4])
         print(json.dumps(r))
         return None
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("study", choices=["baseline", "activations", "startup", "save", "steady", "scale", "cuda"])
+    ap.add_argument("study", choices=["baseline", "activations", "recompute", "startup", "save", "steady", "scale", "cuda"])
     ap.add_argument("--out", default="runs/memory")
+    ap.add_argument("--repeats", type=int, default=5, help="recompute: timed repeats of each")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="startup: the random checkpoint's shape")
+    ap.add_argument("--runs", type=run_spec, nargs="+", default=[(1, 0), (1, 16), (2, 0), (2, 16)],
+                    help="startup: RANKSxLORA_RANK each (0: full fine-tuning), e.g. 2x16")
+    ap.add_argument("--base-dtype", choices=["fp32", "bf16"], default="fp32", help="startup: LoRA runs' --base-dtype")
     a = ap.parse_args(argv)
     if a.study == "baseline":
         print(f"empty start: peak RSS {child(['_baseline'])['peak']} bytes")
     else:
-        print({"activations": activations, "startup": startup, "save": save_resume, "steady": steady,
+        print({"activations": activations, "recompute": recompute, "startup": startup, "save": save_resume, "steady": steady,
                "scale": scale, "cuda": cuda_step}[a.study](a))
 
 
