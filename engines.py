@@ -185,17 +185,21 @@ class SupportRecorder:
 
 
 class TorchEngine:
-    def __init__(self, model: Transformer, dtype: str, stop_ids: list[int], seed: int = 0, compile_step: bool = False):
-        self.device = next(model.parameters()).device
+    def __init__(self, model: Transformer, dtype: str, stop_ids: list[int], seed: int = 0, compile_step: bool = False,
+                 weights=None, device=None):
+        """The engine's copy of `model`, given its weights by a first push. `weights` instead: `model` is a
+        skeleton on the meta device and the copy is built in its dtype on `device`, filled from (name,
+        tensor) pairs one at a time (an inference rank's start, from the files: hfdir.tensors)."""
+        self.device = torch.device(device) if weights is not None else next(model.parameters()).device
         self.dtype, self.fp8 = DTYPES[dtype], dtype == "fp8"  # what the weights and each matmul's output hold
         self.emulated = self.device.type == "cpu" and self.dtype != torch.float32  # Rounded/Fp8Linear: fp32 arithmetic
         storage = torch.float32 if self.emulated else self.dtype
-        if self.device.type == "cpu" and not isinstance(next(model.parameters()), DTensor):
+        if weights is None and self.device.type == "cpu" and not isinstance(next(model.parameters()), DTensor):
             # one CPU process: a deep copy (the empty-then-filled copy stepped slower in bench/ab.py;
             # docs/experiments.md "the engine's copy on one CPU process"), in fp32 anyway for an emulated engine
             self.model = copy.deepcopy(model).to(storage).eval().requires_grad_(False)
             lora.strip(self.model)  # under LoRA a plain model, whose weights every push merges (load_weights)
-        else:  # CUDA or an FSDP2 shard: no full fp32 copy of the trainer's weights
+        else:  # CUDA, an FSDP2 shard or the files: no full fp32 copy of the trainer's weights
             self.model = self._built(model, storage)
         if self.emulated or self.fp8:
             emulate(self.model, dtype, self.emulated)
@@ -204,7 +208,10 @@ class TorchEngine:
         self.kept: KeptRows | None = None
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
         self.version = None  # nothing pushed yet
-        self.load_weights(model, 0)  # rounds (fp8: quantizes) the copy's weights
+        if weights is None:
+            self.load_weights(model, 0)  # rounds (fp8: quantizes) the copy's weights
+        else:
+            self.load_tensors(weights, 0)
         self.step = torch.compile(self._step) if compile_step else self._step
         self.syncs = self.device.type == "cpu"  # a host sync is free: stop the moment every row has
         self.reuse = True  # keep the last call's rows for a call that extends them (False: re-prefill every prompt)
@@ -227,21 +234,35 @@ class TorchEngine:
         tensors (embedding, norms, head) are copied on the first push only."""
         src, spec = model.state_dict(), model.lora
         adapter = lora.adapter_state(model) if spec is not None else {}  # (FSDP2: a collective)
-        for k, v in self.model.state_dict().items():  # FSDP2 shards are gathered one tensor at a time
-            layer = k.removesuffix(".weight")
-            a, b = adapter.get(lora.peft_key(layer, "A")), adapter.get(lora.peft_key(layer, "B"))
-            if spec is not None and self.version is not None and a is None:
-                continue  # frozen: as the first push left it
-            w = full(src[k])
-            if a is not None:
-                w = lora.merge(w, a, b, spec.scale)
+
+        def weights():
+            for k in self.model.state_dict():  # FSDP2 shards are gathered one tensor at a time
+                layer = k.removesuffix(".weight")
+                a, b = adapter.get(lora.peft_key(layer, "A")), adapter.get(lora.peft_key(layer, "B"))
+                if spec is not None and self.version is not None and a is None:
+                    continue  # frozen: as the first push left it
+                w = full(src[k])
+                yield k, (w if a is None else lora.merge(w, a, b, spec.scale))
+
+        self.load_tensors(weights(), version)
+
+    @torch.no_grad()
+    def load_tensors(self, weights, version: int) -> None:
+        """(name, tensor) pairs into the copy, one at a time, each cast to its dtype (fp8: quantized, and
+        the head's e4m3 copy made from the head's weight; a tied embedding stays bf16). A first load must
+        fill every tensor. The pairs may stream from a push (remote.py) or the files: nothing else is held."""
+        own, left = self.model.state_dict(), set() if self.version is not None else set(self.model.state_dict())
+        head = "lm_head.weight" if self.model.lm_head is not None else "model.embed_tokens.weight"
+        for k, w in weights:
             if k in self.quantized:
                 self.quantized[k].quantize(w)
             else:
-                v.copy_(w.to(self.dtype))
-        if self.fp8 and (model.lora is None or self.version is None):  # the head's own e4m3 copy (a tied embedding stays bf16)
-            q, scale = fp8_quantize(full(model.head_weight))
-            self.head_q, self.head_scale = q.to(next(self.model.parameters()).dtype), scale[:, 0]
+                own[k].copy_(w.to(self.dtype))
+            if self.fp8 and k == head:
+                q, scale = fp8_quantize(w)
+                self.head_q, self.head_scale = q.to(next(self.model.parameters()).dtype), scale[:, 0]
+            left.discard(k)
+        assert not left, f"the engine's first load left {sorted(left)[:3]} unfilled"
         self.version, self.kept = version, None  # rows cached under the old weights are not these weights' rows
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

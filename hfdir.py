@@ -42,23 +42,31 @@ INDEX = "model.safetensors.index.json"  # a sharded checkpoint's map: tensor nam
 
 def load(model_dir: str | Path, device="cpu", dtype=torch.float32) -> M.Transformer:
     """A HF directory of a family in model.FAMILIES -> Transformer, every key, shape and value checked."""
-    d = Path(model_dir)
-    model, where = load_meta(d)
-    state = {}
-    for f in dict.fromkeys(f for f, _ in where.values()):
-        names = [k for k, (g, _) in where.items() if g == f]
-        try:
-            with safe_open(str(f), framework="pt", device="cpu") as st:
-                state.update((k, st.get_tensor(k).to(dtype)) for k in names)
-        except Exception as e:  # safetensors raises several types for a damaged file
-            raise ValueError(f"{f}: unreadable safetensors file ({e})") from None
-        # a NaN or inf weight would surface as a NaN loss at step 1, far from its cause
-        bad = next((k for k in names if not torch.isfinite(state[k]).all()), None)
-        if bad is not None:
-            raise ValueError(f"{f}: {bad} holds NaN or inf")
-    model.load_state_dict(state, strict=True, assign=True)
+    model, where = load_meta(Path(model_dir))
+    model.load_state_dict(dict(tensors(where, dtype)), strict=True, assign=True)
     model.inv_freq = M.rope_frequencies(model.args)  # buffers are not in the file: made on meta, made again here
     return model.to(device)
+
+
+def tensors(where: dict[str, tuple[Path, tuple]], dtype=torch.float32):
+    """Each tensor `load_meta` found, read one at a time in file order and cast to `dtype`: (name, tensor);
+    a damaged file, or a NaN or inf weight, is one line naming the file. A caller that keeps only its
+    own copy (an inference rank's engine) holds one tensor of the files at a time."""
+    for f in dict.fromkeys(f for f, _ in where.values()):
+        try:
+            st = safe_open(str(f), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises several types for a damaged file
+            raise ValueError(f"{f}: unreadable safetensors file ({e})") from None
+        with st:
+            for k in (k for k, (g, _) in where.items() if g == f):
+                try:
+                    t = st.get_tensor(k).to(dtype)
+                except Exception as e:
+                    raise ValueError(f"{f}: unreadable safetensors file ({e})") from None
+                # a NaN or inf weight would surface as a NaN loss at step 1, far from its cause
+                if not torch.isfinite(t).all():
+                    raise ValueError(f"{f}: {k} holds NaN or inf")
+                yield k, t
 
 
 def load_meta(d: Path) -> tuple[M.Transformer, dict[str, tuple[Path, tuple]]]:

@@ -8,7 +8,8 @@ bytes by component:
   divided by the trainer ranks), what FSDP2 holds gathered during a step, the colocated engine's
   copy, the activations of one --micro-batch-tokens micro-batch, the LM head's chunk, and the
   process's baseline (the interpreter and torch: a measured empty start on a CPU);
-- inference rank (--inference-gpus): one engine copy (built-in: its dtype; vLLM: its share);
+- inference rank (--inference-gpus): one engine copy (built-in: its dtype; vLLM: its share) and one
+  pushed tensor (a LoRA merge also keeps the fp32 base);
 - host per node: on a CPU, every process's total; on CUDA, what each process stages while loading
   and what rank 0 holds during a save.
 `startup` is each role's peak while it loads, with the sharded load: its shard, the engine, one
@@ -166,6 +167,7 @@ class Setup:
     activation_checkpointing: str = "off"  # --activation-checkpointing: auto, off or blocks
     document_tokens: int = 0  # the longest document (the CPU's attention mask grows with it); 0: a whole micro-batch
     ranks_per_node: int = 0  # processes on one node; 0: every rank on one
+    lora_merged: bool = False  # --lora-merged: vLLM takes merged weights (the built-in engine always does)
 
     def __post_init__(self):
         checks = [(self.world >= 1, f"--plan-world must be >= 1 trainer rank, got {self.world}"),
@@ -317,11 +319,21 @@ def trainer_role(shape: Shape, s: Setup) -> Role:
 
 
 def inference_role(shape: Shape, s: Setup) -> Role:
+    """An --inference-gpus rank: its engine's copy and one pushed tensor in the wire's dtype (received,
+    then cast into the copy: remote.py), or under LoRA the adapter's fp32 tensors; an engine that merges
+    LoRA (the built-in one, vLLM with --lora-merged) also keeps the untouched fp32 base the merge reads."""
     baseline = CPU_BASELINE if s.device == "cpu" else CUDA_BASELINE
-    engine = engine_bytes(shape, s)
-    startup = engine + 4 * max(shape.largest_tensor(), shape.block_params()) + baseline
-    return Role("inference rank", {"engine copy": engine, "baseline": baseline}, startup,
-                {"baseline"} if s.device == "cuda" else set())
+    parts = {"engine copy": engine_bytes(shape, s)}
+    if s.lora_rank:
+        parts["adapters"] = parts["push buffer"] = 4 * trained(shape, s)  # fp32: kept, and a push's received
+        if s.engine == "torch" or s.lora_merged:
+            parts["LoRA base"] = 4 * shape.params()
+    else:
+        wire = 4 if s.engine_dtype == "fp8" else DTYPE_BYTES[s.engine_dtype]
+        parts["push buffer"] = wire * shape.largest_tensor()
+    parts["baseline"] = baseline
+    startup = sum(v for k, v in parts.items() if k != "push buffer") + 4 * max(shape.largest_tensor(), shape.block_params())
+    return Role("inference rank", parts, startup, {"baseline"} if s.device == "cuda" else set())
 
 
 def host_role(shape: Shape, s: Setup, trainer: Role, inference: Role | None) -> Role:

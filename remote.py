@@ -13,11 +13,12 @@ Simplifications:
    RNG that a checkpoint saves lives on the trainer and the inference ranks keep no state worth
    saving. With one inference rank a call with a fixed seed (eval) draws what a local engine would.
 3. A weight push is the trainer's state dict, one full tensor at a time cast to --engine-dtype
-   (under FSDP2 every trainer rank joins the gather; rank 0 casts and broadcasts), into a copy of
-   the model in that dtype on each inference rank, whose engine then loads it. Both engines
-   round fp32 to their dtype the same way, so this is the colocated push bit for bit, at half
-   the bytes for bf16. NCCL on GPUs, gloo on the CPU; requests and replies are host tensors
-   over gloo.
+   (under FSDP2 every trainer rank joins the gather; rank 0 casts and broadcasts), received on each
+   inference rank one tensor at a time straight into its engine (`load_tensors`), so an inference
+   rank holds one copy of the weights, its engine's: the built-in engine's, built from the files one
+   tensor at a time, or vLLM's. Both engines round fp32 to their dtype the same way, so this is the
+   colocated push bit for bit, at half the bytes for bf16. NCCL on GPUs, gloo on the CPU; requests
+   and replies are host tensors over gloo.
 4. The inference ranks are outside torch.distributed's default group (parallel.setup_distributed):
    an in-process vLLM makes that group its own. The link's groups are built on torchrun's store.
 5. Messages are lists of 1-D tensors with a small header (dtype codes and lengths): no pickle
@@ -178,9 +179,10 @@ def serve(cfg, link: Link) -> None:
     src, spec = _read_start(link.recv(0))
     if not src:
         return
-    model = _inference_model(cfg, src, spec)  # the pushes land here
+    model, weights = _inference_model(cfg, src, spec)  # full fine-tuning: a skeleton, no weights (simplification 3)
     seed = cfg.seed + 1000 * link.rank  # unused by sampling (each call brings its seed); vLLM's init takes one
-    engine = make_engine(cfg, model, src, TextCodec.load(src).stop_ids, seed)
+    engine = make_engine(cfg, model, src, TextCodec.load(src).stop_ids, seed, weights)
+    wire = wire_dtype(cfg.engine_dtype)
     while True:
         msg = link.recv(0)
         cmd = int(msg[0][0])
@@ -190,8 +192,11 @@ def serve(cfg, link: Link) -> None:
             engine.idle()
             continue
         if cmd == PUSH:
-            _receive(link, model)
-            engine.load_weights(model, version=int(msg[0][1]))
+            if model.lora is None:  # each tensor from the wire straight into the engine's copy
+                engine.load_tensors(_pushed(link, model, wire, cfg.device), version=int(msg[0][1]))
+            else:
+                _receive_adapter(link, model)
+                engine.load_weights(model, version=int(msg[0][1]))
             continue
         prompts, n, sampling, version, budgets, keep = _read_request(msg)
         if version != engine.version:
@@ -220,34 +225,39 @@ def _read_start(msg: list[torch.Tensor]) -> tuple[str, lora.LoRASpec | None]:
     return src, lora.LoRASpec(int(msg[1]), float(msg[2]), tuple(bytes(msg[3].tolist()).decode().split()))
 
 
-def _inference_model(cfg, src: str, spec: lora.LoRASpec | None) -> M.Transformer:
-    """What an inference rank keeps for its engine. Full fine-tuning: a copy in the wire's dtype that
-    each push overwrites. LoRA served by vLLM: the adapter's tensors alone, on a model whose base
-    stays on the meta device (vLLM loaded the base itself). LoRA merged on this rank: the base in
-    fp32, as the trainers hold it, with adapters that each push fills."""
-    if spec is None:
-        return hfdir.load(src, device=cfg.device, dtype=wire_dtype(cfg.engine_dtype))
-    if not serves_adapter(cfg):
+def _inference_model(cfg, src: str, spec: lora.LoRASpec | None):
+    """What an inference rank keeps beside its engine, and the weights a built-in engine starts from
+    (read from the files one tensor at a time; vLLM loads its own). Full fine-tuning: a skeleton on the
+    meta device (names and shapes; every push streams into the engine's copy). LoRA served by vLLM: the
+    adapter's tensors alone, on a model whose base stays on the meta device. LoRA merged on this rank:
+    the base in fp32, as the trainers hold it, with adapters each push fills (a merge needs the
+    untouched base, which the engine's rounded copy is not)."""
+    if spec is not None and not serves_adapter(cfg):
         model = hfdir.load(src, device=cfg.device)
         lora.add(model, spec)
-        return model
-    with torch.device("meta"):
-        model = M.Transformer(M.ModelArgs.from_hf(hfdir.read_config(Path(src) / "config.json"), src))
+        return model, None
+    model, where = hfdir.load_meta(Path(src))  # every key and shape checked against config.json
+    if spec is None:
+        return model, hfdir.tensors(where, wire_dtype(cfg.engine_dtype))
     lora.add(model, spec)
     for m in lora.adapted(model).values():
         for part in (m.lora_A, m.lora_B):
             part.to_empty(device=cfg.device).requires_grad_(False).weight.zero_()
-    return model
+    return model, None
+
+
+def _pushed(link: Link, skeleton: M.Transformer, dtype: torch.dtype, device):
+    """One full fine-tuning push, tensor by tensor in the order RemoteEngine.load_weights sends them
+    (the state dict's): (name, tensor), each received into its own buffer as the engine asks for it."""
+    for k, v in skeleton.state_dict().items():
+        t = torch.empty(v.shape, dtype=dtype, device=device)
+        link.broadcast(t)
+        yield k, t
 
 
 @torch.no_grad()
-def _receive(link: Link, model: M.Transformer) -> None:
-    """One push into `model`: every tensor (full fine-tuning) or the adapter's (LoRA), in the order
-    RemoteEngine.load_weights sends them."""
-    if model.lora is None:
-        for t in model.state_dict().values():
-            link.broadcast(t)
-        return
+def _receive_adapter(link: Link, model: M.Transformer) -> None:
+    """One LoRA push into `model`'s adapters, in the order RemoteEngine.load_weights sends them."""
     adapter = {k: torch.empty_like(v) for k, v in lora.adapter_state(model).items()}
     for k in sorted(adapter):
         link.broadcast(adapter[k])

@@ -155,7 +155,7 @@ def plan_setup(cfg: C.Config, device_bytes: int) -> memplan.Setup:
     return memplan.Setup(world, cfg.lora_rank, tuple(cfg.lora_targets), cfg.base_dtype, cfg.train_dtype, cfg.engine,
                          cfg.engine_dtype, cfg.vllm_memory, cfg.device, device_bytes, cfg.inference_gpus,
                          cfg.micro_batch_tokens, cfg.activation_checkpointing,
-                         ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
+                         ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 0)), lora_merged=cfg.lora_merged)
 
 
 def fit_memory(cfg: C.Config, device_bytes: int) -> C.Config:

@@ -108,9 +108,14 @@ class VLLMEngine:
         the merged weights (`merged_weights`)."""
         if model.lora is not None and self.spec is not None:
             return self.load_adapter(lora.adapter_state(model), version)
+        self.load_tensors(((k, full(v)) for k, v in model.state_dict().items()) if model.lora is None
+                          else merged_weights(model), version)
+
+    def load_tensors(self, weights, version: int) -> None:
+        """(name, tensor) pairs into vLLM's weights in place, one at a time as its loader reads them (a
+        push streams from the wire this way: remote.py)."""
         self._wake()
-        tensors = ((k, full(v)) for k, v in model.state_dict().items()) if model.lora is None else merged_weights(model)
-        self.llm.collective_rpc(_reload, args=(tensors,))  # in-process: the generator is read where it is
+        self.llm.collective_rpc(_reload, args=(weights,))  # in-process: the generator is read where it is
         self.llm.reset_prefix_cache()
         self.version = version
 
@@ -211,9 +216,11 @@ def _reload(worker, tensors) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
-def make_engine(cfg, model: Transformer, model_dir, stop_ids: list[int], seed: int):
-    """The engine `cfg.engine` names (resolved by Config.resolve), holding `model`'s weights. vLLM
-    sleeps between calls only when it shares its GPU with a trainer (no --inference-gpus)."""
+def make_engine(cfg, model: Transformer, model_dir, stop_ids: list[int], seed: int, weights=None):
+    """The engine `cfg.engine` names (resolved by Config.resolve), holding `model`'s weights, or with
+    `weights` ((name, tensor) pairs: an inference rank's start) the built-in engine's copy is built from
+    them on `cfg.device` and `model` is only its skeleton. vLLM sleeps between calls only when it shares
+    its GPU with a trainer (no --inference-gpus)."""
     if cfg.engine == "vllm":  # it loads `model_dir`, where `model` came from (a resume pushes its step after)
         engine = VLLMEngine(model_dir, model.args.vocab_size, cfg.engine_dtype, stop_ids, seed, cfg.vllm_memory,
                             cfg.device, model.args.max_position_embeddings, sleep=not cfg.inference_gpus,
@@ -221,4 +228,5 @@ def make_engine(cfg, model: Transformer, model_dir, stop_ids: list[int], seed: i
         if model.lora is not None:  # `model_dir` is LoRA's base: the adapter (an --adapter's, say) goes in now
             engine.load_weights(model, 0)
         return engine
-    return TorchEngine(model, cfg.engine_dtype, stop_ids, seed, compile_step=cfg.compile == "on")
+    return TorchEngine(model, cfg.engine_dtype, stop_ids, seed, compile_step=cfg.compile == "on", weights=weights,
+                       device=cfg.device)

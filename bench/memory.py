@@ -28,6 +28,11 @@ named point), one process at a time, so no figure holds another's memory. Studie
   and its peak during it (VmHWM, reset just before the save), then a fresh process per rank reading
   the checkpoint back as a resume does (`whole`, load_training_state; no engine) and its peak RSS;
   beside the arithmetic of what the save and resume before the streamed, per-rank files held.
+- `inference`: train.py with --inference-gpus 1 under `torchrun --nproc_per_node 3` (2 trainer ranks,
+  1 inference rank; gloo) for 2 steps with no checkpoint, full fine-tuning, the built-in engine: the
+  inference rank's peak RSS once its engine is built and at the run's end (its pushes and calls
+  done), beside the plan's inference rank and the arithmetic of the copies before the streamed push
+  (floe's own copy in the wire's dtype beside the engine's).
 - `steady`: train.py for 3 steps with no checkpoint, one process and 2 ranks, full fine-tuning and
   --lora-rank 16 with --base-dtype fp32 and bf16: each rank's peak RSS after step 3's optimizer
   step beside the plan's per-rank total.
@@ -41,6 +46,7 @@ Simplifications:
     python bench/memory.py startup --shape 1.7b --runs 2x16    # LoRA r16 on Qwen3-1.7B, 2 ranks: ~21 GiB in all
     python bench/memory.py save            # 2 saves and 2 resumes (one with 2 ranks); writes runs/memory/
     python bench/memory.py steady          # 6 runs of 3 steps (3 with 2 ranks), the largest ~17 GiB in all
+    python bench/memory.py inference       # 3 ranks (1 samples) of 2 steps, ~7 GiB in all
     python bench/memory.py recompute       # off against blocks, timed: ~3 min on 2 quiet cores
     python bench/memory.py scale           # docs/scale.md's table: computed, nothing is measured
     python bench/memory.py cuda            # on a GPU: the plan against max_memory_allocated
@@ -293,7 +299,7 @@ def startup(a) -> str:
              f"{len(list(d.glob('*.safetensors')))} shard files; baseline (empty start) {baseline / GIB:.2f} GiB", "",
              "| run | ranks | peak RSS after build, each rank | before the sharded load (computed) | plan | plan's terms | "
              "plan / measured |", "|" + " --- |" * 7]
-    for ranks, rank in a.runs:
+    for ranks, rank in a.runs or [(1, 0), (1, 16), (2, 0), (2, 16)]:
         peaks = [r["peak"] for r in (ranks_child(["_startup", str(d), str(rank), a.base_dtype], ranks) if ranks > 1
                                      else [child(["_startup", str(d), str(rank), a.base_dtype])])]
         before, how = before_arithmetic(shape, rank, baseline, largest_file)
@@ -458,16 +464,61 @@ def steady(a) -> str:
     child(["_write", str(d)])
     shape = P.Shape.from_dir(d)
     lines = ["| run | ranks | peak RSS after step 3, each rank | plan's trainer rank | plan / measured |", "|" + " --- |" * 5]
-    for ranks in (1, 2):
-        for rank, dtype in ((0, "fp32"), (16, "fp32"), (16, "bf16")):
-            args = ["_steady", str(d), str(rank), dtype]
-            peaks = [r["peak"] for r in sorted(ranks_child(args, ranks) if ranks > 1 else [child(args)], key=lambda r: r["rank"])]
-            role = P.plan(shape, P.Setup(world=ranks, lora_rank=rank, base_dtype=dtype, micro_batch_tokens=256)).role("trainer rank")
-            lines.append(f"| {'full' if not rank else f'LoRA r{rank}, base {dtype}'} | {ranks} | "
-                         f"{', '.join(f'{p / GIB:.2f}' for p in peaks)} GiB | {role.total / GIB:.2f} GiB | "
-                         f"{role.total / max(peaks):.2f} |")
-            print(lines[-1], flush=True)
+    runs = [(r, k, t) for r in (1, 2) for k, t in ((0, "fp32"), (16, "fp32"), (16, "bf16"))] if a.runs is None else \
+        [(r, k, a.base_dtype if k else "fp32") for r, k in a.runs]
+    for ranks, rank, dtype in runs:
+        args = ["_steady", str(d), str(rank), dtype]
+        peaks = [r["peak"] for r in sorted(ranks_child(args, ranks) if ranks > 1 else [child(args)], key=lambda r: r["rank"])]
+        role = P.plan(shape, P.Setup(world=ranks, lora_rank=rank, base_dtype=dtype, micro_batch_tokens=256)).role("trainer rank")
+        lines.append(f"| {'full' if not rank else f'LoRA r{rank}, base {dtype}'} | {ranks} | "
+                     f"{', '.join(f'{p / GIB:.2f}' for p in peaks)} GiB | {role.total / GIB:.2f} GiB | "
+                     f"{role.total / max(peaks):.2f} |")
+        print(lines[-1], flush=True)
     return "\n".join(lines)
+
+
+def inference_child(model_dir: str) -> None:
+    """train.py with --inference-gpus 1 for 2 steps, no checkpoint: the inference rank prints its peak
+    RSS once its engine is built and once it served the run; the trainer ranks print nothing."""
+    import remote
+    import train
+
+    def make_engine(*a, **k):
+        engine = real_engine(*a, **k)
+        at_start.append(peak_rss())
+        return engine
+
+    def serve(*a, **k):
+        real_serve(*a, **k)
+        os.write(1, (json.dumps({"start": at_start[0], "peak": peak_rss()}) + "\n").encode())  # sys.stdout is muted
+
+    at_start, real_engine, real_serve = [], remote.make_engine, train.serve
+    remote.make_engine, train.serve = make_engine, serve
+    train.save_checkpoint = lambda *a, **k: None
+    out = Path(model_dir).parent / "inference-run"
+    import shutil
+    shutil.rmtree(out, ignore_errors=True)
+    sys.stdout = open(os.devnull, "w")
+    train.main(["--model", model_dir, "--steps", "2", "--eval-every", "0", "--prompts-per-step", "2", "--group-size", "2",
+                "--max-new-tokens", "8", "--micro-batch-tokens", "256", "--device", "cpu", "--engine", "torch",
+                "--compile", "off", "--inference-gpus", "1", "--out-dir", str(out)])
+
+
+def inference(a) -> str:
+    """The inference rank's peak RSS against the plan's inference rank, and the two copies it held before."""
+    d = Path(a.out) / "qwen3-0.6b-shaped-bf16"
+    child(["_write", str(d)])
+    shape = P.Shape.from_dir(d)
+    baseline = child(["_baseline"])["peak"]
+    r = ranks_child(["_inference", str(d)], 3)[0]
+    role = P.plan(shape, P.Setup(world=2, inference_gpus=1)).role("inference rank")
+    n = shape.params()
+    before = baseline + 2 * n + 4 * n
+    return "\n".join([
+        "| inference rank | peak RSS | plan | plan / measured | before the streamed push (computed) |", "|" + " --- |" * 5,
+        f"| engine built | {r['start'] / GIB:.2f} GiB | {role.startup / GIB:.2f} GiB (start-up) | {role.startup / r['start']:.2f} | "
+        f"{before / GIB:.2f} GiB = {baseline / GIB:.2f} baseline + 2 x {n / 1e6:.0f}M wire copy + 4 x {n / 1e6:.0f}M engine |",
+        f"| 2 steps served | {r['peak'] / GIB:.2f} GiB | {role.total / GIB:.2f} GiB | {role.total / r['peak']:.2f} | |"])
 
 
 # ----------------------------------------------------------------------------- the plan on CUDA
@@ -563,6 +614,8 @@ def main(argv=None):
             return save_child(argv[1], argv[2])
         elif argv[0] == "_resume":
             return resume_child(argv[1])
+        elif argv[0] == "_inference":
+            return inference_child(argv[1])
         elif argv[0] == "_steady":
             return steady_child(argv[1], int(argv[2]), argv[3])
         else:
@@ -570,19 +623,21 @@ def main(argv=None):
         print(json.dumps(r))
         return None
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("study", choices=["baseline", "activations", "recompute", "startup", "save", "steady", "scale", "cuda"])
+    ap.add_argument("study", choices=["baseline", "activations", "recompute", "startup", "save", "steady", "inference", "scale",
+                                           "cuda"])
     ap.add_argument("--out", default="runs/memory")
     ap.add_argument("--repeats", type=int, default=5, help="recompute: timed repeats of each")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="startup: the random checkpoint's shape")
-    ap.add_argument("--runs", type=run_spec, nargs="+", default=[(1, 0), (1, 16), (2, 0), (2, 16)],
-                    help="startup: RANKSxLORA_RANK each (0: full fine-tuning), e.g. 2x16")
-    ap.add_argument("--base-dtype", choices=["fp32", "bf16"], default="fp32", help="startup: LoRA runs' --base-dtype")
+    ap.add_argument("--runs", type=run_spec, nargs="+", default=None,
+                    help="startup, steady: RANKSxLORA_RANK each (0: full fine-tuning), e.g. 2x16; startup's default "
+                         "1x0 1x16 2x0 2x16, steady's those with both base dtypes")
+    ap.add_argument("--base-dtype", choices=["fp32", "bf16"], default="fp32", help="startup, steady: LoRA runs' --base-dtype")
     a = ap.parse_args(argv)
     if a.study == "baseline":
         print(f"empty start: peak RSS {child(['_baseline'])['peak']} bytes")
     else:
         print({"activations": activations, "recompute": recompute, "startup": startup, "save": save_resume, "steady": steady,
-               "scale": scale, "cuda": cuda_step}[a.study](a))
+               "inference": inference, "scale": scale, "cuda": cuda_step}[a.study](a))
 
 
 if __name__ == "__main__":

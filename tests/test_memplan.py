@@ -154,6 +154,23 @@ def test_split_inference_moves_the_engine():
     assert vllm.role("inference rank").parts["engine copy"] == 4 * P.GIB
 
 
+def test_an_inference_rank_holds_its_engine_and_what_a_push_or_merge_needs():
+    """One copy, the engine's, and the largest tensor a push receives in the wire's dtype (fp32 for
+    fp8, which quantizes on the rank); under LoRA the adapters twice (kept and received), and the
+    fp32 base only where the rank merges them (the built-in engine, vLLM with --lora-merged)."""
+    shape = P.Shape(M.ModelArgs.from_hf(SMALL))
+    n, big = shape.params(), shape.largest_tensor()
+    for dtype, wire in (("bf16", 2), ("fp16", 2), ("fp32", 4), ("fp8", 4)):
+        parts = P.plan(shape, P.Setup(world=2, inference_gpus=1, device="cuda", engine_dtype=dtype)).role("inference rank").parts
+        assert set(parts) == {"engine copy", "push buffer", "baseline"} and parts["push buffer"] == wire * big, dtype
+    adapters = 4 * shape.adapter_params(8, P.TARGETS)
+    for engine, merged, base in (("torch", False, 4 * n), ("vllm", True, 4 * n), ("vllm", False, 0)):
+        parts = P.plan(shape, P.Setup(world=2, inference_gpus=1, device="cuda", engine=engine, lora_rank=8,
+                                      lora_merged=merged, device_bytes=8 * P.GIB)).role("inference rank").parts
+        assert parts["adapters"] == parts["push buffer"] == adapters
+        assert parts.get("LoRA base", 0) == base, (engine, merged)
+
+
 QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
 

@@ -218,3 +218,49 @@ def test_an_inference_rank_sees_only_its_own_gpu(monkeypatch, rank, visible, wan
     P.pin_inference_gpu(1)
     got = (os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ["LOCAL_RANK"])
     assert got == (want[0] or visible, want[1])
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_an_inference_rank_holds_one_copy_its_engines(dtype):
+    """Full fine-tuning under --inference-gpus: beside its engine an inference rank keeps a skeleton on
+    the meta device and nothing else; the engine built from the files one tensor at a time equals one
+    built from a loaded model, and a push streamed from the wire lands as a model's push does."""
+    import torch
+
+    import hfdir
+    from engines import TorchEngine
+    from remote import _inference_model, _pushed, wire_dtype
+    from textcodec import TextCodec
+    from vllm_engine import make_engine
+
+    src = str(ROOT / "checkpoints" / "reverse-tiny")
+    cfg = C.Config(model=src, engine="torch", engine_dtype=dtype).resolve(False)
+    stops = TextCodec.load(src).stop_ids
+    skeleton, weights = _inference_model(cfg, src, None)
+    assert all(t.is_meta for t in skeleton.state_dict().values())
+    streamed = make_engine(cfg, skeleton, src, stops, 0, weights)
+    trainer = hfdir.load(src)
+    loaded = TorchEngine(hfdir.load(src, dtype=wire_dtype(dtype)), dtype, stops)
+
+    def same():
+        a, b = streamed.model.state_dict(), loaded.model.state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        for m, n in zip(streamed.quantized.values(), loaded.quantized.values()):
+            assert torch.equal(m.scale, n.scale)
+        if dtype == "fp8":
+            assert torch.equal(streamed.head_q, loaded.head_q) and torch.equal(streamed.head_scale, loaded.head_scale)
+
+    same()
+    torch.manual_seed(0)
+    for p in trainer.parameters():
+        p.data += 0.05 * torch.randn_like(p)
+    wire = [v.to(wire_dtype(dtype)) for v in trainer.state_dict().values()]  # what RemoteEngine.load_weights sends
+
+    class Wire:  # the link's receiving end: each broadcast fills the next tensor sent
+        def broadcast(self, t):
+            t.copy_(wire.pop(0))
+
+    streamed.load_tensors(_pushed(Wire(), skeleton, wire_dtype(dtype), "cpu"), 7)
+    loaded.load_weights(trainer, 7)
+    assert not wire and streamed.version == loaded.version == 7
+    same()
