@@ -254,6 +254,7 @@ class TorchEngine:
         own, left = self.model.state_dict(), set() if self.version is not None else set(self.model.state_dict())
         head = "lm_head.weight" if self.model.lm_head is not None else "model.embed_tokens.weight"
         for k, w in weights:
+            w = w.to(self.device)  # the files' tensors are read on the host
             if k in self.quantized:
                 self.quantized[k].quantize(w)
             else:

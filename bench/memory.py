@@ -39,6 +39,9 @@ named point), one process at a time, so no figure holds another's memory. Studie
 
 Simplifications:
 1. Memory only, except `recompute`, which is timed (run it alone on the machine).
+2. A peak RSS includes what glibc's heap keeps after a free (buffers under its mmap threshold,
+   which rises up to 32 MiB); the plan counts live bytes. `MALLOC_MMAP_THRESHOLD_=131072` before a
+   command makes the children's RSS track the live set (docs/scale.md).
 
     python bench/memory.py baseline
     python bench/memory.py activations     # 13 processes, ~15 min on 2 cores, the largest ~3 GiB
@@ -46,6 +49,8 @@ Simplifications:
     python bench/memory.py startup --shape 1.7b --runs 2x16    # LoRA r16 on Qwen3-1.7B, 2 ranks: ~21 GiB in all
     python bench/memory.py save            # 2 saves and 2 resumes (one with 2 ranks); writes runs/memory/
     python bench/memory.py steady          # 6 runs of 3 steps (3 with 2 ranks), the largest ~17 GiB in all
+    python bench/memory.py steady --runs 2x16 --base-dtype bf16           # one run: RANKSxLORA_RANK
+    python bench/memory.py _fb 4 1024 64 1  # one forward and backward: layers, tokens, document length, blocks (1)
     python bench/memory.py inference       # 3 ranks (1 samples) of 2 steps, ~7 GiB in all
     python bench/memory.py recompute       # off against blocks, timed: ~3 min on 2 quiet cores
     python bench/memory.py scale           # docs/scale.md's table: computed, nothing is measured

@@ -220,8 +220,10 @@ def test_an_inference_rank_sees_only_its_own_gpu(monkeypatch, rank, visible, wan
     assert got == (want[0] or visible, want[1])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="needs CUDA")])])
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_an_inference_rank_holds_one_copy_its_engines(dtype):
+def test_an_inference_rank_holds_one_copy_its_engines(dtype, device):
     """Full fine-tuning under --inference-gpus: beside its engine an inference rank keeps a skeleton on
     the meta device and nothing else; the engine built from the files one tensor at a time equals one
     built from a loaded model, and a push streamed from the wire lands as a model's push does."""
@@ -234,13 +236,13 @@ def test_an_inference_rank_holds_one_copy_its_engines(dtype):
     from vllm_engine import make_engine
 
     src = str(ROOT / "checkpoints" / "reverse-tiny")
-    cfg = C.Config(model=src, engine="torch", engine_dtype=dtype).resolve(False)
+    cfg = C.Config(model=src, engine="torch", engine_dtype=dtype, device=device).resolve(device == "cuda")
     stops = TextCodec.load(src).stop_ids
     skeleton, weights = _inference_model(cfg, src, None)
     assert all(t.is_meta for t in skeleton.state_dict().values())
     streamed = make_engine(cfg, skeleton, src, stops, 0, weights)
-    trainer = hfdir.load(src)
-    loaded = TorchEngine(hfdir.load(src, dtype=wire_dtype(dtype)), dtype, stops)
+    trainer = hfdir.load(src, device=device)
+    loaded = TorchEngine(hfdir.load(src, device=device, dtype=wire_dtype(dtype)), dtype, stops)
 
     def same():
         a, b = streamed.model.state_dict(), loaded.model.state_dict()
@@ -260,7 +262,7 @@ def test_an_inference_rank_holds_one_copy_its_engines(dtype):
         def broadcast(self, t):
             t.copy_(wire.pop(0))
 
-    streamed.load_tensors(_pushed(Wire(), skeleton, wire_dtype(dtype), "cpu"), 7)
+    streamed.load_tensors(_pushed(Wire(), skeleton, wire_dtype(dtype), device), 7)
     loaded.load_weights(trainer, 7)
     assert not wire and streamed.version == loaded.version == 7
     same()
