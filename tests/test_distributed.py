@@ -246,21 +246,22 @@ def test_each_rank_saves_its_own_optimizer_rows_and_a_missing_rank_file_falls_ba
 
 
 SHARED = """
-import sys
+import os, sys
 sys.path[:0] = [{root!r}]
 import torch.distributed as dist
 from pathlib import Path
 import config as C, rundir
 dist.init_process_group("gloo")
 rank = dist.get_rank()
+say = lambda line: os.write(1, (line + "\\n").encode())  # one write a line: the ranks share the pipe (print writes twice unbuffered)
 for where in ("shared", f"node{{rank}}"):  # one directory, then each rank its own (no shared filesystem)
     d = Path(sys.argv[1]) / where
     d.mkdir(exist_ok=True)
     try:
         rundir.check_shared(d)
-        print(f"rank {{rank}} {{where}}: ok", flush=True)  # one write a line: the ranks share the pipe
+        say(f"rank {{rank}} {{where}}: ok")
     except C.ConfigError as e:
-        print(f"rank {{rank}} {{where}}: {{e}}", flush=True)
+        say(f"rank {{rank}} {{where}}: {{e}}")
     assert sorted(p.name for p in d.iterdir()) == []  # the token file is gone either way
 dist.destroy_process_group()
 """
@@ -283,6 +284,7 @@ sys.path[:0] = [{root!r}]
 from pathlib import Path
 import torch, torch.distributed as dist
 import checkpoint, model as M, parallel, shardfiles
+say = lambda line: os.write(1, (line + "\\n").encode())  # one write a line: the ranks share the pipe
 dist.init_process_group("gloo")
 rank, out = dist.get_rank(), Path(sys.argv[1])
 ckpt = out.parent / "tok"
@@ -299,11 +301,11 @@ def full(path, tensors):  # rank 1's optimizer file meets a full disk
 shardfiles.write_file = full
 try:
     checkpoint.save_checkpoint(out, 1, m, opt, random.Random(0), torch.Generator(), ckpt)
-    print(f"rank {{rank}} save: saved")
+    say(f"rank {{rank}} save: saved")
 except OSError as e:
-    print(f"rank {{rank}} save: {{e}}")
+    say(f"rank {{rank}} save: {{e}}")
 dist.barrier()
-print(f"rank {{rank}} left: {{sorted(p.name for p in out.iterdir())}}")
+say(f"rank {{rank}} left: {{sorted(p.name for p in out.iterdir())}}")
 dist.destroy_process_group()
 """
 
