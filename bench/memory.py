@@ -259,6 +259,14 @@ def write_sharded(d: Path, shape: dict, shard_bytes: int = 500 * 2**20) -> Path:
     return d
 
 
+def small_run(model_dir: str, steps: int, out: Path) -> list[str]:
+    """train.py's flags for the memory runs: the built-in engine on the CPU, no eval, tiny batches
+    (what is measured is the model's weights, not the batch)."""
+    return ["--model", model_dir, "--steps", str(steps), "--eval-every", "0", "--prompts-per-step", "2",
+            "--group-size", "2", "--max-new-tokens", "8", "--micro-batch-tokens", "256", "--device", "cpu",
+            "--engine", "torch", "--compile", "off", "--out-dir", str(out)]
+
+
 def after_build(model_dir: str, rank: int, base_dtype: str = "fp32") -> None:
     """train.py until start.build returns, then the peak RSS and out: nothing of step 1 runs."""
     import train
@@ -271,9 +279,7 @@ def after_build(model_dir: str, rank: int, base_dtype: str = "fp32") -> None:
         os._exit(0 if held else 1)
 
     train.build = build
-    flags = ["--model", model_dir, "--steps", "1", "--eval-every", "0", "--prompts-per-step", "2", "--group-size", "2",
-             "--max-new-tokens", "8", "--micro-batch-tokens", "256", "--device", "cpu", "--engine", "torch",
-             "--compile", "off", "--out-dir", str(Path(model_dir).parent / f"run-r{rank}-w{os.environ.get('WORLD_SIZE', 1)}")]
+    flags = small_run(model_dir, 1, Path(model_dir).parent / f"run-r{rank}-w{os.environ.get('WORLD_SIZE', 1)}")
     sys.stdout, stdout = open(os.devnull, "w"), sys.stdout
     try:
         train.main(flags + (["--lora-rank", str(rank), "--base-dtype", base_dtype] if rank else []))
@@ -453,10 +459,7 @@ def steady_child(model_dir: str, rank: int, base_dtype: str) -> None:
 
     real, train.loop = train.loop, loop
     train.save_checkpoint = lambda *a, **k: None
-    flags = ["--model", model_dir, "--steps", "3", "--eval-every", "0", "--prompts-per-step", "2", "--group-size", "2",
-             "--max-new-tokens", "8", "--micro-batch-tokens", "256", "--device", "cpu", "--engine", "torch",
-             "--compile", "off", "--out-dir", str(Path(model_dir).parent / f"steady-r{rank}-{base_dtype}-w"
-                                                  f"{os.environ.get('WORLD_SIZE', 1)}")]
+    flags = small_run(model_dir, 3, Path(model_dir).parent / f"steady-r{rank}-{base_dtype}-w{os.environ.get('WORLD_SIZE', 1)}")
     import shutil
     shutil.rmtree(flags[-1], ignore_errors=True)
     sys.stdout = open(os.devnull, "w")
@@ -504,9 +507,7 @@ def inference_child(model_dir: str) -> None:
     import shutil
     shutil.rmtree(out, ignore_errors=True)
     sys.stdout = open(os.devnull, "w")
-    train.main(["--model", model_dir, "--steps", "2", "--eval-every", "0", "--prompts-per-step", "2", "--group-size", "2",
-                "--max-new-tokens", "8", "--micro-batch-tokens", "256", "--device", "cpu", "--engine", "torch",
-                "--compile", "off", "--inference-gpus", "1", "--out-dir", str(out)])
+    train.main(small_run(model_dir, 2, out) + ["--inference-gpus", "1"])
 
 
 def inference(a) -> str:
