@@ -46,12 +46,13 @@ FINITE = ("lr", "weight_decay", "temperature", "adv_tau", "kl_coeff", "seq_mask_
 AT_LEAST = {"steps": 1, "top_k": 0, "score_centering_k": 1, "prompts_per_step": 1, "group_size": 1, "max_new_tokens": 1,
             "micro_batch_tokens": 64, "epochs": 1, "save_every": 0, "eval_every": 0, "eval_prompts": 1,
             "async_level": 0, "inference_gpus": 0, "lora_rank": 0, "max_tool_calls": 1, "max_tool_calls_per_turn": 0,
-            "max_tool_result_chars": 1, "plan_world": 0}
+            "max_tool_result_chars": 1}
 OFF = {"top_k": " (0: off)", "eval_every": " (0: no eval)", "async_level": " (0: synchronous)",
        "inference_gpus": " (0: colocated)", "lora_rank": " (0: full fine-tuning)",
-       "max_tool_calls_per_turn": " (0: the format's own)", "plan_world": " (0: the torchrun trainer ranks)"}  # what 0 means
+       "max_tool_calls_per_turn": " (0: the format's own)"}  # what 0 means
 RENAMED = {"icepop": "icepop_mask"}  # a flag's old field name -> its new one: config.json of an older run still resumes
-BOUNDS = {"score_centering_k": 1024, "eval_prompts": 2**16, "micro_batch_tokens": 2**20, "plan_world": 2**16}
+BOUNDS = {"score_centering_k": 1024, "eval_prompts": 2**16, "micro_batch_tokens": 2**20}
+PLAN_WORLD_MAX = 2**16
 
 
 @dataclass
@@ -117,7 +118,7 @@ class Config:
 
     # --- memory (memplan.py; docs/scale.md "The memory plan")
     plan: bool = False  # print the memory plan of these flags (from --model's config.json alone, no weight read) and exit
-    plan_world: int = 0  # --plan: the trainer ranks to plan for; 0: this run's (torchrun's processes less --inference-gpus)
+    plan_world: int | None = None  # --plan: the trainer ranks to plan for; unset: this run's (torchrun's processes less --inference-gpus)
     plan_check: Literal["on", "off"] = "on"  # CUDA: stop at the start when the plan exceeds the device, naming what would fit
     activation_checkpointing: Literal["auto", "off", "blocks"] = "auto"  # blocks: recompute each decoder block in the backward; auto: off on a CPU, on CUDA blocks when the plan without it passes 80% of the device
 
@@ -237,6 +238,9 @@ class Config:
         for name, top in BOUNDS.items():
             v = getattr(self, name)
             _check(v <= top, f"--{name.replace('_', '-')}", f"must be <= {top:,}, got {v:,}")
+        if self.plan_world is not None:
+            _check(1 <= self.plan_world <= PLAN_WORLD_MAX, "--plan-world",
+                   f"must be in [1, {PLAN_WORLD_MAX:,}] trainer ranks (unset: this run's), got {self.plan_world:,}")
         n = self.prompts_per_step * (self.group_size if self.stage == "rl" else 1)
         flags = "--prompts-per-step x --group-size" if self.stage == "rl" else "--prompts-per-step"
         _check(n <= SAMPLES_MAX, flags, f"asks for {n:,} samples a step, more than {SAMPLES_MAX:,}")

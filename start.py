@@ -151,7 +151,7 @@ def plan_shape(cfg: C.Config) -> memplan.Shape:
 
 def plan_setup(cfg: C.Config, device_bytes: int) -> memplan.Setup:
     """The flags the plan reads; the trainer ranks are --plan-world, or this run's."""
-    world = cfg.plan_world or max(1, P.LAUNCHED - cfg.inference_gpus)
+    world = cfg.plan_world if cfg.plan_world is not None else max(1, P.LAUNCHED - cfg.inference_gpus)
     return memplan.Setup(world, cfg.lora_rank, tuple(cfg.lora_targets), cfg.base_dtype, cfg.train_dtype, cfg.engine,
                          cfg.engine_dtype, cfg.vllm_memory, cfg.device, device_bytes, cfg.inference_gpus,
                          cfg.micro_batch_tokens, cfg.activation_checkpointing,

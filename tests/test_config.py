@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
     (["--steps", "-1"], "--steps"),
     (["--task", "nope"], "--task must be reverse-text, arithmetic or jsonl:PATH, got 'nope'"),  # at the start checks
     (["--plan-world", "-1"], "--plan-world"),
+    (["--plan", "--plan-world", "0"], "--plan-world must be in [1, 65,536]"),
     (["--base-dtype", "bf16"], "--base-dtype"),
     (["--activation-checkpointing", "layers"], "--activation-checkpointing"),
 ])
