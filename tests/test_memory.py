@@ -197,13 +197,16 @@ def test_a_sharded_directory_with_a_bad_file_is_one_line(tmp_path, damage, words
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
-def test_train_refuses_a_damaged_shard_in_one_line_and_writes_nothing(tmp_path):
+@pytest.mark.parametrize("damage,words", [
+    (_missing, "which is missing from "), (_stray, "a weight file model.safetensors.index.json does not name"),
+    (_damaged, "unreadable safetensors file")])
+def test_train_refuses_a_bad_shard_in_one_line_and_writes_nothing(tmp_path, damage, words):
     d = write_sharded(TINY_DIR, tmp_path / "sharded")
-    _damaged(d)
+    damage(d)
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--model", str(d), "--out-dir", str(tmp_path / "run")],
                        capture_output=True, text=True, timeout=120)
     lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and len(lines) == 1 and "unreadable safetensors file" in lines[0], r.stderr
+    assert r.returncode == 2 and len(lines) == 1 and words in lines[0], r.stderr
     assert not (tmp_path / "run").exists()
 
 
