@@ -26,7 +26,9 @@ Where the figures come from:
    other path (bf16/fp16 autocast, CUDA's flex attention) is the count alone: "computed", until
    bench/gpu.sh measures it.
 3. With --activation-checkpointing blocks a layer keeps only its input (fp32, the residual
-   stream) and one block's activations are alive at a time, recomputed in its backward.
+   stream) and one block's activations are alive at a time, recomputed in its backward. On the
+   CPU that is all the measurement finds (the backward's temporaries fit in what the block's
+   saved activations free; on CUDA they are added, computed).
 
 Simplifications:
 1. A document attends to its own keys: a group's shared prompt adds its keys to each completion's
@@ -65,14 +67,14 @@ BACKWARD_LAYERS = 0.474
 # train.py's modules and loaded nothing.
 CPU_BASELINE = 289189888
 # Measured by `python bench/memory.py activations` (the same entry): the CPU head's peak, in
-# [chunk, V] fp32 tiles (kernels.head: the forward's tiles, then the backward's recomputed ones and their gradient).
+# [chunk, V] fp32 tiles (lm_head.head: the forward's tiles, then the backward's recomputed ones and their gradient).
 CPU_HEAD_TILES = 6.19
 # Not measured: the CUDA context and the caching allocator's slack beside torch's allocations.
 CUDA_BASELINE = GIB
 # The error the plan is held to (bench/memory.py sets each per-rank total beside its measured peak): a
 # CUDA start stops only when the plan exceeds the device by more than this.
 PLAN_ERROR = 0.15
-CPU_TILE_ELEMENTS = 1 << 25  # kernels.TILE_ELEMENTS: the CPU head's [chunk, V] tile
+CPU_TILE_ELEMENTS = 1 << 25  # lm_head.TILE_ELEMENTS: the CPU head's [chunk, V] tile
 CUDA_TILE_ELEMENTS = 1 << 27  # triton_head.GPU_TILES.chunk_elements: the dense backward's dlogits tile
 
 
@@ -262,16 +264,19 @@ def activation_bytes(shape: Shape, s: Setup) -> dict[str, int]:
     keeps bf16 casts of its linear weights until its backward: every block's without
     checkpointing, one block's with it (a bf16 LoRA base needs no cast)."""
     t, layers = s.micro_batch_tokens, shape.args.num_hidden_layers
-    per_layer, outside, _ = token_bytes(shape, s)
+    per_layer, outside, measured = token_bytes(shape, s)
     casts = 0
     if s.train_dtype != "fp32" and not (s.lora_rank and s.base_dtype == "bf16"):
         casts = 2 * sum(i * o for i, o in shape.linears().values())
+    # recomputed on a CPU (its buffers mapped: start.map_large_buffers), a block's backward temporaries
+    # measure as no more than what its own saved activations free as the backward walks through it
+    recomputed = per_layer + (0 if measured else outside)
     return {"off": t * (layers * per_layer + outside) + layers * casts,
-            "blocks": t * (layers * 4 * shape.args.hidden_size + per_layer + outside) + casts}
+            "blocks": t * (layers * 4 * shape.args.hidden_size + recomputed) + casts}
 
 
 def head_bytes(shape: Shape, s: Setup) -> int:
-    """The LM head's tiles: the CPU reference's [chunk, V] fp32 tiles (kernels.head), or the Triton
+    """The LM head's tiles: the CPU reference's [chunk, V] fp32 tiles (lm_head.head), or the Triton
     dense backward's dlogits tile in the head's dtype plus its fp32 d_hidden (triton_head)."""
     v, t = shape.args.vocab_size, s.micro_batch_tokens
     if s.device == "cpu":

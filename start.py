@@ -13,8 +13,10 @@ Simplifications:
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import platform
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -364,11 +366,34 @@ def build(cfg: C.Config, src: Path, model: M.Transformer, codec: TextCodec, link
     else:
         engine = make_engine(cfg, model, src, codec.stop_ids, cfg.seed + RANK)
     model.checkpointing = cfg.activation_checkpointing == "blocks"  # settled: off or blocks
+    if model.checkpointing and cfg.device == "cpu":
+        map_large_buffers()
     shard(model)  # after the engine took its full copy
     trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
     opt = torch.optim.AdamW(trained, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
     fwd = torch.compile(model) if cfg.compile == "on" else model
     return fwd, engine, opt
+
+
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MAPPED_FROM, TRIM_AT = 4 << 20, 64 << 20
+
+
+def map_large_buffers() -> bool:
+    """On a CPU, recomputed blocks save memory only if what they free goes back to the system. glibc's
+    malloc raises its mmap threshold to the largest buffer it has freed (up to 32 MiB) and from then
+    serves such buffers from its heap, which keeps a freed middle: recomputing a block allocates and
+    frees the same few-MB activations once a layer in the backward, and the heap grows by much of what
+    checkpointing was to save. Fixed thresholds stop that: a buffer of MAPPED_FROM or more is its own
+    mapping, unmapped when freed, and the heap's top is trimmed only past TRIM_AT (where the dynamic
+    trim threshold would have gone). The price is a page fault per page each time a buffer is
+    allocated (docs/experiments.md measures both). Not glibc (macOS, musl), or the user's own
+    MALLOC_MMAP_THRESHOLD_: left as it is. True when set."""
+    if platform.libc_ver()[0] != "glibc" or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    libc = ctypes.CDLL(None)
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MAPPED_FROM) and libc.mallopt(M_TRIM_THRESHOLD, TRIM_AT))
 
 
 def can_compile(device: str) -> bool:

@@ -61,6 +61,7 @@ JOBS = {
     "default-32x16": (DEFAULT + shape(32, 16), []),
     "episodes-16x8": (EPISODES + shape(16, 8), ["--env"]),
     "lora-32x16": (DEFAULT + ["--lora-rank", "8"] + shape(32, 16), ["--lora-rank"]),
+    "blocks-16x8": (DEFAULT + ["--activation-checkpointing", "blocks"] + shape(16, 8), ["--activation-checkpointing"]),
 }
 PHASES = ["time/rollout", "time/train", "time/step"]
 BUSY_LIMIT = 0.02  # the other processes' share of the cores that counts as quiet, before a run

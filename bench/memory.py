@@ -12,8 +12,9 @@ named point), one process at a time, so no figure holds another's memory. Studie
   (--activation-checkpointing blocks: model.Transformer.checkpointing), each beside the plan's figure;
   and the LM head's peak in [chunk, V] tiles (memplan.CPU_HEAD_TILES).
 - `recompute`: the time of one forward and backward at the same 4-layer shape and tokens (packed
-  64-token documents), checkpointing off and blocks alternating in one process (repeats, after a
-  warm-up of each): the step-time cost of recomputing each block, as the ratio of medians.
+  64-token documents), checkpointing off, blocks, and blocks with glibc's allocator left as it was,
+  each in its own process (blocks sets the allocator as start.build does), in rotating rounds: the
+  step-time cost of recomputing each block, as the ratio of medians.
 - `scale`: docs/scale.md's table of the plan for Qwen3-1.7B to 32B on 8 GPUs (computed only).
 - `cuda` (bench/gpu.sh runs it): one step's torch.cuda.max_memory_allocated at the 0.6B shape, 4k
   and 16k tokens, checkpointing off and blocks, beside the plan.
@@ -52,7 +53,7 @@ Simplifications:
     python bench/memory.py steady --runs 2x16 --base-dtype bf16           # one run: RANKSxLORA_RANK
     python bench/memory.py _fb 4 1024 64 1  # one forward and backward: layers, tokens, document length, blocks (1)
     python bench/memory.py inference       # 3 ranks (1 samples) of 2 steps, ~7 GiB in all
-    python bench/memory.py recompute       # off against blocks, timed: ~3 min on 2 quiet cores
+    python bench/memory.py recompute       # off against blocks, timed: ~20 min on 2 quiet cores
     python bench/memory.py scale           # docs/scale.md's table: computed, nothing is measured
     python bench/memory.py cuda            # on a GPU: the plan against max_memory_allocated
 """
@@ -126,6 +127,9 @@ def forward_backward(layers: int, tokens: int, document: int, blocks: bool) -> d
     model = M.Transformer(M.ModelArgs(**layer_shape(layers)))
     M.init_weights(model)
     model.checkpointing = blocks  # --activation-checkpointing blocks
+    if blocks:
+        import start
+        start.map_large_buffers()  # as start.build does for blocks on a CPU
     ids = torch.randint(0, SMALL_VOCAB, (tokens,))
     positions, docs = torch.arange(tokens) % document, torch.arange(tokens) // document
     before, peak_before = rss(), peak_rss()
@@ -135,7 +139,7 @@ def forward_backward(layers: int, tokens: int, document: int, blocks: bool) -> d
 
 def head_tiles(tokens: int) -> dict:
     """The CPU head's peak over its [chunk, V] fp32 tile, at Qwen3-0.6B's vocabulary."""
-    from kernels import TILE_ELEMENTS, head
+    from lm_head import TILE_ELEMENTS, head
     v, h = QWEN3_06B["vocab_size"], QWEN3_06B["hidden_size"]
     weight = torch.randn(v, h) * 0.02
     hidden = torch.randn(tokens, h, requires_grad=True)
@@ -167,23 +171,25 @@ def activations(a) -> str:
         lines.append(f"| {layers} | {t} | {t // DOCUMENT} x {DOCUMENT} | {r['peak'] / GIB:.3f} GiB | "
                      f"{r['before'] / GIB:.3f} GiB | {(r['peak'] - r['before']) / GIB:.3f} GiB |")
     lines += ["", f"bytes a token a layer: {per_layer:.0f} measured, {counted} counted (memplan.saved_elements x 4): "
-              f"CPU_FP32_CALIBRATION = {per_layer / counted:.3f}; bytes a token outside the layers (the backward's "
-              f"temporaries): {outside:.0f}, BACKWARD_LAYERS = {outside / per_layer:.3f}", ""]
-    P.BACKWARD_LAYERS = outside / per_layer
-    lines += against_plan(shape, per_layer, outside, per_layer / counted)
+              f"this run's CPU_FP32_CALIBRATION = {per_layer / counted:.3f} (memplan: {P.CPU_FP32_CALIBRATION}); bytes a "
+              f"token outside the layers (the backward's temporaries): {outside:.0f}, this run's BACKWARD_LAYERS = "
+              f"{outside / per_layer:.3f} (memplan: {P.BACKWARD_LAYERS}). The fit moves between runs with what glibc's "
+              "heap keeps; the table below holds memplan's figures, the plan's, against this run's peaks.", ""]
+    lines += against_plan()
     h = child(["_head", "4096"])
     lines += ["", f"LM head at vocab {QWEN3_06B['vocab_size']}, 4096 tokens, {h['chunk']}-token chunks: peak - before "
               f"- d_hidden = {h['tiles']:.2f} [chunk, V] fp32 tiles: CPU_HEAD_TILES = {h['tiles']:.2f}"]
     return "\n".join(lines)
 
 
-def against_plan(shape: P.Shape, per_layer: float, outside: float, calibration: float) -> list[str]:
-    """Four layers: a long document and checkpointed blocks, measured (peak - RSS before) against
-    the plan's activations with the calibration just measured."""
-    old, P.CPU_FP32_CALIBRATION = P.CPU_FP32_CALIBRATION, calibration
+def against_plan() -> list[str]:
+    """Four layers: packed and long documents, and checkpointed blocks, measured (peak - RSS before
+    - the weight gradients) against the plan's activations as memplan has them; and the process's
+    total (the RSS before the forward, the gradients, the activations) with the plan's activations in
+    place of the measured ones."""
     sh4 = P.Shape(M.ModelArgs(**layer_shape(4)))
-    lines = ["| 4 layers, tokens | documents | checkpointing | peak - before | plan's activations | plan / measured |",
-             "|" + " --- |" * 6]
+    lines = ["| 4 layers, tokens | documents | checkpointing | peak - before - gradients | plan's activations | "
+             "plan / measured | the process's total: plan / measured |", "|" + " --- |" * 7]
     for t in TOKENS:
         for doc, blocks in ((DOCUMENT, False), (t, False), (DOCUMENT, True)):
             r = child(["_fb", "4", str(t), str(doc), str(int(blocks))])
@@ -192,37 +198,57 @@ def against_plan(shape: P.Shape, per_layer: float, outside: float, calibration: 
             grads = 4 * sh4.params()  # the backward's weight gradients, which the plan counts apart
             got = r["peak"] - r["before"] - grads
             lines.append(f"| {t} | {t // doc} x {doc} | {'blocks' if blocks else 'off'} | {got / GIB:.3f} GiB "
-                         f"| {planned / GIB:.3f} GiB | {planned / got:.2f} |")
-    P.CPU_FP32_CALIBRATION = old
+                         f"| {planned / GIB:.3f} GiB | {planned / got:.2f} | "
+                         f"{(r['before'] + grads + planned) / r['peak']:.2f} |")
     return lines
 
 
-def recompute(a) -> str:
-    """Checkpointing's time: one forward and backward, off and blocks alternating in this process."""
+ARMS = ("off", "blocks", "heap")  # heap: blocks with glibc's allocator as it was
+
+
+def timed_fb(tokens: int, arm: str, repeats: int) -> dict:
+    """One forward and backward `repeats` times after a warm-up in this process. "blocks" as a run
+    would: the allocator set as start.build sets it for blocks on a CPU; "heap": blocks with glibc's
+    allocator left as it was (what floe did before it set it)."""
     import statistics
     import time
-    lines = [f"4 layers at Qwen3-0.6B widths, vocab {SMALL_VOCAB}, fp32, row attention, packed {DOCUMENT}-token "
-             f"documents, torch {torch.__version__}, {torch.get_num_threads()} threads; medians of {a.repeats} "
-             "alternating repeats after one warm-up each", "",
-             "| tokens | off | blocks | blocks / off | each repeat's blocks / off |", "|" + " --- |" * 5]
     torch.manual_seed(0)
     model = M.Transformer(M.ModelArgs(**layer_shape(4)))
     M.init_weights(model)
+    model.checkpointing = arm != "off"
+    if arm == "blocks":
+        import start
+        start.map_large_buffers()
+    ids = torch.randint(0, SMALL_VOCAB, (tokens,))
+    positions, docs = torch.arange(tokens) % DOCUMENT, torch.arange(tokens) // DOCUMENT
+    times = []
+    for rep in range(repeats + 1):
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        model(ids, positions, docs).sum().backward()
+        if rep:  # rep 0 is the warm-up
+            times.append(time.perf_counter() - t0)
+    return {"median": statistics.median(times), "peak": peak_rss()}
+
+
+def recompute(a) -> str:
+    """Checkpointing's time: off, blocks, and blocks under glibc's defaults, each in its own process
+    (blocks sets the process's allocator), rotating, `a.rounds` rounds of `a.repeats` timed repeats."""
+    import statistics
+    lines = [f"4 layers at Qwen3-0.6B widths, vocab {SMALL_VOCAB}, fp32, row attention, packed {DOCUMENT}-token "
+             f"documents, torch {torch.__version__}, {torch.get_num_threads()} threads; a process per arm and round "
+             f"(the median of {a.repeats} repeats after a warm-up), {a.rounds} rounds, the arms' order rotating; "
+             "\"heap\": blocks with glibc's allocator as it was (start.map_large_buffers not called)", "",
+             "| tokens | off | blocks | blocks / off | heap | heap / off | peak RSS: off, blocks, heap |", "|" + " --- |" * 7]
     for t in TOKENS:
-        ids = torch.randint(0, SMALL_VOCAB, (t,))
-        positions, docs = torch.arange(t) % DOCUMENT, torch.arange(t) // DOCUMENT
-        times: dict[bool, list[float]] = {False: [], True: []}
-        for rep in range(a.repeats + 1):
-            for blocks in (False, True) if rep % 2 else (True, False):
-                model.checkpointing = blocks
-                model.zero_grad(set_to_none=True)
-                t0 = time.perf_counter()
-                model(ids, positions, docs).sum().backward()
-                if rep:  # rep 0 is the warm-up
-                    times[blocks].append(time.perf_counter() - t0)
-        off, on = statistics.median(times[False]), statistics.median(times[True])
-        each = [b / o for o, b in zip(times[False], times[True])]
-        lines.append(f"| {t} | {off:.3f} s | {on:.3f} s | {on / off:.2f} | {min(each):.2f}-{max(each):.2f} |")
+        runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+        for rnd in range(a.rounds):
+            for arm in ARMS[rnd % 3:] + ARMS[:rnd % 3]:
+                runs[arm].append(child(["_time", str(t), arm, str(a.repeats), str(rnd)]))
+        med = {arm: statistics.median(r["median"] for r in runs[arm]) for arm in ARMS}
+        peaks = ", ".join(f"{max(r['peak'] for r in runs[arm]) / GIB:.2f}" for arm in ARMS)
+        lines.append(f"| {t} | {med['off']:.3f} s | {med['blocks']:.3f} s | {med['blocks'] / med['off']:.2f} | "
+                     f"{med['heap']:.3f} s | {med['heap'] / med['off']:.2f} | {peaks} GiB |")
     return "\n".join(lines)
 
 
@@ -612,6 +638,8 @@ def main(argv=None):
             r = {"peak": peak_rss()}
         elif argv[0] == "_fb":
             r = forward_backward(int(argv[1]), int(argv[2]), int(argv[3]), argv[4] == "1")
+        elif argv[0] == "_time":  # the last argument (the round) only keeps child() from reusing a figure
+            r = timed_fb(int(argv[1]), argv[2], int(argv[3]))
         elif argv[0] == "_head":
             r = head_tiles(int(argv[1]))
         elif argv[0] == "_write":
@@ -632,7 +660,8 @@ def main(argv=None):
     ap.add_argument("study", choices=["baseline", "activations", "recompute", "startup", "save", "steady", "inference", "scale",
                                            "cuda"])
     ap.add_argument("--out", default="runs/memory")
-    ap.add_argument("--repeats", type=int, default=5, help="recompute: timed repeats of each")
+    ap.add_argument("--repeats", type=int, default=3, help="recompute: timed repeats in each process")
+    ap.add_argument("--rounds", type=int, default=3, help="recompute: rounds, a process per arm each")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="startup: the random checkpoint's shape")
     ap.add_argument("--runs", type=run_spec, nargs="+", default=None,
                     help="startup, steady: RANKSxLORA_RANK each (0: full fine-tuning), e.g. 2x16; startup's default "

@@ -3,6 +3,8 @@ backward (--activation-checkpointing blocks), LoRA's bf16 frozen base (--base-dt
 sharded load (hfdir.load on each rank's rows)."""
 
 import json
+import os
+import platform
 import random
 import shutil
 import subprocess
@@ -87,6 +89,51 @@ def test_recomputed_blocks_compose_with_torch_compile():
     recomputed = grads(cfg, model, torch.compile(model, backend="aot_eager"))
     for name in kept:
         torch.testing.assert_close(recomputed[name], kept[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+HEAP = """
+import sys
+sys.path[:0] = [{root!r}]
+import torch, start
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
+mapped = sys.argv[1] == "1" and start.map_large_buffers()
+big = torch.ones(24 << 18); del big  # a 24 MiB buffer freed: glibc's dynamic mmap threshold rises past 8 MiB
+before = rss()
+a = torch.ones(8 << 18)  # 8 MiB, written
+pin = torch.ones(256)  # a small buffer above it in the heap
+del a
+print(mapped, rss() - before)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
+def test_recomputed_blocks_free_their_buffers_to_the_system_on_a_cpu(tmp_path):
+    """start.build's map_large_buffers for blocks on a CPU: an activation-sized buffer freed under a live
+    one leaves the process; under glibc's defaults the heap keeps it (what made checkpointing save
+    little on a CPU). The defaults' arm shows the test tells the two apart."""
+    script = tmp_path / "heap.py"
+    script.write_text(HEAP.format(root=str(ROOT)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    kept = {}
+    for arm in ("0", "1"):
+        r = subprocess.run([sys.executable, str(script), arm], capture_output=True, text=True, timeout=120, env=env)
+        mapped, grew = r.stdout.split()
+        kept[arm] = (mapped, int(grew))
+    assert kept["0"][1] > 6 * 2**20  # the heap kept the 8 MiB
+    assert kept["1"][0] == "True" and kept["1"][1] < 2**20  # unmapped when freed
+
+
+def test_build_maps_large_buffers_for_blocks_on_a_cpu_only(monkeypatch, tmp_path):
+    import start
+    calls = []
+    monkeypatch.setattr(start, "map_large_buffers", lambda: calls.append(1))
+    codec = TextCodec.load(TINY_DIR)
+    for ac, device, want in (("off", "cpu", 0), ("blocks", "cpu", 1)):
+        cfg = C.Config(activation_checkpointing=ac, out_dir=str(tmp_path / ac)).resolve(False)
+        calls.clear()
+        model = hfdir.load(TINY_DIR)
+        start.build(cfg, TINY_DIR, model, codec)
+        assert len(calls) == want and model.checkpointing == (ac == "blocks")
 
 
 def test_decoding_never_recomputes():
