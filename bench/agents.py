@@ -16,20 +16,16 @@ only slow each other and corrupt the wall times).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import shlex
-import shutil
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import train  # noqa: E402
+from experiment import run_one  # noqa: E402  (train.main in this process, a finished run reused)
 
 FLAGS = ("--task jsonl:examples/guess.jsonl --model checkpoints/guess-tiny --max-new-tokens 4 --max-turns 4 "
          "--prompts-per-step 16 --group-size 8 --eval-prompts 64")
@@ -39,22 +35,11 @@ def run(env: str, seed: int, steps: int, out: Path, extra: str) -> dict:
     """One run, or its saved result when a run with the same flags finished before (an interrupted
     bench picks up where it stopped)."""
     d = out / f"{env}-s{seed}"
-    flags = f"{FLAGS} --env {env} --seed {seed} --steps {steps} --eval-every {steps} --out-dir {d} {extra}"
-    done = d / "result.json"
-    if done.is_file() and json.loads(done.read_text())["flags"] == flags:
-        return json.loads(done.read_text())
-    if d.exists():
-        shutil.rmtree(d)
-    log = io.StringIO()
-    t0 = time.time()
-    with contextlib.redirect_stdout(log):
-        train.main(shlex.split(flags))
+    wall = run_one(shlex.split(f"{FLAGS} --env {env} --seed {seed} --steps {steps} --eval-every {steps} --out-dir {d} {extra}"),
+                   d)["wall_s"]
     rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/reward" in r]
-    result = {"flags": flags, "start": evals[0]["eval/reward"], "end": evals[-1]["eval/reward"],
-              "turns": evals[-1]["eval/turns"], "wall": time.time() - t0}
-    done.write_text(json.dumps(result))
-    return result
+    return {"start": evals[0]["eval/reward"], "end": evals[-1]["eval/reward"], "turns": evals[-1]["eval/turns"], "wall": wall}
 
 
 def ms(xs: list[float]) -> str:

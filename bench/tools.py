@@ -23,14 +23,10 @@ go one after another in this process (on 2 cores parallel runs would only slow e
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import shlex
-import shutil
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 import envs  # noqa: E402
 import hfdir  # noqa: E402
 import tasks  # noqa: E402
-import train  # noqa: E402
+from experiment import run_one  # noqa: E402  (train.main in this process, a finished run reused)
 from textcodec import CHATML_TOOLS, TOOL_TAGS  # noqa: E402
 
 ROWS = "examples/calc.jsonl"  # the tool arms' rows; the direct arm's are the same rows without `episode`
@@ -80,24 +76,13 @@ def run(arm: str, seed: int, steps: int, out: Path, extra: str) -> dict:
     """One run, or its saved result when a run with the same flags finished before (an interrupted
     bench picks up where it stopped)."""
     d = out / f"{arm.split()[0]}-s{seed}"
-    flags = f"{FLAGS} {ARMS[arm]} --seed {seed} --steps {steps} --eval-every {steps} --out-dir {d} {extra}"
-    done = d / "result.json"
-    if done.is_file() and json.loads(done.read_text())["flags"] == flags:
-        return json.loads(done.read_text())
-    if d.exists():
-        shutil.rmtree(d)
-    log = io.StringIO()
-    t0 = time.time()
-    with contextlib.redirect_stdout(log):
-        train.main(shlex.split(flags))
-    wall = time.time() - t0
+    wall = run_one(shlex.split(f"{FLAGS} {ARMS[arm]} --seed {seed} --steps {steps} --eval-every {steps} --out-dir {d} {extra}"),
+                   d)["wall_s"]
     rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
     evals, steps_rows = [r for r in rows if "eval/pass@1" in r], [r for r in rows if "length" in r]
-    result = {"flags": flags, "start": evals[0]["eval/pass@1"], "end": evals[-1]["eval/pass@1"],
-              "tokens": statistics.mean(r["length"] for r in steps_rows),  # after the first prompt: turns and replies
-              "steps": len(steps_rows), "wall": wall, **{k: windows(steps_rows, k) for k in SHOWN}}
-    done.write_text(json.dumps(result))
-    return result
+    return {"start": evals[0]["eval/pass@1"], "end": evals[-1]["eval/pass@1"],
+            "tokens": statistics.mean(r["length"] for r in steps_rows),  # after the first prompt: turns and replies
+            "steps": len(steps_rows), "wall": wall, **{k: windows(steps_rows, k) for k in SHOWN}}
 
 
 def ms(xs: list[float]) -> str:
