@@ -268,9 +268,7 @@ def activation_bytes(shape: Shape, s: Setup) -> dict[str, int]:
     casts = 0
     if s.train_dtype != "fp32" and not (s.lora_rank and s.base_dtype == "bf16"):
         casts = 2 * sum(i * o for i, o in shape.linears().values())
-    # recomputed on a CPU (its buffers mapped: start.map_large_buffers), a block's backward temporaries
-    # measure as no more than what its own saved activations free as the backward walks through it
-    recomputed = per_layer + (0 if measured else outside)
+    recomputed = per_layer + (0 if measured else outside)  # the docstring's "Where the figures come from", 3
     return {"off": t * (layers * per_layer + outside) + layers * casts,
             "blocks": t * (layers * 4 * shape.args.hidden_size + recomputed) + casts}
 
