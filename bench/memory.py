@@ -121,19 +121,25 @@ def layer_shape(layers: int) -> dict:
     return {**QWEN3_06B, "vocab_size": SMALL_VOCAB, "num_hidden_layers": layers}
 
 
-def forward_backward(layers: int, tokens: int, document: int, blocks: bool) -> dict:
-    """One forward and backward; the peak and the RSS just before the forward."""
+def packed_model(layers: int, tokens: int, document: int, blocks: bool, mapped: bool):
+    """The model at `layers` layers and one micro-batch of `tokens` in `document`-token documents;
+    `mapped`: the allocator set as start.build sets it for blocks on a CPU."""
     torch.manual_seed(0)
     model = M.Transformer(M.ModelArgs(**layer_shape(layers)))
     M.init_weights(model)
     model.checkpointing = blocks  # --activation-checkpointing blocks
-    if blocks:
+    if mapped:
         import start
-        start.map_large_buffers()  # as start.build does for blocks on a CPU
+        start.map_large_buffers()
     ids = torch.randint(0, SMALL_VOCAB, (tokens,))
-    positions, docs = torch.arange(tokens) % document, torch.arange(tokens) // document
+    return model, (ids, torch.arange(tokens) % document, torch.arange(tokens) // document)
+
+
+def forward_backward(layers: int, tokens: int, document: int, blocks: bool) -> dict:
+    """One forward and backward; the peak and the RSS just before the forward."""
+    model, batch = packed_model(layers, tokens, document, blocks, mapped=blocks)
     before, peak_before = rss(), peak_rss()
-    model(ids, positions, docs).sum().backward()
+    model(*batch).sum().backward()
     return {"peak": peak_rss(), "before": before, "peak_before": peak_before}
 
 
@@ -212,20 +218,12 @@ def timed_fb(tokens: int, arm: str, repeats: int) -> dict:
     allocator left as it was (what floe did before it set it)."""
     import statistics
     import time
-    torch.manual_seed(0)
-    model = M.Transformer(M.ModelArgs(**layer_shape(4)))
-    M.init_weights(model)
-    model.checkpointing = arm != "off"
-    if arm == "blocks":
-        import start
-        start.map_large_buffers()
-    ids = torch.randint(0, SMALL_VOCAB, (tokens,))
-    positions, docs = torch.arange(tokens) % DOCUMENT, torch.arange(tokens) // DOCUMENT
+    model, batch = packed_model(4, tokens, DOCUMENT, arm != "off", mapped=arm == "blocks")
     times = []
     for rep in range(repeats + 1):
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        model(ids, positions, docs).sum().backward()
+        model(*batch).sum().backward()
         if rep:  # rep 0 is the warm-up
             times.append(time.perf_counter() - t0)
     return {"median": statistics.median(times), "peak": peak_rss()}
