@@ -97,10 +97,15 @@ def tables(prof, steps: int, wall_ms: float, wrapped: set[str]) -> str:
         if name in phase:
             lines.append(f"| {name} | {phase[name]:.0f} | {phase[name] / total:.0%} |")
     lines.append(f"| the step (wall) | {total:.0f} | |")
-    ops = defaultdict(float)
+    ops, calls = defaultdict(float), 0
     for e in events:
         if not e.key.startswith(("phase/", "ProfilerStep")):
             ops[e.key] += e.self_cpu_time_total / 1e3 / steps
+            calls += e.count / steps if e.key.startswith("aten::") else 0
+    # the operators' own time (the kernels and their C++ dispatch): what the step would take with no
+    # Python, autograd-engine or profiler time around them, so a floor no eager-mode change goes under
+    kernels = sum(v for k, v in ops.items() if k.startswith("aten::"))
+    lines.append(f"| operators alone (aten self time, {calls:,.0f} calls) | {kernels:.0f} | {kernels / total:.0%} |")
     lines += ["", "| operator (self time) | ms per step | share |", "| --- | --- | --- |"]
     for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:12]:
         lines.append(f"| `{k[:60]}` | {v:.0f} | {v / total:.0%} |")
