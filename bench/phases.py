@@ -72,7 +72,7 @@ def instrument(prof) -> set[str]:
         if places and phase not in done:  # a function moved: follow it here, or the table loses the phase
             names = ", ".join(f"{getattr(o, '__name__', o)}.{a}" for o, a in places)
             raise SystemExit(f"bench/phases.py: phase {phase.strip()!r}: none of {names} exists in this checkout")
-    logger = importlib.import_module("runlog").Logger if os.path.exists("runlog.py") else train.Logger  # older: in train
+    logger = importlib.import_module("runlog").Logger if os.path.exists("runlog.py") else getattr(train, "Logger")  # older: in train
     log_row = logger.row
 
     def row(self, step, m):  # one metrics row per step: profile from the end of the warm-up step on
