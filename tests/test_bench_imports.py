@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-OWN = {p.stem: p for p in [*ROOT.glob("bench/*.py"), *ROOT.glob("*.py")]}  # a root module shadows a bench script's name (bench/lora.py imports the root's lora)
+# a root module shadows a bench script's name (bench/lora.py imports the root's lora)
+OWN = {p.stem: p for p in [*ROOT.glob("bench/*.py"), *ROOT.glob("*.py")]}
 ELSEWHERE = {"trl", "datasets"}  # bench/peers.py's TRL side: its own virtual environment (--trl-python)
 SCRIPTS = sorted([*ROOT.glob("bench/*.py"), *ROOT.glob("examples/*.py")])
 
