@@ -103,6 +103,9 @@ def attend(q, k, v, mask) -> torch.Tensor:
         return _attend_rows(q, k, v, mask)
     if not isinstance(mask, BlockMask):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    # under autocast RoPE's fp32 cos/sin (and qk-norm) leave q and k in fp32 while v is the autocast
+    # dtype; flex's backward refuses mixed dtypes, and SDPA would run all three in v's (autocast's)
+    q, k = q.to(v.dtype), k.to(v.dtype)
     if not q.is_cuda:
         return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
     if _compiled_flex is None:

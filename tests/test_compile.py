@@ -112,6 +112,36 @@ def test_cpu_rows_attention_and_its_gradients_equal_the_dense_mask(monkeypatch):
     _against_dense(monkeypatch, "cpu", "rows", grads=True)
 
 
+def test_flex_attention_under_autocast_gets_one_dtype(monkeypatch):
+    """--train-dtype bf16/fp16 on CUDA: RoPE (fp32 cos/sin) and qk-norm leave q and k in fp32 while
+    v is the autocast dtype, and inductor's flex backward refuses mixed dtypes. flex must get q, k, v
+    in one dtype, and its bf16 forward must stay as near the fp32 one as the dense mask's (SDPA, which
+    autocast casts to bf16)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+    seen = []
+
+    def spy(q, k, v, **kw):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return flex(q, k, v, **kw)
+
+    flex = A.flex_attention
+    monkeypatch.setattr(A, "flex_attention", spy)
+    tokens, positions, docs = _batch(T=300)
+    parents = torch.where(docs == 1, 0, -1)
+    m = _model()
+    with torch.no_grad():
+        ref = m(tokens, positions, docs, parents)  # fp32, dense
+        err = {}
+        for attention in ("dense", "flex"):
+            m.attention = attention
+            with torch.autocast("cpu", torch.bfloat16):
+                err[attention] = ((m(tokens, positions, docs, parents).float() - ref).norm() / ref.norm()).item()
+    assert seen and all(d == (torch.bfloat16,) * 3 for d in seen), seen
+    assert 0 < err["flex"] < 1.5 * err["dense"], err
+
+
 @pytest.mark.gpu
 @gpu
 def test_cuda_flex_attention_and_its_gradients_equal_the_dense_mask(monkeypatch):
