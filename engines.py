@@ -223,7 +223,8 @@ class TorchEngine:
         with torch.device("meta"):
             own = Transformer(model.args).to(dtype)
         own = own.to_empty(device=self.device).eval().requires_grad_(False)
-        own.inv_freq = rope_frequencies(model.args).to(self.device, dtype)  # a buffer: not pushed
+        # a buffer, not pushed; fp32 as the trainer's (rounded to bf16 a Qwen3 angle at position 1000 is a radian off)
+        own.inv_freq = rope_frequencies(model.args).to(self.device)
         own.attention = model.attention
         return own
 

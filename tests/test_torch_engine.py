@@ -80,6 +80,22 @@ def _nearest_e4m3(x: torch.Tensor) -> torch.Tensor:
     return torch.where(up, hi, lo)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_native_low_precision_engine_keeps_the_rope_frequencies_in_fp32(dtype):
+    """On CUDA (and for an FSDP2 shard or the files) the engine's copy is built in its dtype
+    (`_built`); RoPE's inverse frequencies must stay fp32, as the trainer's and vLLM's: rounded to
+    bf16 they move a Qwen3 angle by over a radian at position 1000. The copy's cos/sin against the
+    fp32 ones rounded once to its dtype, out to position 4000."""
+    a = M.ModelArgs(vocab_size=32, **dict(M.TINY, head_dim=128, max_position_embeddings=4096))
+    trainer = M.Transformer(a)
+    own = TorchEngine._built(unittest.mock.Mock(device=torch.device("cpu")), trainer, dtype)
+    assert own.inv_freq.dtype == torch.float32 and torch.equal(own.inv_freq, M.rope_frequencies(a))
+    positions = torch.arange(0, 4000, 7)[None]
+    for got, want in zip(own._rope(positions, dtype), trainer._rope(positions, torch.float32)):
+        assert got.dtype == dtype
+        assert (got.float() - want).abs().max() <= 2.0**-8  # one rounding of values in [-1, 1]
+
+
 def test_fp8_quantize_rounds_each_row_to_e4m3_with_its_own_scale():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 48, generator=g) * torch.logspace(-3, 1, 64)[:, None]  # rows of very different sizes
