@@ -717,3 +717,29 @@ def test_the_docs_loss_table_names_every_loss_and_the_flags_it_reads():
         for flag in loss.reads:
             assert f"--{flag.replace('_', '-')}" in row, (name, flag)
 
+
+
+class _OnDevice(torch.Tensor):
+    """A CPU tensor that says it lives on an accelerator, with CUDA's rule that stack and cat take
+    one device (no CPU-scalar exception there, unlike elementwise ops)."""
+
+    @property
+    def device(self):
+        return torch.device("meta")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.stack, torch.cat) and len({isinstance(t, _OnDevice) for t in args[0]}) > 1:
+            raise RuntimeError("Expected all tensors to be on the same device")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_reduce_metrics_takes_the_rollouts_host_stats_and_the_steps_device_metrics():
+    """On CUDA a step's total mixes the rollout's stats (host tensors), the loss's metrics (device
+    tensors) and the optimizer's grad_norm (a device sum over a host count); one reduction reads them."""
+    dev = lambda x: torch.tensor(x, dtype=torch.float64).as_subclass(_OnDevice)  # noqa: E731
+    host = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    total = {"reward/mean": (host(3.0), host(4.0)), "loss": (dev(1.5), dev(3.0)), "grad_norm": (dev(2.0), host(1.0)),
+             "unused": (host(0.0), host(0.0))}
+    L.accumulate(total, {"loss": (dev(0.5), dev(1.0)), "kl/k1": (dev(0.25), host(1.0))})
+    assert L.reduce_metrics(total) == {"reward/mean": 0.75, "loss": 0.5, "grad_norm": 2.0, "kl/k1": 0.25}
