@@ -82,3 +82,23 @@ def test_the_check_finds_a_renamed_module_a_missing_name_and_a_missing_attribute
               "    return M.Transformer, M.no_such_class\n")
     assert problems(source, OWN) == ["line 3: no module 'kernels'", "line 4: loss has no 'no_such_loss'",
                                      "line 6: model has no 'no_such_class'"]
+
+
+def test_gpu_sh_train_commands_parse_and_resolve_for_cuda():
+    """Every train.py command bench/gpu.sh runs parses with today's flags and resolves for CUDA (a flag
+    renamed or a pair refused would cost a GPU session its run); its pytest marker is registered."""
+    import re
+    import shlex
+
+    import config as C
+
+    text = (ROOT / "bench" / "gpu.sh").read_text().replace("\\\n", " ")
+    lora = re.search(r'^LORA="([^"]*)"', text, re.M).group(1)
+    lines = [line.replace("$LORA", lora).replace('"$OUT/', "/tmp/floe-gpu/").replace("$OUT/", "/tmp/floe-gpu/")
+             for line in text.splitlines() if "train.py" in line and not line.lstrip().startswith("#")]
+    assert len(lines) >= 4, lines
+    for line in lines:
+        words = shlex.split(line.split("train.py", 1)[1].split("2>&1")[0].split("&&")[0].strip().rstrip('"'))
+        cfg = C.parse(words).resolve(True)
+        assert cfg.device == "cuda", line
+    assert "gpu:" in (ROOT / "pytest.ini").read_text() and " -m gpu " in text
