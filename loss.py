@@ -439,15 +439,14 @@ def accumulate(total: Metrics, metrics: Metrics) -> None:
 
 
 def reduce_metrics(total: Metrics) -> dict[str, float]:
-    """{name: sum / count}, one host sync; names with a zero count are left out. The rollout's stats
+    """{name: sum / count}, one host read per device; names with a zero count are left out. The rollout's stats
     are host tensors and the step's metrics device ones (grad_norm: a device sum, a host count), and
     stack takes one device: each device's values are stacked and read once."""
     if not total:
         return {}
-    flat = [torch.as_tensor(x).double() for pair in total.values() for x in pair]
-    values = [0.0] * len(flat)
-    for device in dict.fromkeys(x.device for x in flat):
+    flat = [torch.as_tensor(x, dtype=torch.float64) for pair in total.values() for x in pair]  # sum, count, ...
+    values = {}
+    for device in {x.device for x in flat}:
         at = [i for i, x in enumerate(flat) if x.device == device]
-        for i, v in zip(at, torch.stack([flat[i] for i in at]).tolist()):
-            values[i] = v
+        values.update(zip(at, torch.stack([flat[i] for i in at]).tolist()))
     return {k: values[2 * j] / values[2 * j + 1] for j, k in enumerate(total) if values[2 * j + 1] != 0}
