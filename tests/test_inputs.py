@@ -314,6 +314,41 @@ def test_a_fifo_named_like_weights_is_refused_not_read(tmp_path):
     assert str(e.value) == f"{d / 'extra.safetensors'}: not a regular file"
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.uint8, torch.bool, torch.float16])
+def test_a_weight_stored_as_integers_is_refused_not_cast(tmp_path, dtype):
+    """An int or bool tensor of the right shape once cast to float and loaded as other weights, silently."""
+    from safetensors.torch import load_file, save_file
+    d, key = _copy(tmp_path), "model.layers.2.self_attn.q_proj.weight"
+    state = load_file(str(d / "model.safetensors"))
+    state[key] = (state[key] * 100).to(dtype)
+    save_file(state, str(d / "model.safetensors"))
+    if dtype is torch.float16:  # a float weight in any precision loads, as its value
+        assert torch.equal(hfdir.load(d).state_dict()[key], state[key].float())
+        return
+    with pytest.raises(ValueError) as e:
+        hfdir.load(d)
+    stored = {torch.int64: "I64", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}[dtype]
+    assert str(e.value).startswith(f"{d / 'model.safetensors'}: {key} is stored as {stored}, not as a weight (F32, "), e.value
+
+
+@pytest.mark.parametrize("scaling,why", [
+    ({"factor": 0.0}, "rope_scaling factor must be a number > 0, got 0.0"),
+    ({"factor": -2.0}, "rope_scaling factor must be a number > 0, got -2.0"),
+    ({"low_freq_factor": 4.0, "high_freq_factor": 1.0}, "rope_scaling high_freq_factor 1.0 must be greater than low_freq_factor 4.0"),
+    ({"low_freq_factor": 1.0, "high_freq_factor": 1.0}, "rope_scaling high_freq_factor 1.0 must be greater than low_freq_factor 1.0"),
+])
+def test_llama3_rope_numbers_that_break_its_frequencies_are_one_line(tmp_path, scaling, why):
+    """factor 0 once made inf frequencies (the run stopped at step 1 on a NaN far from its cause); a band
+    with high <= low divided by zero or scaled the wrong frequencies, silently."""
+    d = _copy(tmp_path)
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512, **scaling}
+    _edit_json(d / "config.json", rope_scaling=rope)
+    with pytest.raises(ValueError) as e:
+        hfdir.load(d)
+    assert str(e.value) == f"{d / 'config.json'}: {why}"
+
+
 @pytest.mark.parametrize("template,error", [
     ("{{ raise_exception('no system role here') }}", "TemplateError: no system role here"),
     ("{% for m in messages %}{{ m.content }", "TemplateSyntaxError: unexpected '}' (template line 1)"),
