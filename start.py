@@ -169,6 +169,7 @@ def fit_memory(cfg: C.Config, device_bytes: int) -> C.Config:
         return C.dataclasses.replace(cfg, activation_checkpointing="off") if cfg.activation_checkpointing == "auto" else cfg
     try:
         shape, setup = plan_shape(cfg), plan_setup(cfg, device_bytes)
+        memplan.check_lora(shape, setup)  # before the plan, which would otherwise name memory as the fault
         resolved = memplan.resolve(shape, setup)
         why = memplan.advice(shape, resolved, device_bytes, memplan.PLAN_ERROR) if device_bytes else None
     except ValueError as e:  # PlanError, or a config.json from_hf refuses
@@ -184,6 +185,7 @@ def plan_text(cfg: C.Config) -> str:
     device_bytes = device_memory(cfg.device)
     try:
         shape, setup = plan_shape(cfg), plan_setup(cfg, device_bytes)
+        memplan.check_lora(shape, setup)  # a plan of adapters the run would refuse is no plan
         lines = [memplan.table(memplan.plan(shape, setup)), ""]
         devices = {"this device": device_bytes} if device_bytes else memplan.DEVICES if cfg.device == "cuda" else {}
         for name, n in devices.items():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import config as C
+import hfdir
 import lora
 import memplan as P
 import model as M
@@ -261,3 +262,21 @@ def test_a_plan_over_the_device_stops_with_the_advice_unless_plan_check_is_off(c
     assert why.startswith("the memory plan needs ") and "; or --lora-rank 16; or --micro-batch-tokens 4096 (" in why and "\n" not in why
     assert why.endswith("(--plan prints the plan; --plan-check off starts anyway)")
     assert settle(config_only, "--plan-check", "off", size=12 * P.GIB).activation_checkpointing == "blocks"
+
+
+@pytest.mark.parametrize("flags", [["--lora-rank", "65"], ["--lora-rank", "200", "--lora-targets", "down_proj"],
+                                   ["--lora-rank", "4", "--lora-targets", "q_proj", "qkv_proj"]])
+def test_a_plan_refuses_lora_flags_the_run_refuses_with_the_runs_line(flags):
+    """--plan once printed a table (exit 0) for a rank above a layer's width, and counted a stray
+    target as no adapter; a CUDA start would have named memory, not the flag."""
+    tiny = ROOT / "checkpoints" / "reverse-tiny"
+    cfg = C.parse(["--model", str(tiny), "--plan", *flags]).resolve(False)
+    model = hfdir.load(tiny)
+    with pytest.raises(ValueError) as run:
+        lora.add(model, lora.LoRASpec(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets)))
+    with pytest.raises(C.ConfigError) as plan:
+        start.plan_text(cfg)
+    assert str(plan.value) == f"--plan: {run.value}"
+    with pytest.raises(C.ConfigError) as cuda:
+        settle(tiny, *flags, size=80 * P.GIB)
+    assert str(cuda.value) == f"the memory plan: {run.value}"
