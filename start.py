@@ -33,7 +33,7 @@ import loss as L
 import model as M
 import hfdir
 import tasks as T
-from checkpoint import check_resumable
+from checkpoint import check_resumable, same_flags
 import lora
 import memplan
 import parallel as P
@@ -145,6 +145,10 @@ def plan_shape(cfg: C.Config) -> memplan.Shape:
         vocab = TextCodec.tiny(T.alphabet(cfg)).tok.get_vocab_size()
         return memplan.Shape(M.ModelArgs(vocab, **M.TINY))
     saved = floe_config(Path(cfg.out_dir)) if cfg.resume else None
+    if cfg.resume and cfg.plan:  # plan what the resume would run: its model, and flags it would not refuse
+        if saved is None:
+            raise C.ConfigError(f"--plan --resume: {cfg.out_dir} holds no floe run (no floe config.json) to plan")
+        same_flags(cfg, saved, Path(cfg.out_dir), free=("plan",))
     model = (saved or {}).get("model", cfg.model)
     if model == "scratch":
         return memplan.Shape.from_dir(Path(cfg.out_dir) / "scratch")

@@ -280,3 +280,17 @@ def test_a_plan_refuses_lora_flags_the_run_refuses_with_the_runs_line(flags):
     with pytest.raises(C.ConfigError) as cuda:
         settle(tiny, *flags, size=80 * P.GIB)
     assert str(cuda.value) == f"the memory plan: {run.value}"
+
+
+def test_a_plan_of_a_resume_plans_what_the_resume_would_run_or_says_why_not(tmp_path):
+    """--plan --resume once planned full fine-tuning of a LoRA run resumed without --lora-rank (which the
+    resume refuses), and the default model for a directory holding no run, exit 0 both."""
+    out = tmp_path / "run"
+    with pytest.raises(C.ConfigError, match=f"--plan --resume: {out} holds no floe run"):
+        start.plan_text(C.parse(["--plan", "--resume", "--out-dir", str(out)]).resolve(False))
+    out.mkdir()
+    (out / "config.json").write_text(C.parse(["--lora-rank", "4", "--out-dir", str(out)]).resolve(False).to_json())
+    with pytest.raises(C.ConfigError, match=f"--resume: --lora-rank is 0 but the run in {out} used 4"):
+        start.plan_text(C.parse(["--plan", "--resume", "--out-dir", str(out)]).resolve(False))
+    text = start.plan_text(C.parse(["--plan", "--resume", "--lora-rank", "4", "--plan-world", "8", "--out-dir", str(out)]).resolve(False))
+    assert "8 trainer rank(s) on cpu, LoRA r4" in text
