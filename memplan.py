@@ -96,6 +96,8 @@ class Shape:
     def from_dir(model_dir: str | Path) -> Shape:
         """config.json of a HF directory; no weight is read."""
         f = Path(model_dir) / "config.json"
+        if f.exists() and not f.is_file():  # a FIFO would block the read forever
+            raise PlanError(f"{f}: not a regular file")
         try:
             cfg = json.loads(f.read_text())
         except (OSError, ValueError) as e:

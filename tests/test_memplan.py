@@ -2,6 +2,7 @@
 what autograd saves, the plan's arithmetic on a small case computed here by hand, and its advice."""
 
 import dataclasses
+import os
 import json
 import subprocess
 import sys
@@ -294,3 +295,14 @@ def test_a_plan_of_a_resume_plans_what_the_resume_would_run_or_says_why_not(tmp_
         start.plan_text(C.parse(["--plan", "--resume", "--out-dir", str(out)]).resolve(False))
     text = start.plan_text(C.parse(["--plan", "--resume", "--lora-rank", "4", "--plan-world", "8", "--out-dir", str(out)]).resolve(False))
     assert "8 trainer rank(s) on cpu, LoRA r4" in text
+
+
+def test_a_fifo_named_config_json_is_refused_by_the_plan_not_read(tmp_path):
+    """--plan read --model's config.json without asking what it was: a FIFO blocked it forever (and a
+    CUDA start, which plans before the other checks)."""
+    d = tmp_path / "model"
+    d.mkdir()
+    os.mkfifo(d / "config.json")
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--plan", "--model", str(d)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == f"floe: error: --plan: {d / 'config.json'}: not a regular file", r.stderr
