@@ -306,3 +306,14 @@ def test_a_fifo_named_config_json_is_refused_by_the_plan_not_read(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--plan", "--model", str(d)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip() == f"floe: error: --plan: {d / 'config.json'}: not a regular file", r.stderr
+
+
+def test_a_laptop_plans_a_split_inference_job(monkeypatch):
+    """--plan --inference-gpus k was refused outside torchrun ("needs torchrun with more processes"), so a
+    split job could not be sized before it was launched; the run itself still needs those processes."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    flags = ["--plan-world", "6", "--inference-gpus", "2", "--device", "cuda", "--engine", "torch"]
+    text = start.plan_text(C.parse(["--plan", *flags]).resolve(True))
+    assert "6 trainer rank(s) + 2 inference on cuda" in text and "inference rank" in text.splitlines()[2]
+    with pytest.raises(C.ConfigError, match="--inference-gpus 2 needs torchrun with more processes than that"):
+        C.parse(flags[2:]).resolve(True)
