@@ -105,6 +105,9 @@ def weight_files(d: Path) -> list[Path]:
         if not isinstance(named, dict) or not all(isinstance(v, str) for v in named.values()):
             raise ValueError(f"{d / INDEX}: weight_map must map each tensor name to a file name")
         names = sorted(set(named.values()))
+        # a path out of the directory would load weights that the LoRA base's hash (its *.safetensors) never reads
+        if odd := [n for n in names if n != Path(n).name or n in (".", "..")]:
+            raise ValueError(f"{d / INDEX}: names {odd[0]}, which is not a file name in {d}")
         if gone := [n for n in names if not (d / n).exists()]:
             raise ValueError(f"{d / INDEX}: names {gone[0]}, which is missing from {d}")
         if stray := [f for f in files if f.name not in names]:

@@ -331,6 +331,21 @@ def test_a_weight_stored_as_integers_is_refused_not_cast(tmp_path, dtype):
     assert str(e.value).startswith(f"{d / 'model.safetensors'}: {key} is stored as {stored}, not as a weight (F32, "), e.value
 
 
+@pytest.mark.parametrize("name", ["../elsewhere/model.safetensors", "/abs/model.safetensors", "sub/model.safetensors"])
+def test_an_index_naming_a_file_outside_the_directory_is_refused(tmp_path, name):
+    """The index's file names were joined to the directory as given: weights loaded from another
+    directory, which the LoRA base's hash (the directory's *.safetensors) never covered."""
+    d = _copy(tmp_path)
+    keys = list(json.loads((d / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
+        (d / "model.safetensors").read_bytes()[:8], "little")]))
+    weight_map = {k: "model.safetensors" for k in keys if k != "__metadata__"}
+    weight_map["model.embed_tokens.weight"] = name
+    (d / hfdir.INDEX).write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError) as e:
+        hfdir.load(d)
+    assert str(e.value) == f"{d / hfdir.INDEX}: names {name}, which is not a file name in {d}"
+
+
 @pytest.mark.parametrize("scaling,why", [
     ({"factor": 0.0}, "rope_scaling factor must be a number > 0, got 0.0"),
     ({"factor": -2.0}, "rope_scaling factor must be a number > 0, got -2.0"),
