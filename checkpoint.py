@@ -230,12 +230,7 @@ def check_resumable(cfg: C.Config, out: Path) -> tuple[Path, list[dict], M.Trans
                             f"{f'at step {max(done)}' if done else 'before its first step'}): {R.start_over(out)}")
     if saved is None:
         raise C.ConfigError(f"--resume: {out / 'config.json'} is missing or unreadable: the run's flags are unknown")
-    saved = renamed(saved, out)
-    defaults, now = json.loads(C.Config().to_json()), json.loads(cfg.to_json())
-    # the flags other defaults derive from first (--lr's default is LoRA's with --lora-rank): name the cause
-    for k, v in sorted(now.items(), key=lambda kv: kv[0] not in ("stage", "lora_rank", "adapter")):
-        if k not in FREE + UNUSED and saved.get(k, defaults[k]) != v:
-            raise C.ConfigError(f"--resume: --{k.replace('_', '-')} is {v!r} but the run in {out} used {saved.get(k)!r}")
+    saved = same_flags(cfg, saved, out)
     base = lora_base(cfg, saved, out) if cfg.lora_rank else None
     rows, gone = read_rows(out), not (out / "metrics.jsonl").exists()
     have = None if gone else {r["step"] for r in rows}  # no file at all: no row is asked for
@@ -328,6 +323,18 @@ def _newest_whole(found: list[Path], have: set[int] | None, out: Path, base: tup
         P.print0(f"warning: {why}; trying the one before it")
         first = first or why
     return None, None, None, (first, rowless)
+
+
+def same_flags(cfg: C.Config, saved: dict, out: Path, free: tuple[str, ...] = ()) -> dict:
+    """The run's config.json under today's names; ConfigError naming the first flag that shapes the run
+    and differs from it (FREE, UNUSED and `free` may differ)."""
+    saved = renamed(saved, out)
+    defaults, now = json.loads(C.Config().to_json()), json.loads(cfg.to_json())
+    # the flags other defaults derive from first (--lr's default is LoRA's with --lora-rank): name the cause
+    for k, v in sorted(now.items(), key=lambda kv: kv[0] not in ("stage", "lora_rank", "adapter")):
+        if k not in FREE + UNUSED + free and saved.get(k, defaults[k]) != v:
+            raise C.ConfigError(f"--resume: --{k.replace('_', '-')} is {v!r} but the run in {out} used {saved.get(k)!r}")
+    return saved
 
 
 def renamed(saved: dict, out: Path) -> dict:

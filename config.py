@@ -271,7 +271,7 @@ class Config:
         Under torchrun vLLM runs only on --inference-gpus ranks: an in-process vLLM takes over
         torch.distributed's default group, which the trainer ranks' FSDP2 needs."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if self.inference_gpus and self.inference_gpus >= world:
+        if self.inference_gpus and self.inference_gpus >= world and not self.plan:  # --plan sizes a job from a laptop
             raise ConfigError(f"--inference-gpus {self.inference_gpus} needs torchrun with more processes than "
                               f"that (got {world}): the first ones train, the last {self.inference_gpus} sample")
         colocated = world > 1 and not self.inference_gpus

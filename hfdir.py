@@ -38,6 +38,7 @@ def read_config(path: Path) -> dict:
 
 
 INDEX = "model.safetensors.index.json"  # a sharded checkpoint's map: tensor name -> file
+WEIGHT_DTYPES = ("F32", "BF16", "F16", "F64")  # what a weight may be stored as: each casts to fp32 exactly
 
 
 def load(model_dir: str | Path, device="cpu", dtype=torch.float32) -> M.Transformer:
@@ -104,6 +105,9 @@ def weight_files(d: Path) -> list[Path]:
         if not isinstance(named, dict) or not all(isinstance(v, str) for v in named.values()):
             raise ValueError(f"{d / INDEX}: weight_map must map each tensor name to a file name")
         names = sorted(set(named.values()))
+        # a path out of the directory would load weights that the LoRA base's hash (its *.safetensors) never reads
+        if odd := [n for n in names if n != Path(n).name or n in (".", "..")]:
+            raise ValueError(f"{d / INDEX}: names {odd[0]}, which is not a file name in {d}")
         if gone := [n for n in names if not (d / n).exists()]:
             raise ValueError(f"{d / INDEX}: names {gone[0]}, which is missing from {d}")
         if stray := [f for f in files if f.name not in names]:
@@ -123,12 +127,15 @@ def headers(files: list[Path], args: M.ModelArgs) -> dict[str, tuple[Path, tuple
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as st:
-                found = {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}
+                found = {k: (tuple(st.get_slice(k).get_shape()), st.get_slice(k).get_dtype()) for k in st.keys()}
         except Exception as e:  # safetensors raises several types for a damaged file
             raise ValueError(f"{f}: unreadable safetensors file ({e})") from None
-        for k, shape in found.items():
+        for k, (shape, dtype) in found.items():
             if k == "lm_head.weight" and args.tie_word_embeddings:
                 continue
+            if dtype not in WEIGHT_DTYPES:  # an int or bool tensor would be cast to float and load as other weights
+                raise ValueError(f"{f}: {k} is stored as {dtype}, not as a weight ({', '.join(WEIGHT_DTYPES)}); "
+                                 "a quantized checkpoint needs its full-precision original")
             if k in where:
                 raise ValueError(f"{f}: {k} is also in {where[k][0]}; a tensor must be in one file")
             where[k] = (f, shape)

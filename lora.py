@@ -274,6 +274,9 @@ def check_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], source: st
     for k, shape in want.items():
         if tuple(tensors[k].shape) != shape:
             raise ValueError(f"{source}: {k} has shape {tuple(tensors[k].shape)}, the model's layer needs {shape}")
+        if not tensors[k].is_floating_point():  # an int or bool tensor would be copied in as floats, silently
+            raise ValueError(f"{source}: {k} is stored as {str(tensors[k].dtype).removeprefix('torch.')}, not as "
+                             "a weight (a floating-point tensor)")
         if not torch.isfinite(tensors[k]).all():
             raise ValueError(f"{source}: {k} holds NaN or inf")
 

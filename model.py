@@ -117,6 +117,13 @@ class ModelArgs:
                 if bad := [k for k in LLAMA3_KEYS if k in rope and type(rope[k]) not in (int, float)]:
                     raise ValueError(f"{source}: rope_scaling {bad[0]} must be a number, got {json.dumps(rope[bad[0]])}")
                 scaling = {"rope_type": "llama3", **{k: float(rope[k]) for k in LLAMA3_KEYS}}
+                # a factor <= 0 makes the slowed frequencies inf or negative, and a band with high <= low
+                # divides by zero or runs backwards: a model other than the one transformers builds
+                if bad := [k for k in LLAMA3_KEYS if not (math.isfinite(scaling[k]) and scaling[k] > 0)]:
+                    raise ValueError(f"{source}: rope_scaling {bad[0]} must be a number > 0, got {json.dumps(rope[bad[0]])}")
+                if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+                    raise ValueError(f"{source}: rope_scaling high_freq_factor {rope['high_freq_factor']} must be greater "
+                                     f"than low_freq_factor {rope['low_freq_factor']}")
             # transformers gives a Qwen3 without head_dim 128, whatever its width: ask rather than guess
             width = cfg["hidden_size"] // cfg["num_attention_heads"]
             head_dim = cfg["head_dim"] if family == "qwen3" else cfg.get("head_dim") or width

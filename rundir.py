@@ -95,6 +95,8 @@ def snapshot(out: Path) -> tuple:
 
 def floe_config(out: Path) -> dict | None:
     """config.json when it is a floe run's (FLOE_KEYS), else None: a model's config.json is not."""
+    if not (out / "config.json").is_file():  # a FIFO would block the read forever
+        return None
     try:
         saved = json.loads((out / "config.json").read_text())
     except (OSError, ValueError):

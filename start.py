@@ -33,7 +33,7 @@ import loss as L
 import model as M
 import hfdir
 import tasks as T
-from checkpoint import check_resumable
+from checkpoint import check_resumable, same_flags
 import lora
 import memplan
 import parallel as P
@@ -145,6 +145,10 @@ def plan_shape(cfg: C.Config) -> memplan.Shape:
         vocab = TextCodec.tiny(T.alphabet(cfg)).tok.get_vocab_size()
         return memplan.Shape(M.ModelArgs(vocab, **M.TINY))
     saved = floe_config(Path(cfg.out_dir)) if cfg.resume else None
+    if cfg.resume and cfg.plan:  # plan what the resume would run: its model, and flags it would not refuse
+        if saved is None:
+            raise C.ConfigError(f"--plan --resume: {cfg.out_dir} holds no floe run (no floe config.json) to plan")
+        same_flags(cfg, saved, Path(cfg.out_dir), free=("plan",))
     model = (saved or {}).get("model", cfg.model)
     if model == "scratch":
         return memplan.Shape.from_dir(Path(cfg.out_dir) / "scratch")
@@ -169,6 +173,7 @@ def fit_memory(cfg: C.Config, device_bytes: int) -> C.Config:
         return C.dataclasses.replace(cfg, activation_checkpointing="off") if cfg.activation_checkpointing == "auto" else cfg
     try:
         shape, setup = plan_shape(cfg), plan_setup(cfg, device_bytes)
+        memplan.check_lora(shape, setup)  # before the plan, which would otherwise name memory as the fault
         resolved = memplan.resolve(shape, setup)
         why = memplan.advice(shape, resolved, device_bytes, memplan.PLAN_ERROR) if device_bytes else None
     except ValueError as e:  # PlanError, or a config.json from_hf refuses
@@ -184,6 +189,7 @@ def plan_text(cfg: C.Config) -> str:
     device_bytes = device_memory(cfg.device)
     try:
         shape, setup = plan_shape(cfg), plan_setup(cfg, device_bytes)
+        memplan.check_lora(shape, setup)  # a plan of adapters the run would refuse is no plan
         lines = [memplan.table(memplan.plan(shape, setup)), ""]
         devices = {"this device": device_bytes} if device_bytes else memplan.DEVICES if cfg.device == "cuda" else {}
         for name, n in devices.items():

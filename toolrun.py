@@ -91,7 +91,8 @@ class Runner:
             c.content, c.truncated = truncate(render_result(res.value), self.max_chars)
             if self.check is not None:
                 self.check(c.content)
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # the value's own fault, whatever it raises: a list nested 10^5 deep is a
+            # RecursionError in json.dumps, which once ended the run with a traceback
             c.kind, c.truncated, c.content = "result", 0, error_line(f"{c.name} returned what cannot be its result: {e}")
 
     def abandoned(self) -> int:

@@ -744,3 +744,14 @@ def test_a_run_that_user_code_ended_is_named_by_the_next_start(tmp_path, capsys)
     assert r.returncode == 0 and r.stdout.count("ended without its summary") == 1
     assert f"note: the last run in {out.absolute()} ended without its summary at step 1" in r.stdout
     assert "ended without" not in _main(capsys, "--steps", "4", "--resume", *flags).stdout
+
+
+def test_a_fifo_named_config_json_in_the_run_is_refused_by_a_resume_not_read(tmp_path):
+    """--resume read the run's config.json without asking what it was: a FIFO there blocked it forever."""
+    out = tmp_path / "run"
+    out.mkdir()
+    os.mkfifo(out / "config.json")
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "train.py"), "--resume",
+                        "--steps", "2", "--out-dir", str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == (f"floe: error: --resume: {out} holds no floe run (no "
+                                                      "checkpoint, no floe config.json)"), r.stderr

@@ -314,6 +314,56 @@ def test_a_fifo_named_like_weights_is_refused_not_read(tmp_path):
     assert str(e.value) == f"{d / 'extra.safetensors'}: not a regular file"
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.uint8, torch.bool, torch.float16])
+def test_a_weight_stored_as_integers_is_refused_not_cast(tmp_path, dtype):
+    """An int or bool tensor of the right shape once cast to float and loaded as other weights, silently."""
+    from safetensors.torch import load_file, save_file
+    d, key = _copy(tmp_path), "model.layers.2.self_attn.q_proj.weight"
+    state = load_file(str(d / "model.safetensors"))
+    state[key] = (state[key] * 100).to(dtype)
+    save_file(state, str(d / "model.safetensors"))
+    if dtype is torch.float16:  # a float weight in any precision loads, as its value
+        assert torch.equal(hfdir.load(d).state_dict()[key], state[key].float())
+        return
+    with pytest.raises(ValueError) as e:
+        hfdir.load(d)
+    stored = {torch.int64: "I64", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}[dtype]
+    assert str(e.value).startswith(f"{d / 'model.safetensors'}: {key} is stored as {stored}, not as a weight (F32, "), e.value
+
+
+@pytest.mark.parametrize("name", ["../elsewhere/model.safetensors", "/abs/model.safetensors", "sub/model.safetensors"])
+def test_an_index_naming_a_file_outside_the_directory_is_refused(tmp_path, name):
+    """The index's file names were joined to the directory as given: weights loaded from another
+    directory, which the LoRA base's hash (the directory's *.safetensors) never covered."""
+    d = _copy(tmp_path)
+    keys = list(json.loads((d / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
+        (d / "model.safetensors").read_bytes()[:8], "little")]))
+    weight_map = {k: "model.safetensors" for k in keys if k != "__metadata__"}
+    weight_map["model.embed_tokens.weight"] = name
+    (d / hfdir.INDEX).write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError) as e:
+        hfdir.load(d)
+    assert str(e.value) == f"{d / hfdir.INDEX}: names {name}, which is not a file name in {d}"
+
+
+@pytest.mark.parametrize("scaling,why", [
+    ({"factor": 0.0}, "rope_scaling factor must be a number > 0, got 0.0"),
+    ({"factor": -2.0}, "rope_scaling factor must be a number > 0, got -2.0"),
+    ({"low_freq_factor": 4.0, "high_freq_factor": 1.0}, "rope_scaling high_freq_factor 1.0 must be greater than low_freq_factor 4.0"),
+    ({"low_freq_factor": 1.0, "high_freq_factor": 1.0}, "rope_scaling high_freq_factor 1.0 must be greater than low_freq_factor 1.0"),
+])
+def test_llama3_rope_numbers_that_break_its_frequencies_are_one_line(tmp_path, scaling, why):
+    """factor 0 once made inf frequencies (the run stopped at step 1 on a NaN far from its cause); a band
+    with high <= low divided by zero or scaled the wrong frequencies, silently."""
+    d = _copy(tmp_path)
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512, **scaling}
+    _edit_json(d / "config.json", rope_scaling=rope)
+    with pytest.raises(ValueError) as e:
+        hfdir.load(d)
+    assert str(e.value) == f"{d / 'config.json'}: {why}"
+
+
 @pytest.mark.parametrize("template,error", [
     ("{{ raise_exception('no system role here') }}", "TemplateError: no system role here"),
     ("{% for m in messages %}{{ m.content }", "TemplateSyntaxError: unexpected '}' (template line 1)"),

@@ -252,3 +252,19 @@ def test_cuda_lora_compiled_forward_gradients_and_push_equal_the_cpu():
     got = engine.model.state_dict()
     for k, w in want.items():
         torch.testing.assert_close(got[k].cpu(), w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+def test_an_adapter_tensor_stored_as_integers_is_refused_not_cast(dtype):
+    """An int64 lora_B of the right shape was copied into the adapter as floats: --adapter and a resume
+    trained from other weights than the file's, silently."""
+    torch.manual_seed(0)
+    model = M.Transformer(M.ModelArgs(32, **M.TINY))
+    lora.add(model, lora.LoRASpec(4, 32.0))
+    tensors = lora.adapter_state(model)
+    key = sorted(k for k in tensors if "lora_B" in k)[0]
+    tensors[key] = (tensors[key] * 1000).to(dtype)
+    with pytest.raises(ValueError) as e:
+        lora.check_adapter(model, tensors, "adapter_model.safetensors")
+    assert str(e.value) == (f"adapter_model.safetensors: {key} is stored as {str(dtype)[6:]}, not as a weight "
+                            "(a floating-point tensor)")

@@ -2,6 +2,7 @@
 what autograd saves, the plan's arithmetic on a small case computed here by hand, and its advice."""
 
 import dataclasses
+import os
 import json
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import config as C
+import hfdir
 import lora
 import memplan as P
 import model as M
@@ -261,3 +263,57 @@ def test_a_plan_over_the_device_stops_with_the_advice_unless_plan_check_is_off(c
     assert why.startswith("the memory plan needs ") and "; or --lora-rank 16; or --micro-batch-tokens 4096 (" in why and "\n" not in why
     assert why.endswith("(--plan prints the plan; --plan-check off starts anyway)")
     assert settle(config_only, "--plan-check", "off", size=12 * P.GIB).activation_checkpointing == "blocks"
+
+
+@pytest.mark.parametrize("flags", [["--lora-rank", "65"], ["--lora-rank", "200", "--lora-targets", "down_proj"],
+                                   ["--lora-rank", "4", "--lora-targets", "q_proj", "qkv_proj"]])
+def test_a_plan_refuses_lora_flags_the_run_refuses_with_the_runs_line(flags):
+    """--plan once printed a table (exit 0) for a rank above a layer's width, and counted a stray
+    target as no adapter; a CUDA start would have named memory, not the flag."""
+    tiny = ROOT / "checkpoints" / "reverse-tiny"
+    cfg = C.parse(["--model", str(tiny), "--plan", *flags]).resolve(False)
+    model = hfdir.load(tiny)
+    with pytest.raises(ValueError) as run:
+        lora.add(model, lora.LoRASpec(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets)))
+    with pytest.raises(C.ConfigError) as plan:
+        start.plan_text(cfg)
+    assert str(plan.value) == f"--plan: {run.value}"
+    with pytest.raises(C.ConfigError) as cuda:
+        settle(tiny, *flags, size=80 * P.GIB)
+    assert str(cuda.value) == f"the memory plan: {run.value}"
+
+
+def test_a_plan_of_a_resume_plans_what_the_resume_would_run_or_says_why_not(tmp_path):
+    """--plan --resume once planned full fine-tuning of a LoRA run resumed without --lora-rank (which the
+    resume refuses), and the default model for a directory holding no run, exit 0 both."""
+    out = tmp_path / "run"
+    with pytest.raises(C.ConfigError, match=f"--plan --resume: {out} holds no floe run"):
+        start.plan_text(C.parse(["--plan", "--resume", "--out-dir", str(out)]).resolve(False))
+    out.mkdir()
+    (out / "config.json").write_text(C.parse(["--lora-rank", "4", "--out-dir", str(out)]).resolve(False).to_json())
+    with pytest.raises(C.ConfigError, match=f"--resume: --lora-rank is 0 but the run in {out} used 4"):
+        start.plan_text(C.parse(["--plan", "--resume", "--out-dir", str(out)]).resolve(False))
+    text = start.plan_text(C.parse(["--plan", "--resume", "--lora-rank", "4", "--plan-world", "8", "--out-dir", str(out)]).resolve(False))
+    assert "8 trainer rank(s) on cpu, LoRA r4" in text
+
+
+def test_a_fifo_named_config_json_is_refused_by_the_plan_not_read(tmp_path):
+    """--plan read --model's config.json without asking what it was: a FIFO blocked it forever (and a
+    CUDA start, which plans before the other checks)."""
+    d = tmp_path / "model"
+    d.mkdir()
+    os.mkfifo(d / "config.json")
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--plan", "--model", str(d)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == f"floe: error: --plan: {d / 'config.json'}: not a regular file", r.stderr
+
+
+def test_a_laptop_plans_a_split_inference_job(monkeypatch):
+    """--plan --inference-gpus k was refused outside torchrun ("needs torchrun with more processes"), so a
+    split job could not be sized before it was launched; the run itself still needs those processes."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    flags = ["--plan-world", "6", "--inference-gpus", "2", "--device", "cuda", "--engine", "torch"]
+    text = start.plan_text(C.parse(["--plan", *flags]).resolve(True))
+    assert "6 trainer rank(s) + 2 inference on cuda" in text and "inference rank" in text.splitlines()[2]
+    with pytest.raises(C.ConfigError, match="--inference-gpus 2 needs torchrun with more processes than that"):
+        C.parse(flags[2:]).resolve(True)

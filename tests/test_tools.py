@@ -152,6 +152,43 @@ def test_a_tools_faults_are_its_results_the_episodes_go_on_and_are_counted(tmp_p
     assert m["tools/truncated"] == (1.0, 7.0) and m["skipped/env_error"] == (0.0, 7.0) and "time/tools" in m
 
 
+def _nested(a: int) -> list:
+    """A list nested past Python's recursion limit.
+
+    Args:
+        a: unused
+    """
+    x = []
+    for _ in range(100_000):
+        x = [x]
+    return x
+
+
+class _Sly(str):
+    def __len__(self):
+        raise RuntimeError("no length")
+
+
+def _sly(a: int) -> str:
+    """A str whose length raises.
+
+    Args:
+        a: unused
+    """
+    return _Sly("1")
+
+
+@pytest.mark.parametrize("fn,why", [(_nested, "maximum recursion depth"), (_sly, "no length")])
+def test_a_result_that_fails_to_render_in_any_way_is_the_calls_error_not_the_runs(fn, why):
+    """json.dumps of a deeply nested list raised RecursionError past the runner: a traceback, the run over."""
+    codec = TextCodec.load(ROOT / "checkpoints" / "calc-tiny")
+    call, tool = T.Call(fn.__name__, {"a": 1}), T.Tool(fn.__name__, fn, {})
+    toolrun.Runner(5.0, 40, codec.encode).run([[call]], [{fn.__name__: tool}])
+    assert call.kind == "result" and call.truncated == 0, (call.kind, call.content)
+    assert call.content.startswith(f"error: {fn.__name__} returned what cannot be its result: ")
+    assert why in call.content, call.content
+
+
 def test_the_call_limits_answer_the_extra_calls_inside_an_episode(tmp_path):
     codec = TextCodec.load(_model_dir(tmp_path, "qwen3"))
     end = codec.tok.token_to_id("<|im_end|>")
