@@ -206,22 +206,29 @@ def linears(model: nn.Module) -> dict[str, nn.Linear]:
     return {n: m for n, m in model.named_modules() if ".layers." in f".{n}" and isinstance(m, (nn.Linear, LoRALinear))}
 
 
+def check_spec(shapes: dict[str, tuple[int, ...]], rank: int, targets) -> None:
+    """ValueError, naming the flag, for a target that matches none of the linear layers (`shapes`: name ->
+    weight shape) or a rank above the narrowest adapted layer's width: `add`'s check, and the memory plan's
+    (start.py), which has the shapes but no model."""
+    kinds = sorted({n.rsplit(".", 1)[-1] for n in shapes})
+    if stray := [t for t in targets if t not in kinds]:
+        raise ValueError(f"--lora-targets {stray[0]} matches no linear layer of the model (its layers: {', '.join(kinds)}; "
+                         "the embedding and the LM head stay frozen)")
+    chosen = {n: w for n, w in shapes.items() if n.rsplit(".", 1)[-1] in targets}
+    name, shape = min(chosen.items(), key=lambda nw: min(nw[1]))  # the narrowest bounds the rank
+    if rank > min(shape):  # B A would have rank <= width anyway: the extra rows train nothing new
+        raise ValueError(f"--lora-rank {rank} is larger than {name}'s width {min(shape)} (weight "
+                         f"{shape}), the narrowest adapted layer; use a rank <= {min(shape)}")
+
+
 def add(model: nn.Module, spec: LoRASpec, base_dtype: str = "fp32", device=None) -> None:
     """Freeze every weight of a model.Transformer and give each target layer an adapter (fp32, whole, on
     `device` or the layer's, drawn from torch's global RNG), its frozen weight in `base_dtype` (--base-dtype);
     `model.lora` becomes `spec`. ValueError, naming the flag, for a target that matches no layer or a
     rank above a layer's width."""
     layers = linears(model)
-    kinds = sorted({n.rsplit(".", 1)[-1] for n in layers})
-    if stray := [t for t in spec.targets if t not in kinds]:
-        raise ValueError(f"--lora-targets {stray[0]} matches no linear layer of the model (its layers: {', '.join(kinds)}; "
-                         "the embedding and the LM head stay frozen)")
+    check_spec({n: tuple(m.weight.shape) for n, m in layers.items()}, spec.rank, spec.targets)
     chosen = {n: m for n, m in layers.items() if n.rsplit(".", 1)[-1] in spec.targets}
-    name, m = min(chosen.items(), key=lambda nm: min(nm[1].weight.shape))  # the narrowest bounds the rank
-    width = min(m.weight.shape)
-    if spec.rank > width:  # B A would have rank <= width anyway: the extra rows train nothing new
-        raise ValueError(f"--lora-rank {spec.rank} is larger than {name}'s width {width} (weight "
-                         f"{tuple(m.weight.shape)}), the narrowest adapted layer; use a rank <= {width}")
     model.requires_grad_(False)
     for name, m in chosen.items():
         parent, _, child = name.rpartition(".")

@@ -133,23 +133,6 @@ class Shape:
         return self.args.num_hidden_layers * sum(rank * (i + o) for k, (i, o) in self.linears().items() if k in targets)
 
 
-def check_lora(shape: Shape, s: Setup) -> None:
-    """PlanError for LoRA flags the run would refuse (lora.add's lines): a target matching no layer,
-    a rank above the narrowest adapted layer's width. A plan of them would count adapters that
-    cannot exist (a stray target counted as none)."""
-    if not s.lora_rank:
-        return
-    lin = shape.linears()
-    if stray := [t for t in s.lora_targets if t not in lin]:
-        raise PlanError(f"--lora-targets {stray[0]} matches no linear layer of the model (its layers: "
-                        f"{', '.join(sorted(lin))}; the embedding and the LM head stay frozen)")
-    kind, (i, o) = min(((k, v) for k, v in lin.items() if k in s.lora_targets), key=lambda kv: min(kv[1]))
-    if s.lora_rank > min(i, o):
-        name = f"model.layers.0.{'self_attn' if kind.endswith(('q_proj', 'k_proj', 'v_proj', 'o_proj')) else 'mlp'}.{kind}"
-        raise PlanError(f"--lora-rank {s.lora_rank} is larger than {name}'s width {min(i, o)} (weight {(o, i)}), "
-                        f"the narrowest adapted layer; use a rank <= {min(i, o)}")
-
-
 def saved_elements(shape: Shape, half: bool, document: int) -> tuple[int, int]:
     """What a decoder block keeps for its backward, a token: (fp32 elements, half-precision elements).
 

@@ -164,6 +164,15 @@ def plan_setup(cfg: C.Config, device_bytes: int) -> memplan.Setup:
                          ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 0)), lora_merged=cfg.lora_merged)
 
 
+def check_lora(shape: memplan.Shape, s: memplan.Setup) -> None:
+    """The run's own refusal of its LoRA flags (lora.check_spec), from the shape alone: a plan would count
+    a stray target as no adapter, and a rank above a layer's width as adapters that cannot exist."""
+    if s.lora_rank:
+        mlp = ("gate_proj", "up_proj", "down_proj")
+        shapes = {f"model.layers.0.{'mlp' if k in mlp else 'self_attn'}.{k}": (o, i) for k, (i, o) in shape.linears().items()}
+        lora.check_spec(shapes, s.lora_rank, s.lora_targets)
+
+
 def fit_memory(cfg: C.Config, device_bytes: int) -> C.Config:
     """--activation-checkpointing auto resolved (memplan.resolve: off on a CPU, so the default job does
     not change; on CUDA blocks when the plan without it passes 80% of the device), and on CUDA with
@@ -173,7 +182,7 @@ def fit_memory(cfg: C.Config, device_bytes: int) -> C.Config:
         return C.dataclasses.replace(cfg, activation_checkpointing="off") if cfg.activation_checkpointing == "auto" else cfg
     try:
         shape, setup = plan_shape(cfg), plan_setup(cfg, device_bytes)
-        memplan.check_lora(shape, setup)  # before the plan, which would otherwise name memory as the fault
+        check_lora(shape, setup)  # before the plan, which would otherwise name memory as the fault
         resolved = memplan.resolve(shape, setup)
         why = memplan.advice(shape, resolved, device_bytes, memplan.PLAN_ERROR) if device_bytes else None
     except ValueError as e:  # PlanError, or a config.json from_hf refuses
@@ -189,7 +198,7 @@ def plan_text(cfg: C.Config) -> str:
     device_bytes = device_memory(cfg.device)
     try:
         shape, setup = plan_shape(cfg), plan_setup(cfg, device_bytes)
-        memplan.check_lora(shape, setup)  # a plan of adapters the run would refuse is no plan
+        check_lora(shape, setup)  # a plan of adapters the run would refuse is no plan
         lines = [memplan.table(memplan.plan(shape, setup)), ""]
         devices = {"this device": device_bytes} if device_bytes else memplan.DEVICES if cfg.device == "cuda" else {}
         for name, n in devices.items():
