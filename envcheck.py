@@ -39,7 +39,7 @@ def load_env(cfg: C.Config, task: T.Task, tools: dict) -> E.EnvSpec | None:
             raise C.ConfigError("--tool without --env needs --reward: the episodes have no environment to score them")
         return E.EnvSpec("tools", envs.ToolsOnly, None, False, has_step=False)
     try:
-        cls, path = usercode.load(cfg.env, "--env", envs.BUILTIN, "class")
+        cls, path = usercode.load(cfg.env, "--env", envs.BUILTIN, "class", cfg.call_timeout)
     except usercode.LoadError as e:
         raise C.ConfigError(str(e)) from None
     if not inspect.isclass(cls):
@@ -78,7 +78,7 @@ def load_tools(cfg: C.Config) -> dict:
     """--tool's functions with their schemas (toolcalls.toolset), or one line: a tool that does not
     import, is not a function, has a parameter JSON cannot describe, or shares a name."""
     try:
-        return toolcalls.toolset(toolcalls.load(cfg.tool))
+        return toolcalls.toolset(toolcalls.load(cfg.tool, cfg.call_timeout))
     except ValueError as e:
         raise C.ConfigError(str(e)) from None
 

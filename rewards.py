@@ -151,7 +151,7 @@ def score_groups(rewards: list[Reward], groups: list[tuple]) -> list[list[float]
 def load_reward(spec: str, weight: float = 1.0, timeout: float = 60.0) -> Reward:
     """A built-in name, `path/to/file.py:fn` or `module:fn`; ConfigError (one line) when it does not load."""
     try:
-        fn, path = usercode.load(spec, "--reward", BUILTIN, "function")
+        fn, path = usercode.load(spec, "--reward", BUILTIN, "function", timeout)
     except usercode.LoadError as e:
         raise ConfigError(str(e)) from None
     if not callable(fn):

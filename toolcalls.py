@@ -195,13 +195,13 @@ def toolset(fns: list[Callable]) -> dict[str, Tool]:
     return out
 
 
-def load(specs: tuple[str, ...]) -> list[Callable]:
+def load(specs: tuple[str, ...], timeout: float = 60.0) -> list[Callable]:
     """The --tool functions (`path/to/file.py:fn` or `module:fn`, as rewards are given); ValueError,
     one line, for one that does not import, names nothing, or is not a function."""
     fns = []
     for spec in specs:
         try:
-            fn, _ = usercode.load(spec, "--tool")
+            fn, _ = usercode.load(spec, "--tool", timeout=timeout)
         except usercode.LoadError as e:
             raise ValueError(str(e)) from None
         if not (inspect.isfunction(fn) or inspect.ismethod(fn)):

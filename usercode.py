@@ -215,9 +215,18 @@ def main_then_leave(main: Callable[[], Any]) -> None:
     raise SystemExit(code)
 
 
-def load(spec: str, flag: str, builtin: dict[str, Any] | None = None, kind: str = "function") -> tuple[Any, Path | None]:
+def _hung_import(line: str) -> None:
+    """A user file still importing after its timeout: the start stops here, before its first byte is
+    written (the import runs on the main thread, as Python's own would, and cannot be abandoned)."""
+    print(f"floe: error: {line}", file=sys.stderr, flush=True)
+    os._exit(2)
+
+
+def load(spec: str, flag: str, builtin: dict[str, Any] | None = None, kind: str = "function",
+         timeout: float = 60.0) -> tuple[Any, Path | None]:
     """The object `spec` names (a built-in name, `path/to/file.py:name` or `module:name`) and the
-    file it came from (None for a built-in); LoadError (one line, naming `flag`) when it does not load."""
+    file it came from (None for a built-in); LoadError (one line, naming `flag`) when it does not load;
+    an import still running after `timeout` seconds (--call-timeout) ends the process with one line, exit 2."""
     builtin = builtin or {}
     if spec in builtin:
         return builtin[spec], None
@@ -226,6 +235,10 @@ def load(spec: str, flag: str, builtin: dict[str, Any] | None = None, kind: str 
         names = f"a built-in ({', '.join(builtin)}) nor " if builtin else ""
         raise LoadError(f"{flag} {spec!r}: not {names}path/to/file.py:name or module:name")
     path: Path | None = Path(where)
+    timer = threading.Timer(timeout, _hung_import, (f"{flag} {spec}: importing {where} did not finish within "
+                                                    f"--call-timeout {timeout:g} s (a file that hangs at import)",))
+    timer.daemon = True
+    timer.start()
     try:
         if where.endswith(".py") or "/" in where:
             if not path.is_file():
@@ -240,6 +253,8 @@ def load(spec: str, flag: str, builtin: dict[str, Any] | None = None, kind: str 
         raise
     except BaseException as e:  # the user's file failed to import, or exited while importing: one line
         raise LoadError(f"{flag} {spec}: importing {where} raised {describe(e)}") from None
+    finally:
+        timer.cancel()
     obj = getattr(module, name, None)
     if obj is None:
         raise LoadError(f"{flag} {spec}: {where} has no {kind} {name!r}")

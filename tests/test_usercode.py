@@ -188,3 +188,30 @@ def test_a_steps_reward_calls_run_at_once_and_keep_each_groups_result():
     assert time.perf_counter() - t0 < 1.2  # 8 x 0.2 s one after another
     each = [v for a in range(0, 16, 2) for v in own(None, [0, 0], [p.columns["target"] for p in prompts[a:a + 2]])]
     assert r == each
+
+
+@pytest.mark.parametrize("flag", ["--reward", "--tool"])
+def test_a_user_file_that_hangs_at_import_stops_the_start_in_one_line(tmp_path, flag):
+    """Importing a reward or tool file had no timeout: one that hung at import hung the start, with no line."""
+    f = tmp_path / "slow.py"
+    f.write_text(textwrap.dedent('''\
+        import time
+        time.sleep(10 ** 6)
+        def fn(a: int) -> int:
+            """A tool.
+
+            Args:
+                a: a number
+            """
+            return a
+        '''))
+    root = Path(__file__).resolve().parent.parent
+    user = ["--reward", f"{f}:fn"] if flag == "--reward" else [
+        "--model", str(root / "checkpoints" / "calc-tiny"), "--task", f"jsonl:{root / 'examples' / 'calc.jsonl'}",
+        "--reward", "numeric_match", "--tool", f"{f}:fn"]
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, str(root / "train.py"), *user, "--call-timeout", "2", "--steps", "1",
+                        "--out-dir", str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == (f"floe: error: {flag} {f}:fn: importing {f} did not finish within "
+                                                      "--call-timeout 2 s (a file that hangs at import)"), r.stderr
+    assert not out.exists()
