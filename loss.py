@@ -439,11 +439,8 @@ def accumulate(total: Metrics, metrics: Metrics) -> None:
 
 
 def reduce_metrics(total: Metrics) -> dict[str, float]:
-    """{name: sum / count}, one host read per device; names with a zero count are left out. The
-    rollout's stats are host tensors and the step's metrics device ones (grad_norm: a device sum, a
-    host count), and stack takes one device: each device's values are stacked and read once."""
-    if not total:
-        return {}
+    """{name: sum / count}, read once per device (the rollout's stats are host tensors, the step's
+    metrics device ones, and stack takes one device); names with a zero count are left out."""
     flat = [torch.as_tensor(x, dtype=torch.float64) for pair in total.values() for x in pair]  # sum, count, ...
     values = {}
     for device in {x.device for x in flat}:
