@@ -71,8 +71,8 @@ class Config:
     eval_prompts: int = 64  # held-out prompts per eval, 4 samples each at the training sampling settings
     wandb_project: str = ""  # log to wandb when given (WANDB_MODE=offline works); nothing is sent otherwise
 
-    # --- the task (tasks.py: the Task contract and the built-in tasks; rewards.py: the rewards)
-    task: str = "reverse-text"  # a built-in task (tasks.TASKS: reverse-text, arithmetic, ...) or jsonl:PATH (prompts from a file)
+    # --- the task (tasks/task.py: the Task contract and the built-in tasks; tasks/rewards.py: the rewards)
+    task: str = "reverse-text"  # a built-in task (task.TASKS: reverse-text, arithmetic, ...) or jsonl:PATH (prompts from a file)
     reward: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()  # repeatable: a built-in (numeric_match, exact_match, similarity), path/to/file.py:fn or module:fn; none: the task's own
     reward_weights: tuple[float, ...] = ()  # one weight per --reward (the total is the weighted sum); none: 1 each
     eval_file: str = ""  # jsonl task: the held-out prompts; empty: --eval-prompts rows of the file, held out by a fixed seed
@@ -82,11 +82,11 @@ class Config:
     max_operand: int = 99  # arithmetic: a + b or a - b with a in [0, max_operand], b a digit
     call_timeout: float = 60.0  # seconds one call into your code (a reward, an environment) may take; then it is abandoned and counted
 
-    # --- multi-turn episodes (episodes.py; docs/agents.md)
+    # --- multi-turn episodes (agents/episodes.py; docs/agents.md)
     env: str = ""  # an environment: a built-in (guess-letter), path/to/file.py:Class or module:Class; the rows come from --task jsonl:FILE
     max_turns: int = 4  # --env: model turns per episode, at most (each up to --max-new-tokens)
 
-    # --- tools (toolcalls.py, toolrun.py; docs/agents.md "Tools")
+    # --- tools (agents/toolcalls.py, agents/toolrun.py; docs/agents.md "Tools")
     tool: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()  # repeatable: path/to/file.py:fn or module:fn, a typed function the model may call; without --env the episodes start from the rows of --task jsonl:FILE and end at the first answer
     tool_format: Literal["auto", "hermes", "llama3-json"] = "auto"  # the family's call format; auto: read from the chat template
     max_tool_calls: int = 8  # tool calls per episode; each further one is answered with an error
@@ -107,7 +107,7 @@ class Config:
     grad_clip: float = 1.0  # max global grad norm; 0: off
     epochs: int = 1  # optimizer passes over each rollout batch (>1: ppo/cispo/gspo's pi_old is a no-grad pass)
 
-    # --- LoRA (lora.py; docs/lora.md): adapters on a frozen base instead of full fine-tuning
+    # --- LoRA (layers/lora.py; docs/lora.md): adapters on a frozen base instead of full fine-tuning
     lora_rank: int = 0  # r: train rank-r adapters, every base weight frozen (--model names the base); 0: full fine-tuning
     # alpha stays fixed as r changes (the adapters add alpha/r * B A): with Adam the 1/r keeps the best --lr about the
     # same at every rank, and 32 is the value "LoRA without regret" (Thinking Machines, 2025) ran its ranks with
@@ -116,7 +116,7 @@ class Config:
     adapter: str = ""  # a PEFT LoRA adapter directory to start from (sets --lora-rank/-alpha/-targets); --model is its base
     base_dtype: Literal["fp32", "bf16"] = "fp32"  # LoRA: the adapted layers' frozen weights (bf16 halves them; adapters and AdamW stay fp32)
 
-    # --- memory (memplan.py; docs/scale.md "The memory plan")
+    # --- memory (run/memplan.py; docs/scale.md "The memory plan")
     plan: bool = False  # print the memory plan of these flags (from --model's config.json alone, no weight read) and exit
     plan_world: int | None = None  # --plan: the trainer ranks to plan for; unset: this run's (torchrun's processes less --inference-gpus)
     plan_check: Literal["on", "off"] = "on"  # CUDA: stop at the start when the plan exceeds the device, naming what would fit
@@ -133,7 +133,7 @@ class Config:
     top_p: float = 1.0  # nucleus sampling; 1: off
     top_k: int = 0  # top-k sampling; 0: off
     async_level: int = 0  # a: step s trains on rollouts sampled, on a thread, by the weights after step s-1-a; 0: synchronous
-    inference_gpus: int = 0  # under torchrun: the last k processes only sample (remote.py); 0: every rank samples its share
+    inference_gpus: int = 0  # under torchrun: the last k processes only sample (run/remote.py); 0: every rank samples its share
     dist_timeout: float = 300.0  # torchrun on a CPU (gloo): seconds a rank waits for the others at a collective, then one line (with --env or --tool at least --call-timeout x (--max-turns + 2) + --tool-timeout x --max-tool-calls + 60)
 
     # --- the loss (loss.py; docs/design.md "The loss")
@@ -165,7 +165,7 @@ class Config:
 
     def __post_init__(self) -> None:
         """Each flag's own range, by concern. Checks that need another module's table run at the start
-        checks (start.py): a loss's flags (loss.LOSSES), a task's (tasks.py)."""
+        checks (run/start.py): a loss's flags (loss.LOSSES), a task's (tasks/task.py)."""
         for name in FINITE:
             v = getattr(self, name)  # caps whose inf means "no cap" (--tis-cap, --grad-clip, ...) may stay inf
             _check(math.isfinite(v), f"--{name.replace('_', '-')}", f"must be a finite number, got {v}")
@@ -196,7 +196,7 @@ class Config:
         _check(self.kl_mask_threshold > 0, "--kl-mask-threshold", f"must be > 0, got {self.kl_mask_threshold}")
         _check(self.kl_coeff >= 0, "--kl-coeff", f"must be >= 0, got {self.kl_coeff}")
         self._check_combinations()
-        # the task's files and rewards (the task's name and flags: tasks.py, at the start checks)
+        # the task's files and rewards (the task's name and flags: tasks/task.py, at the start checks)
         _check(not self.eval_file or self.task.startswith("jsonl:"), "--eval-file", "is for --task jsonl:PATH")
         try:
             kwargs = json.loads(self.chat_template_kwargs)

@@ -1,6 +1,6 @@
 """The RL loss: one policy-gradient estimator with seven weightings, sequence and KL masks, score
 centering, a sampler KL, global normalization and metrics (the evidence it reads is checked
-first, in evidence.py).
+first, in run/evidence.py).
 docs/design.md "The loss" writes it out in full, with the table of corrections;
 tests/test_loss.py checks every path against a dense fp64 reference written from the formula:
 
@@ -46,10 +46,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from config import FP32_MAX, Config, ConfigError
+from config import Config, ConfigError, FP32_MAX
 from data import MicroBatch, TokenSupport, entry_rows, truncated
-from masks import (METRIC_CLAMP, Masks, Metrics, any_by, k3, keep_mask, kl_flags, outside, seq_flags, stat,
-                   sum_by)
+from layers.masks import (METRIC_CLAMP, Masks, Metrics, any_by, k3, keep_mask, kl_flags, outside, seq_flags, stat,
+    sum_by)
 
 
 MAX_TURN_METRICS = 8  # episodes' by-turn metrics cover the first 8 model turns (a turn's count 0: not logged)
@@ -72,7 +72,7 @@ class Loss:
     (`check_flags`, start.unread) and --correction-metrics-only ask this table, never the loss's name."""
 
     centered: bool  # a weight w(r) = f(p/q) with score centering: reads every loss token's support row
-    sparse_draws: bool  # under K draws its gradient lies on label and support rows only (G_t = 0, lm_head.py)
+    sparse_draws: bool  # under K draws its gradient lies on label and support rows only (G_t = 0, kernels.py)
     clipped: bool  # clipped against pi_old: with --epochs > 1 train.py computes pi_old before the first pass
     reads: tuple[str, ...] = ()  # its own flags (Config fields), in the order `weight` takes them; with another --loss nothing reads them
     checks: tuple[Check, ...] = ()  # their range checks; a float flag is also checked finite, unless in `no_cap`
@@ -186,7 +186,7 @@ def reads_support(cfg: Config) -> bool:
 
 
 def sparse_ok(cfg: Config, support: TokenSupport | None) -> bool:
-    """Whether the head may take its sparse backward (lm_head.head(..., sparse=True)).
+    """Whether the head may take its sparse backward (kernels.head(..., sparse=True)).
 
     Decided from the config alone (the replayed flags live on the device): truncated sampling
     gives replayed rows, where every loss and KL is exact; K draws are exact only for a loss
@@ -398,7 +398,7 @@ def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch,
     mask, lp = mb.loss_mask, logp.detach()
     adv = torch.where(mask, mb.advantages.to(lp.dtype), 0.0) * cfg.adv_tau
     logq = torch.where(mask, mb.logq.to(lp.dtype), lp)
-    age = (step - mb.versions).clamp(min=0).to(lp.dtype)  # a token carries the version that drew it (engines.py); step may be 0-d
+    age = (step - mb.versions).clamp(min=0).to(lp.dtype)  # a token carries the version that drew it (engines/torch_engine.py); step may be 0-d
     turns = mb.turns if cfg.env else None  # episodes: the mismatch and the masks by model turn too
     metrics = _token_stats(lp - logq, entropy, age, mask, turns, cfg.async_level > 0, cfg.kl_coeff > 0)
     name, masks = cfg.loss, Masks.of(cfg)

@@ -1,4 +1,4 @@
-"""Three decoder families with Hugging Face parameter names (reading and writing their HF directories: hfdir.py).
+"""Three decoder families with Hugging Face parameter names (reading and writing their HF directories: run/hfdir.py).
 
 One `Transformer` serves Qwen3, Qwen2/Qwen2.5 and Llama 3.x: the same pre-norm decoder (RMSNorm,
 grouped-query attention with rotate-half RoPE, SiLU-gated MLP), differing only by switches in
@@ -13,18 +13,18 @@ No transformers at run time.
 
 Simplifications:
 1. Training packs documents into one row (mask: same document and causal, or the document's
-   parent: a group's shared prompt, packing.pack); decoding writes each row's new keys into a
+   parent: a group's shared prompt, data.pack); decoding writes each row's new keys into a
    static cache at that row's own position (mask: key slot <= position), a boolean
    [B, 1, S, S_kv] mask fed to SDPA. The packed attention is `Rows` on the CPU (each
    document a row of its own queries against its parent's and its own keys, rows batched by
    length: work grows with the documents, not with [T, T]), a flex-attention BlockMask on
    CUDA (the blocks between documents are skipped), and the dense [T, T] mask under
-   torch.compile on a CPU and as the tests' reference (attention.py; the model's `attention` picks). Static shapes on
+   torch.compile on a CPU and as the tests' reference (layers/attention.py; the model's `attention` picks). Static shapes on
    the compiled paths, so torch.compile traces each once.
 2. RoPE angles are computed from the position tensor on the fly (no table), so packed
    documents restart at position 0 and padding can have any position.
 3. The forward returns the final hidden states, not logits: the LM head lives in
-   lm_head.py, fused with the log-softmax so [N, V] logits are never held.
+   kernels.py, fused with the log-softmax so [N, V] logits are never held.
 4. Real checkpoints are bf16; the trainer keeps fp32 master weights and the engine casts
    its own copy (`--engine-dtype`).
 5. No sliding-window attention and no RoPE scaling but llama3: configs asking for them are
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from attention import attend, document_mask
+from layers.attention import attend, document_mask
 
 
 FAMILIES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}

@@ -1,6 +1,6 @@
 """floe's training loop: a supervised warm-up stage and the RL stage, on one file.
 
-One RL step (`rl_step`, read top to bottom): the task (tasks.py) draws prompts -> the engine
+One RL step (`rl_step`, read top to bottom): the task (tasks/task.py) draws prompts -> the engine
 generates a group of completions per prompt, with the sampler's evidence for every token ->
 the task's rewards and group-centered advantages -> pack into micro-batches -> validate the
 evidence once -> per micro-batch: forward, fused head, loss, backward -> clip, AdamW step
@@ -43,28 +43,26 @@ from pathlib import Path
 
 import torch
 
-import config as C
-import data as D
-import episodes as E
-import evidence
-import lora
-import loss as L
-import model as M
-import tasks as T
-import usercode
-from checkpoint import NothingToDo, load_training_state, note_changed_rewards, resumed_config, save_checkpoint
-from lm_head import head
-from packing import my_share, pack
-import parallel as P
-import rollout as R
-from parallel import RANK, full, gather, print0, setup_distributed, sum_over_ranks
-from pipeline import AsyncRollouts, RolloutRNG
-from precision import DTYPES, LossScale
-from remote import RemoteEngine, dismiss, serve
-from rewards import reward_hashes
-from rundir import check_shared, claimed, way_on, write_file
-import runlog
-from start import Start, build, check_start, plan_text, settled, write_scratch
+from config import Config, ConfigError, parse
+from data import RunError, my_share, pack
+from model import Transformer
+from loss import accumulate, denominators, reduce_metrics, rl_loss, sft_loss, sparse_ok, trained
+from kernels import head
+from rollout import eval_line, evaluate, make_batch, rl_sampling
+from agents.episodes import Play
+from engines.pipeline import AsyncRollouts, RolloutRNG
+from engines.precision import DTYPES, LossScale
+from layers import lora
+from layers.parallel import (CollectiveTimeout, LAUNCHED, Link, RANK, collective, full, gather, leave,
+    pin_inference_gpu, print0, serving, setup_distributed, sum_over_ranks, teardown, world)
+from run import evidence, runlog
+from run.checkpoint import NothingToDo, load_training_state, note_changed_rewards, resumed_config, save_checkpoint
+from run.remote import RemoteEngine, dismiss, serve
+from run.rundir import check_shared, claimed, way_on, write_file
+from run.start import Start, build, check_start, plan_text, settled, write_scratch
+from tasks import usercode
+from tasks.rewards import reward_hashes
+from tasks.task import Task
 
 
 # ----------------------------------------------------------------------------- the trainer's side
@@ -78,7 +76,7 @@ def prepare(cfg, samples, vocab_size, device):
     checks = evidence.validate(mbs, vocab_size, cfg) if cfg.stage == "rl" else {}
     if RANK:  # every rank checked the whole batch; rank 0 alone counts it
         checks = {k: (s * 0, c * 0) for k, (s, c) in checks.items()}
-    return my_share(mbs, RANK, P.world()), L.denominators(mbs), checks
+    return my_share(mbs, RANK, world()), denominators(mbs), checks
 
 
 def _head(cfg, model, fwd, mb):
@@ -92,7 +90,7 @@ def _head(cfg, model, fwd, mb):
         hidden, weight = hidden.to(low), weight.to(low)
     if cfg.stage == "sft":
         return head(hidden, weight, mb.labels)
-    sparse = L.sparse_ok(cfg, mb.support)  # the gradient lies on label and support rows only
+    sparse = sparse_ok(cfg, mb.support)  # the gradient lies on label and support rows only
     return head(hidden, weight, mb.labels, mb.support, cfg.temperature, sparse=sparse)
 
 
@@ -109,11 +107,11 @@ def backward_pass(cfg, model, fwd, mbs, denom, step, old=None, scale: float = 1.
     for i, mb in enumerate(mbs):
         logp, entropy, support_logp = _head(cfg, model, fwd, mb)
         if cfg.stage == "rl":
-            loss, metrics = L.rl_loss(logp, support_logp, entropy, mb, cfg, denom, step, None if old is None else old[i])
+            loss, metrics = rl_loss(logp, support_logp, entropy, mb, cfg, denom, step, None if old is None else old[i])
         else:
-            loss, metrics = L.sft_loss(logp, mb, denom)
+            loss, metrics = sft_loss(logp, mb, denom)
         (loss * scale if scale != 1.0 else loss).backward()
-        L.accumulate(total, metrics)
+        accumulate(total, metrics)
     return total
 
 
@@ -169,8 +167,8 @@ def interrupted(out: Path, step: int | None):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = C.parse(argv)
-    P.pin_inference_gpu(cfg.inference_gpus)
+    cfg = parse(argv)
+    pin_inference_gpu(cfg.inference_gpus)
     link = None
     try:
         # --plan --device cuda reads no device: a laptop plans a GPU job
@@ -179,31 +177,31 @@ def main(argv: list[str] | None = None) -> dict:
             print0(plan_text(cfg))
             return {}
         link = setup_distributed(cfg.device, cfg.inference_gpus, cfg.dist_timeout)
-        if P.serving(cfg.inference_gpus):  # an --inference-gpus rank: it samples for the trainers until they stop it
+        if serving(cfg.inference_gpus):  # an --inference-gpus rank: it samples for the trainers until they stop it
             serve(cfg, link)
-            P.teardown(link, cfg.inference_gpus)
+            teardown(link, cfg.inference_gpus)
             return {}
-        with P.collective("the start-up checks", cfg.dist_timeout):
+        with collective("the start-up checks", cfg.dist_timeout):
             s = check_start(cfg)
     except NothingToDo as e:  # a resume of a run at --steps already: the directory stays as it was
         print0(f"floe: {e}")
         if link is not None:
             dismiss(link)
-        P.teardown(link, cfg.inference_gpus)
+        teardown(link, cfg.inference_gpus)
         return {}
-    except (C.ConfigError, FileNotFoundError, ValueError) as e:  # bad flags, run directory, model, task or reward
+    except (ConfigError, FileNotFoundError, ValueError) as e:  # bad flags, run directory, model, task or reward
         fail(e, 2)
-    except P.CollectiveTimeout as e:
+    except CollectiveTimeout as e:
         fail(e, 1, every_rank=True)
     except KeyboardInterrupt:
         interrupted(Path(cfg.out_dir), None)
     try:
         return launch(cfg, s, link)
-    except C.ConfigError as e:  # the run directory, once locked: another run holds it, or changed it meanwhile
+    except ConfigError as e:  # the run directory, once locked: another run holds it, or changed it meanwhile
         fail(e, 2)
     except OSError as e:  # a read-only or full disk: one line, and what was written before stays
         fail(f"cannot write the run in {s.out}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else ""), 1)
-    except P.CollectiveTimeout as e:
+    except CollectiveTimeout as e:
         fail(e, 1, every_rank=True)
     except Interrupted as e:
         interrupted(s.out, e.step)
@@ -211,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
         interrupted(s.out, None)
 
 
-def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
+def launch(cfg: Config, s: Start, link: Link | None = None) -> dict:
     """Lock the run directory, build the engine and optimizer, write the run's config, resume if
     asked, loop, summarize. A start that fails before the loop (the engine refuses, a full disk)
     leaves --out-dir as it was; the lock is held until the run ends, however it ends."""
@@ -220,13 +218,13 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
         note_changed_rewards(s.out, hashes)
     print0(cfg.changed())  # the flags that differ from their defaults; config.json gets them all
     with claimed(s.out, s.seen) as lock:  # everything was checked: rank 0 holds the directory, the run may write
-        with P.collective("the start (the ranks' shared --out-dir)", cfg.dist_timeout):
+        with collective("the start (the ranks' shared --out-dir)", cfg.dist_timeout):
             check_shared(s.out)
         src = s.src or write_scratch(cfg, s.out, s.model, s.task)  # the engine loads from a directory
         try:
-            with P.collective("the start (the engine, the sharded model)", cfg.dist_timeout):
+            with collective("the start (the engine, the sharded model)", cfg.dist_timeout):
                 fwd, engine, opt = build(cfg, src, s.model, s.codec, link)
-        except (FileNotFoundError, ValueError, C.ConfigError) as e:  # flags the engine can't serve
+        except (FileNotFoundError, ValueError, ConfigError) as e:  # flags the engine can't serve
             fail(e, 2)
         if RANK == 0:  # the engine started: now the config, which a resume checks its flags against
             record = (resumed_config(s.out, cfg) if s.resume_from  # the run's own record; None: unchanged
@@ -236,27 +234,27 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
     log = run = None
     try:
         rng, scale = random.Random(cfg.seed), LossScale.for_dtype(cfg.train_dtype)
-        with P.collective("the resume", cfg.dist_timeout):
+        with collective("the resume", cfg.dist_timeout):
             start = load_training_state(s.resume_from, s.model, opt, rng, engine, scale) if s.resume_from else 0
-        trained = sum(p.numel() for p in s.model.parameters() if p.requires_grad)
+        n_trained = sum(p.numel() for p in s.model.parameters() if p.requires_grad)
         print0(f"model {src}: {sum(p.numel() for p in s.model.parameters()) / 1e6:.2f}M params on {cfg.device}"
-               + (f" x {P.world()} ranks (FSDP2)" if P.world() > 1 else "")
-               + (f", LoRA rank {cfg.lora_rank}: {trained / 1e6:.3f}M trained" if cfg.lora_rank else "")
+               + (f" x {world()} ranks (FSDP2)" if world() > 1 else "")
+               + (f", LoRA rank {cfg.lora_rank}: {n_trained / 1e6:.3f}M trained" if cfg.lora_rank else "")
                + (f", sampling on {cfg.inference_gpus} more" if cfg.inference_gpus else "")
                + (f" | resuming at step {start}" if start else "") + (" | compiling, ~1 min" if cfg.compile == "on" else ""))
         log = runlog.Logger(cfg, start, s.kept)  # an OSError here (a full disk) reaches main's one line
         stop = threading.Event()  # set at shutdown: a reward or environment call still running is abandoned
         for r in s.task.rewards:
             r.stop = stop
-        play = None if s.env is None else E.Play(
-            s.env, s.codec, engine, R.rl_sampling(cfg), min(s.model.args.max_position_embeddings, cfg.micro_batch_tokens + 1),
+        play = None if s.env is None else Play(
+            s.env, s.codec, engine, rl_sampling(cfg), min(s.model.args.max_position_embeddings, cfg.micro_batch_tokens + 1),
             cfg.max_turns, cfg.call_timeout, s.task.template_kwargs, stop=stop, tools=s.tools)
         run = Run(cfg, s.task, s.model, fwd, opt, engine, rng, log, s.out, src, scale, play, stop)
         # start-up's objects (torch, the tokenizer, the model: hundreds of thousands) leave the cyclic
         # collector's reach, so a full collection during a step scans only what the steps made
         gc.freeze()
         loop(run, start)
-    except D.RunError as e:
+    except RunError as e:
         fail(e, 1)  # what was logged and saved so far stays
     except KeyboardInterrupt:
         if run is None:  # at start-up: main's line
@@ -271,7 +269,7 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
         if lock is not None:
             lock.release()
     summary = log.summary()
-    P.teardown(link, cfg.inference_gpus)
+    teardown(link, cfg.inference_gpus)
     return summary
 
 
@@ -279,25 +277,25 @@ def launch(cfg: C.Config, s: Start, link: P.Link | None = None) -> dict:
 class Run:
     """One run's parts, built once by `launch`; every step reads them from here."""
 
-    cfg: C.Config
-    task: T.Task
-    model: M.Transformer  # the trainer's fp32 weights (FSDP2-sharded under torchrun)
+    cfg: Config
+    task: Task
+    model: Transformer  # the trainer's fp32 weights (FSDP2-sharded under torchrun)
     fwd: object  # the model, or torch.compile(model)
     opt: torch.optim.Optimizer
-    engine: object  # an engines.Engine (or a remote.RemoteEngine): samples with a copy of the weights
+    engine: object  # an torch_engine.Engine (or a remote.RemoteEngine): samples with a copy of the weights
     rng: random.Random  # draws the prompts
     log: runlog.Logger
     out: Path  # --out-dir
     src: Path  # the model directory the engine loaded; checkpoints copy its tokenizer
     scale: LossScale  # --train-dtype fp16's dynamic loss scale (1.0 otherwise)
-    play: E.Play | None = None  # --env: the environment, engine and limits episodes are played with
+    play: Play | None = None  # --env: the environment, engine and limits episodes are played with
     stop: threading.Event | None = None  # set at shutdown (AsyncRollouts.close): user code is abandoned
     step: int = 0  # the step in progress (a Ctrl-C's line names it)
 
 
 def next_batch(run: Run, step: int):
     """The batch `step` trains on: the rollout phase (rollout.py) with this run's parts."""
-    return R.make_batch(run.cfg, run.task, run.engine, run.rng, step, run.model.args.max_position_embeddings, run.play)
+    return make_batch(run.cfg, run.task, run.engine, run.rng, step, run.model.args.max_position_embeddings, run.play)
 
 
 def loop(run: Run, start: int) -> None:
@@ -305,41 +303,41 @@ def loop(run: Run, start: int) -> None:
     a thread samples each batch ahead (pipeline.AsyncRollouts) and hands it to the step."""
     cfg, run.step = run.cfg, start + 1
     if cfg.eval_every and not start and RANK == 0:
-        run.log.row(0, R.evaluate(cfg, run.task, run.engine, run.play))
-        print0(R.eval_line(0, run.log.rows[-1]))
+        run.log.row(0, evaluate(cfg, run.task, run.engine, run.play))
+        print0(eval_line(0, run.log.rows[-1]))
     ahead = None
     if cfg.async_level > 0 and cfg.stage == "rl":
         threads = max(1, torch.get_num_threads() // 2) if cfg.device == "cpu" else 0  # half the cores each
         ahead = AsyncRollouts(lambda step: next_batch(run, step), run.engine, run.rng, cfg.async_level, start,
                               cfg.steps, threads, run.stop)
     skipped = empty = failed = 0  # non-finite steps in a row, empty ones, ones whose episodes all failed
-    trained = False  # whether a step of this run took an optimizer step
+    stepped = False  # whether a step of this run took an optimizer step
     with ahead or contextlib.nullcontext():
         for step in range(start + 1, cfg.steps + 1):
             run.step = step
-            with P.collective(f"step {step}", cfg.dist_timeout):
+            with collective(f"step {step}", cfg.dist_timeout):
                 m, batch = rl_step(run, step, ahead)
             skipped = skipped + 1 if m.get("skipped/nonfinite_step") else 0
             if skipped == 3:
-                raise D.RunError(f"3 steps in a row skipped for {runlog.nonfinite_cause(batch, m)}; "
+                raise RunError(f"3 steps in a row skipped for {runlog.nonfinite_cause(batch, m)}; "
                                  "none of them was applied or saved")
             failed = failed + 1 if m.get("skipped/env_error") == 1.0 else 0
             if failed == 3:  # before the empty-step rule, which such steps also meet: this names the cause
                 last = run.play.last_error or "on another rank: see its warnings above"
-                raise D.RunError(f"--env {run.play.spec.name}: every episode failed 3 steps in a row (the last: {last})")
+                raise RunError(f"--env {run.play.spec.name}: every episode failed 3 steps in a row (the last: {last})")
             empty = empty + 1 if m.get("skipped/empty_step") else 0
             if empty == 3:  # a run of such steps would end "done" with its start weights
-                raise D.RunError(f"3 steps in a row had no sample to train on: {runlog.idle_cause(batch, m)}; nothing trained "
+                raise RunError(f"3 steps in a row had no sample to train on: {runlog.idle_cause(batch, m)}; nothing trained "
                                  f"since step {step - 3}")
-            trained = trained or bool(batch) and not m.get("skipped/nonfinite_step") and not m.get("skipped/overflow")
-            if step == cfg.steps and not trained:  # whatever the step count: a run that trained nothing fails
-                raise D.RunError(f"no step of this run trained (steps {start + 1}..{step}; the last: "
+            stepped = stepped or bool(batch) and not m.get("skipped/nonfinite_step") and not m.get("skipped/overflow")
+            if step == cfg.steps and not stepped:  # whatever the step count: a run that trained nothing fails
+                raise RunError(f"no step of this run trained (steps {start + 1}..{step}; the last: "
                                  f"{runlog.idle_cause(batch, m)}); its weights are the ones it started from")
             if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                 # the RNGs as the next batch finds them (with a thread: as this one's left them, AsyncRollouts.rng_after)
                 st = RolloutRNG(run.rng, run.engine.gen) if ahead is None else ahead.rng_after(step)
                 run.log.sync()  # the rows on disk before the checkpoint that covers them
-                with P.collective(f"the checkpoint of step {step}", cfg.dist_timeout):
+                with collective(f"the checkpoint of step {step}", cfg.dist_timeout):
                     save_checkpoint(run.out, step, run.model, run.opt, st.rng, st.gen, run.src, run.scale,
                                     final=step == cfg.steps)
 
@@ -359,8 +357,8 @@ def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[di
     # 4. gather, pack into micro-batches, check the sampler's evidence, count the loss's denominators
     batch = gather(samples)  # every rank's samples: the global batch
     mbs, denom, checks = prepare(cfg, batch, model.args.vocab_size, cfg.device)
-    L.accumulate(stats, checks)
-    clipped = cfg.stage == "rl" and L.trained(cfg).clipped
+    accumulate(stats, checks)
+    clipped = cfg.stage == "rl" and trained(cfg).clipped
     old = old_logprobs(cfg, model, run.fwd, mbs) if clipped and cfg.epochs > 1 else None
     for epoch in range(cfg.epochs):
         # 5. per micro-batch: forward, fused head, loss, backward (gradients accumulate)
@@ -368,7 +366,7 @@ def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[di
         # 6. unscale (fp16), clip the gradient and step AdamW, or skip a non-finite update
         metrics.update(optimizer_step(cfg, model, run.opt, step, run.scale, metrics.get("loss", (None,))[0]))
         if epoch == 0:  # the metrics of the sampled policy
-            L.accumulate(stats, metrics)
+            accumulate(stats, metrics)
     t_train = time.time() - t1
     # 7. push the weights to the engine as version `step` (held for an eval first)
     due = bool(cfg.eval_every) and RANK == 0 and (step % cfg.eval_every == 0 or step == cfg.steps)
@@ -377,26 +375,26 @@ def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[di
     else:
         ahead.publish(model, step, hold=due)
     # 8. metrics (one all_reduce, one host read), the eval, the log line and metrics.jsonl row
-    m = L.reduce_metrics(sum_over_ranks(stats, cfg.device))
+    m = reduce_metrics(sum_over_ranks(stats, cfg.device))
     m["skipped/empty_step"] = float(not batch)  # nothing scored: the step trained nothing
     if cfg.stage == "rl" and batch:  # a std does not sum over ranks
         m["reward/std"] = torch.tensor([s.reward for s in batch], dtype=torch.float64).std(unbiased=False).item()
-    n_tok = sum(len(mb.tokens) for mb in mbs) * P.world()  # micro-batch slots: the work done, padding included
+    n_tok = sum(len(mb.tokens) for mb in mbs) * world()  # micro-batch slots: the work done, padding included
     t2 = time.time()
     m.update({"time/rollout": t_rollout, "time/train": t_train, "time/step": t2 - t0,
               "tokens/train": denom.tokens, "tokens/packed": n_tok})
     if due:
-        m.update(R.evaluate(cfg, run.task, run.engine, run.play))  # this step's weights
+        m.update(evaluate(cfg, run.task, run.engine, run.play))  # this step's weights
         if ahead is not None:
             ahead.release()
-        print0(R.eval_line(step, m))
+        print0(eval_line(step, m))
     run.log.row(step, m)
     run.log.line(step, m, n_tok, t2 - t0)
     return m, batch
 
 
 if __name__ == "__main__":
-    if P.LAUNCHED > 1:
-        P.leave(main)  # no interpreter finalization under torchrun (parallel.leave says why)
+    if LAUNCHED > 1:
+        leave(main)  # no interpreter finalization under torchrun (parallel.leave says why)
     else:
         usercode.main_then_leave(main)  # threads user code left running do not keep the process alive

@@ -2,7 +2,7 @@
 against its control.
 
 `--env guess-letter` says "later"/"earlier" after each wrong guess; `--env guess-letter-blind`
-says "no", which tells nothing of where the secret is (envs.py). Both start from
+says "no", which tells nothing of where the secret is (agents/envs.py). Both start from
 checkpoints/guess-tiny (a short multi-turn SFT warm-up on bisection episodes, docs/models.md)
 and train with the same flags. Printed: the held-out reward (the share of games won, 4 games
 per held-out row) at step 0 and at the end, mean ± std over seeds, turns per episode, and the

@@ -39,9 +39,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 
-from textcodec import TextCodec, write_tokenizer  # noqa: E402
-import model as M  # noqa: E402
-import hfdir  # noqa: E402
+from model import ModelArgs, Transformer, init_weights  # noqa: E402
+from run import hfdir  # noqa: E402
+from tasks.textcodec import TextCodec, write_tokenizer  # noqa: E402
 import train  # noqa: E402
 
 SHAPES = {
@@ -56,8 +56,8 @@ PEAK_BF16 = {"H200": 989e12, "H100": 989e12}
 def write_model(d: Path, shape: str) -> int:
     write_tokenizer(d)
     stop = TextCodec.load(d).stop_ids[0]
-    m = M.Transformer(M.ModelArgs(151936, **SHAPES[shape], tie_word_embeddings=True, eos_token_id=stop))
-    M.init_weights(m, seed=0)
+    m = Transformer(ModelArgs(151936, **SHAPES[shape], tie_word_embeddings=True, eos_token_id=stop))
+    init_weights(m, seed=0)
     hfdir.save(m, d, d)
     return sum(p.numel() for p in m.parameters())
 

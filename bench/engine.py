@@ -42,12 +42,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 
-from textcodec import TextCodec  # noqa: E402
-import lora as L  # noqa: E402
-import hfdir  # noqa: E402
-import tasks as T  # noqa: E402
-from engines import Sampling, TorchEngine  # noqa: E402
-from vllm_engine import VLLMEngine  # noqa: E402
+from engines.torch_engine import Sampling, TorchEngine  # noqa: E402
+from engines.vllm_engine import VLLMEngine  # noqa: E402
+from layers.lora import LoRASpec, TARGETS, adapted, add  # noqa: E402
+from run import hfdir  # noqa: E402
+from tasks.task import ReverseText  # noqa: E402
+from tasks.textcodec import TextCodec  # noqa: E402
 
 
 def timed(engine, prompts, n, settings, repeats):
@@ -84,13 +84,13 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = hfdir.load(a.model, device=device)
     if a.lora_rank:
-        L.add(model, L.LoRASpec(a.lora_rank, 32.0, tuple(sorted(L.TARGETS))))
+        add(model, LoRASpec(a.lora_rank, 32.0, tuple(sorted(TARGETS))))
         torch.manual_seed(0)
         with torch.no_grad():
-            for m in L.adapted(model).values():
+            for m in adapted(model).values():
                 m.lora_B.weight.normal_(0, 0.02)
     codec = TextCodec.load(a.model)
-    task = T.ReverseText(codec, min_words=1, max_words=3, eval_size=8)  # keywords: a reward list comes second now
+    task = ReverseText(codec, min_words=1, max_words=3, eval_size=8)  # keywords: a reward list comes second now
     prompts = [p.ids for p in task.sample(a.prompts, random.Random(0))]
     settings = [("off", Sampling(top_k=a.top_k, max_new_tokens=a.max_new_tokens)),
                 ("on", Sampling(top_k=a.top_k, max_new_tokens=a.max_new_tokens, support=True))]

@@ -13,7 +13,7 @@ icepop (--icepop-beta 2.0, as in the README's main job), over --seeds seeds:
 
 Each run is `train.main([...])` in this process, one after another, in
 `<out>/<setting>-<loss>-s<seed>/` (its log beside it, in `<setting>-<loss>-s<seed>.log`: a run
-directory holds only its run, rundir.py). At the end
+directory holds only its run, run/rundir.py). At the end
 `<out>/results.md` (copied to docs/mismatch-study.md by default) holds one table row per
 setting and loss: mismatch KL (k3 on the sampled tokens, mean over steps and seeds), the
 loss's own masked or clipped fraction, the held-out reward at step 0 and at the end (mean ±

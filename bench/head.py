@@ -10,7 +10,7 @@ Rows (the loss on top is a random linear combination of the outputs, like the RL
   in bench/support.py; logp, entropy and support_logp;
 - "linear_cross_entropy": torch.nn.functional.linear_cross_entropy(reduction="none"), chunked:
   LinearCrossEntropyOptions() on CUDA (torch's tuned "auto"); on the CPU batch_chunk_size =
-  lm_head.TILE_ELEMENTS // V tokens, the reference's own chunk ("auto" was many times slower
+  kernels.TILE_ELEMENTS // V tokens, the reference's own chunk ("auto" was many times slower
   at the CPU shape here, varying from run to run); logp only; "n/a" where torch lacks it (< 2.13);
 - "materialized logits": hidden @ W.T, then float().log_softmax(-1) and a gather; logp only;
 - CUDA only, "..., torch.mm bwd GEMMs": the same two dense rows with head(...,
@@ -51,7 +51,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from data import TokenSupport  # noqa: E402
-from lm_head import TILE_ELEMENTS, head  # noqa: E402
+from kernels import TILE_ELEMENTS, head  # noqa: E402
 
 CUDA_SHAPE = dict(Ns=(16_384, 65_536), H=2048, V=151_936, max_row=2048, dtype=torch.bfloat16)
 CPU_SHAPE = dict(Ns=(1024, 4096), H=256, V=8192, max_row=256, dtype=torch.float32)

@@ -60,15 +60,14 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 
-from textcodec import TextCodec, write_tokenizer  # noqa: E402
-import lora  # noqa: E402
-import model as M  # noqa: E402
-import hfdir  # noqa: E402
-import start  # noqa: E402
+from model import KVCache, ModelArgs, Transformer, init_weights  # noqa: E402
+from layers import lora  # noqa: E402
+from run import hfdir, start  # noqa: E402
+from tasks.textcodec import TextCodec, write_tokenizer  # noqa: E402
 import train  # noqa: E402
 from experiment import _mean_std, _ms, run_one, run_stats  # noqa: E402
-from precision import Rounded  # noqa: E402
-from engines import Sampling, TorchEngine  # noqa: E402
+from engines.precision import Rounded  # noqa: E402
+from engines.torch_engine import Sampling, TorchEngine  # noqa: E402
 
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=512)
@@ -155,8 +154,8 @@ def shaped_model(d: Path, shape: dict) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     write_tokenizer(d)
     codec = TextCodec.load(d)
-    m = M.Transformer(M.ModelArgs(**shape, eos_token_id=codec.stop_ids[0]))
-    M.init_weights(m, std=0.02, seed=0)
+    m = Transformer(ModelArgs(**shape, eos_token_id=codec.stop_ids[0]))
+    init_weights(m, std=0.02, seed=0)
     hfdir.save(m, d, d)
     return d
 
@@ -259,7 +258,7 @@ class OnTheFly(nn.Module):
         return (y + self.scale * F.linear(t, self.b)).to(r).float()
 
 
-def on_the_fly(model: M.Transformer) -> TorchEngine:
+def on_the_fly(model: Transformer) -> TorchEngine:
     """A bf16 TorchEngine whose adapted layers keep the base (rounded once) and apply the adapter live."""
     engine = TorchEngine(model, "bf16", [0])
     base = lora.base_state(model)
@@ -274,13 +273,13 @@ def on_the_fly(model: M.Transformer) -> TorchEngine:
     return engine
 
 
-def push_on_the_fly(engine: TorchEngine, model: M.Transformer) -> None:
+def push_on_the_fly(engine: TorchEngine, model: Transformer) -> None:
     adapter = lora.adapter_state(model)
     for name in lora.adapted(model):
         engine.model.get_submodule(name).push(adapter[lora.peft_key(name, "A")], adapter[lora.peft_key(name, "B")])
 
 
-def mismatch(engine: TorchEngine, model: M.Transformer, completions, prompts) -> float:
+def mismatch(engine: TorchEngine, model: Transformer, completions, prompts) -> float:
     """Mean KL(q || p) over the completions' tokens: q the engine's next-token distribution, p the
     fp32 trainer's, both from one full forward of prompt + completion."""
     kls = []
@@ -289,7 +288,7 @@ def mismatch(engine: TorchEngine, model: M.Transformer, completions, prompts) ->
             ids = torch.tensor(prompts[i // 16] + c.ids)
             n = len(ids)
             p = (model(ids, torch.arange(n), torch.zeros(n, dtype=torch.long)) @ model.head_weight.T).log_softmax(-1)
-            cache = M.KVCache(engine.model.args, 1, n, torch.float32, "cpu")
+            cache = KVCache(engine.model.args, 1, n, torch.float32, "cpu")
             q = engine._logits(engine.model.forward_cached(ids[None], torch.arange(n)[None], cache)[0]).log_softmax(-1)
             s = len(prompts[i // 16]) - 1
             kls.append((q.exp() * (q - p)).sum(-1)[s:-1].mean())  # the positions that drew a completion token
@@ -303,8 +302,8 @@ def engine_bench(a) -> str:
     lora.load_adapter(model, tensors)
     codec = TextCodec.load(base)
     import random
-    import tasks as T
-    task = T.ReverseText(codec, eval_size=4)
+    from tasks.task import ReverseText
+    task = ReverseText(codec, eval_size=4)
     prompts = [p.ids for p in task.sample(32, random.Random(0))]
     s = Sampling(max_new_tokens=24)
     lines = [f"{a.adapter} (rank {spec.rank}, alpha {spec.alpha:g}) on {base}; 32 prompts x 16 completions; {load()}", "",

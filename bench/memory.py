@@ -73,8 +73,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-import memplan as P  # noqa: E402
-import model as M  # noqa: E402
+from model import ModelArgs, Transformer, init_weights  # noqa: E402
+from run.memplan import (BACKWARD_LAYERS, CPU_FP32_CALIBRATION, DEVICES, Setup, Shape, TARGETS, activation_bytes,
+    fits, plan, save_bytes, saved_elements)  # noqa: E402
 
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=512)
@@ -125,11 +126,11 @@ def packed_model(layers: int, tokens: int, document: int, blocks: bool, mapped: 
     """The model at `layers` layers and one micro-batch of `tokens` in `document`-token documents;
     `mapped`: the allocator set as start.build sets it for blocks on a CPU."""
     torch.manual_seed(0)
-    model = M.Transformer(M.ModelArgs(**layer_shape(layers)))
-    M.init_weights(model)
+    model = Transformer(ModelArgs(**layer_shape(layers)))
+    init_weights(model)
     model.checkpointing = blocks  # --activation-checkpointing blocks
     if mapped:
-        import start
+        from run import start
         start.map_large_buffers()
     ids = torch.randint(0, SMALL_VOCAB, (tokens,))
     return model, (ids, torch.arange(tokens) % document, torch.arange(tokens) // document)
@@ -145,7 +146,7 @@ def forward_backward(layers: int, tokens: int, document: int, blocks: bool) -> d
 
 def head_tiles(tokens: int) -> dict:
     """The CPU head's peak over its [chunk, V] fp32 tile, at Qwen3-0.6B's vocabulary."""
-    from lm_head import TILE_ELEMENTS, head
+    from kernels import TILE_ELEMENTS, head
     v, h = QWEN3_06B["vocab_size"], QWEN3_06B["hidden_size"]
     weight = torch.randn(v, h) * 0.02
     hidden = torch.randn(tokens, h, requires_grad=True)
@@ -165,8 +166,8 @@ def slope(points: list[tuple[int, int]]) -> float:
 
 
 def activations(a) -> str:
-    shape = P.Shape(M.ModelArgs(**layer_shape(2)))
-    counted = 4 * P.saved_elements(shape, False, DOCUMENT)[0]
+    shape = Shape(ModelArgs(**layer_shape(2)))
+    counted = 4 * saved_elements(shape, False, DOCUMENT)[0]
     runs = {(layers, t): child(["_fb", str(layers), str(t), str(DOCUMENT), "0"]) for layers in (2, 4) for t in TOKENS}
     per = {layers: slope([(t, runs[layers, t]["peak"]) for t in TOKENS]) for layers in (2, 4)}
     per_layer, outside = (per[4] - per[2]) / 2, per[2] - 2 * (per[4] - per[2]) / 2
@@ -177,9 +178,9 @@ def activations(a) -> str:
         lines.append(f"| {layers} | {t} | {t // DOCUMENT} x {DOCUMENT} | {r['peak'] / GIB:.3f} GiB | "
                      f"{r['before'] / GIB:.3f} GiB | {(r['peak'] - r['before']) / GIB:.3f} GiB |")
     lines += ["", f"bytes a token a layer: {per_layer:.0f} measured, {counted} counted (memplan.saved_elements x 4): "
-              f"this run's CPU_FP32_CALIBRATION = {per_layer / counted:.3f} (memplan: {P.CPU_FP32_CALIBRATION}); bytes a "
+              f"this run's CPU_FP32_CALIBRATION = {per_layer / counted:.3f} (memplan: {CPU_FP32_CALIBRATION}); bytes a "
               f"token outside the layers (the backward's temporaries): {outside:.0f}, this run's BACKWARD_LAYERS = "
-              f"{outside / per_layer:.3f} (memplan: {P.BACKWARD_LAYERS}). The fit moves between runs with what glibc's "
+              f"{outside / per_layer:.3f} (memplan: {BACKWARD_LAYERS}). The fit moves between runs with what glibc's "
               "heap keeps; the table below holds memplan's figures, the plan's, against this run's peaks.", ""]
     lines += against_plan()
     h = child(["_head", "4096"])
@@ -193,14 +194,14 @@ def against_plan() -> list[str]:
     - the weight gradients) against the plan's activations as memplan has them; and the process's
     total (the RSS before the forward, the gradients, the activations) with the plan's activations in
     place of the measured ones."""
-    sh4 = P.Shape(M.ModelArgs(**layer_shape(4)))
+    sh4 = Shape(ModelArgs(**layer_shape(4)))
     lines = ["| 4 layers, tokens | documents | checkpointing | peak - before - gradients | plan's activations | "
              "plan / measured | the process's total: plan / measured |", "|" + " --- |" * 7]
     for t in TOKENS:
         for doc, blocks in ((DOCUMENT, False), (t, False), (DOCUMENT, True)):
             r = child(["_fb", "4", str(t), str(doc), str(int(blocks))])
-            s = P.Setup(micro_batch_tokens=t, document_tokens=doc, activation_checkpointing="blocks" if blocks else "off")
-            planned = P.activation_bytes(sh4, s)[s.activation_checkpointing]
+            s = Setup(micro_batch_tokens=t, document_tokens=doc, activation_checkpointing="blocks" if blocks else "off")
+            planned = activation_bytes(sh4, s)[s.activation_checkpointing]
             grads = 4 * sh4.params()  # the backward's weight gradients, which the plan counts apart
             got = r["peak"] - r["before"] - grads
             lines.append(f"| {t} | {t // doc} x {doc} | {'blocks' if blocks else 'off'} | {got / GIB:.3f} GiB "
@@ -256,15 +257,15 @@ def write_sharded(d: Path, shape: dict, shard_bytes: int = 500 * 2**20) -> Path:
     """A random model of `shape` as HF sharded bf16 files with model.safetensors.index.json, one tensor
     made at a time (never the whole model in fp32), once."""
     from safetensors.torch import save_file
-    from textcodec import write_tokenizer
+    from tasks.textcodec import write_tokenizer
     if (d / "model.safetensors.index.json").is_file():
         return d
     d.mkdir(parents=True, exist_ok=True)
     write_tokenizer(d)
-    args = M.ModelArgs(**shape, eos_token_id=2)
+    args = ModelArgs(**shape, eos_token_id=2)
     (d / "config.json").write_text(json.dumps({**args.to_hf(), "torch_dtype": "bfloat16"}, indent=2))
     with torch.device("meta"):
-        names = {k: v.shape for k, v in M.Transformer(args).state_dict().items()}
+        names = {k: v.shape for k, v in Transformer(args).state_dict().items()}
     groups, current = [], []  # the files' tensors, planned from the shapes: a file's tensors are made when it is written
     for k in names:
         current.append(k)
@@ -311,11 +312,11 @@ def after_build(model_dir: str, rank: int, base_dtype: str = "fp32") -> None:
         sys.stdout = stdout
 
 
-def before_arithmetic(shape: P.Shape, rank: int, baseline: int, largest_file: int) -> tuple[int, str]:
+def before_arithmetic(shape: Shape, rank: int, baseline: int, largest_file: int) -> tuple[int, str]:
     """What the start before the sharded load held on a CPU, on every rank: hfdir.load's fp32 state (which
     became the model), the open file's mapped bf16 pages, the built-in engine's fp32 deep copy."""
     n = shape.params()
-    adapters = 4 * shape.adapter_params(rank, P.TARGETS) * 2 if rank else 0  # the trainer's and the engine's copy
+    adapters = 4 * shape.adapter_params(rank, TARGETS) * 2 if rank else 0  # the trainer's and the engine's copy
     total = baseline + 4 * n + largest_file + 4 * n + adapters
     return total, (f"{baseline / GIB:.2f} baseline + 4 x {n / 1e6:.0f}M trainer + {largest_file / GIB:.2f} largest file mapped"
                    f" + 4 x {n / 1e6:.0f}M engine" + (f" + {adapters / GIB:.2f} adapters x 2" if rank else ""))
@@ -327,7 +328,7 @@ SHAPES = {"0.6b": QWEN3_06B, "1.7b": {**QWEN3_06B, "hidden_size": 2048, "interme
 def startup(a) -> str:
     d = Path(a.out) / ("qwen3-0.6b-shaped-bf16" if a.shape == "0.6b" else f"qwen3-{a.shape}-shaped-bf16")
     child(["_write", str(d), a.shape])  # in a child: a process's ru_maxrss passes to those it starts, so this one stays small
-    shape = P.Shape.from_dir(d)
+    shape = Shape.from_dir(d)
     baseline = child(["_baseline"])["peak"]
     largest_file = max(f.stat().st_size for f in d.glob("*.safetensors"))
     lines = [f"random Qwen3-{a.shape.upper()}-shaped checkpoint ({shape.params() / 1e9:.2f}B) in bf16, "
@@ -338,7 +339,7 @@ def startup(a) -> str:
         peaks = [r["peak"] for r in (ranks_child(["_startup", str(d), str(rank), a.base_dtype], ranks) if ranks > 1
                                      else [child(["_startup", str(d), str(rank), a.base_dtype])])]
         before, how = before_arithmetic(shape, rank, baseline, largest_file)
-        role = P.plan(shape, P.Setup(world=ranks, lora_rank=rank, base_dtype=a.base_dtype if rank else "fp32")).role("trainer rank")
+        role = plan(shape, Setup(world=ranks, lora_rank=rank, base_dtype=a.base_dtype if rank else "fp32")).role("trainer rank")
         terms = (f"{role.parts['weights'] / GIB:.2f} shard + {role.parts['engine copy'] / GIB:.2f} engine + "
                  f"{4 * max(shape.largest_tensor(), shape.block_params()) / GIB:.2f} largest tensor + "
                  f"{role.parts['baseline'] / GIB:.2f} baseline")
@@ -364,10 +365,10 @@ def peak_since_reset() -> int:
 
 
 def trainer_model(model_dir: Path):
-    """The trainer's model as start.py builds it: whole in one process, under torchrun sharded with
+    """The trainer's model as run/start.py builds it: whole in one process, under torchrun sharded with
     each rank reading its rows (the sharded load); AdamW over it, its state filled as a step leaves it."""
-    import hfdir
-    import parallel
+    from run import hfdir
+    from layers import parallel
     parallel.setup_distributed("cpu")
     if parallel.world() > 1:
         model = hfdir.load_meta(model_dir)[0]
@@ -385,8 +386,8 @@ def save_child(model_dir: str, out: str) -> None:
     """One checkpoint.save_checkpoint of the model with its AdamW state: each rank's RSS before it and its
     peak during it (VmHWM, reset just before)."""
     import random as rnd
-    import checkpoint
-    import parallel
+    from run import checkpoint
+    from layers import parallel
     model, opt = trainer_model(Path(model_dir))
     Path(out).mkdir(parents=True, exist_ok=True)
     before = rss()
@@ -402,8 +403,8 @@ def resume_child(path: str) -> None:
     process's peak RSS after it. The engine is not built (its copy is the start-up's, measured there)."""
     import random as rnd
     import types
-    import checkpoint
-    import parallel
+    from run import checkpoint
+    from layers import parallel
     parallel.setup_distributed("cpu")
     model, _ = checkpoint.whole(Path(path))
     opt = torch.optim.AdamW(model.parameters())
@@ -418,7 +419,7 @@ def resume_child(path: str) -> None:
     os._exit(0)
 
 
-def save_before(shape: P.Shape, ranks: int, baseline: int) -> tuple[int, int, str]:
+def save_before(shape: Shape, ranks: int, baseline: int) -> tuple[int, int, str]:
     """What the save and the resume before this change held on rank 0's host (computed): the save gathered
     every weight (4) and AdamW tensor (8) whole on rank 0, serialized the optimizer state into one blob
     (8 more) and the weights into safetensors' buffer (4 more) while the blob was held; the resume loaded
@@ -436,7 +437,7 @@ def save_before(shape: P.Shape, ranks: int, baseline: int) -> tuple[int, int, st
 def save_resume(a) -> str:
     d = Path(a.out) / "qwen3-0.6b-shaped-bf16"
     child(["_write", str(d)])
-    shape = P.Shape.from_dir(d)
+    shape = Shape.from_dir(d)
     baseline = child(["_baseline"])["peak"]
     n = shape.params()
     lines = [f"random Qwen3-0.6B-shaped checkpoint ({n / 1e6:.0f}M parameters), fp32 weights and AdamW state "
@@ -455,8 +456,8 @@ def save_resume(a) -> str:
         resumes = sorted((ranks_child(["_resume", str(out / "step_000001")], ranks) if ranks > 1
                           else [child(["_resume", str(out / "step_000001")])]), key=lambda r: r["rank"])
         before_save, before_resume, how = save_before(shape, ranks, baseline)
-        role = P.plan(shape, P.Setup(world=ranks)).role("trainer rank")
-        planned = role.parts["weights"] + role.parts["AdamW state"] + P.save_bytes(shape, P.Setup(world=ranks)) + baseline
+        role = plan(shape, Setup(world=ranks)).role("trainer rank")
+        planned = role.parts["weights"] + role.parts["AdamW state"] + save_bytes(shape, Setup(world=ranks)) + baseline
         staging = 4 * max(shape.largest_tensor(), shape.block_params())  # the load's one tensor or block, as start-up's
         resumed = role.parts["weights"] + role.parts["AdamW state"] + staging + baseline
         for s, r in zip(saves, resumes):
@@ -474,7 +475,7 @@ def steady_child(model_dir: str, rank: int, base_dtype: str) -> None:
     """train.py for 3 steps with no checkpoint (the steps' memory, not a save's): each rank's peak RSS
     once step 3's optimizer step is done."""
     import train
-    import parallel
+    from layers import parallel
 
     def loop(run, start):
         real(run, start)
@@ -494,14 +495,14 @@ def steady(a) -> str:
     """Each rank's peak RSS after step 3 beside the plan's per-rank total for the same flags."""
     d = Path(a.out) / "qwen3-0.6b-shaped-bf16"
     child(["_write", str(d)])
-    shape = P.Shape.from_dir(d)
+    shape = Shape.from_dir(d)
     lines = ["| run | ranks | peak RSS after step 3, each rank | plan's trainer rank | plan / measured |", "|" + " --- |" * 5]
     runs = [(r, k, t) for r in (1, 2) for k, t in ((0, "fp32"), (16, "fp32"), (16, "bf16"))] if a.runs is None else \
         [(r, k, a.base_dtype if k else "fp32") for r, k in a.runs]
     for ranks, rank, dtype in runs:
         args = ["_steady", str(d), str(rank), dtype]
         peaks = [r["peak"] for r in sorted(ranks_child(args, ranks) if ranks > 1 else [child(args)], key=lambda r: r["rank"])]
-        role = P.plan(shape, P.Setup(world=ranks, lora_rank=rank, base_dtype=dtype, micro_batch_tokens=256)).role("trainer rank")
+        role = plan(shape, Setup(world=ranks, lora_rank=rank, base_dtype=dtype, micro_batch_tokens=256)).role("trainer rank")
         lines.append(f"| {'full' if not rank else f'LoRA r{rank}, base {dtype}'} | {ranks} | "
                      f"{', '.join(f'{p / GIB:.2f}' for p in peaks)} GiB | {role.total / GIB:.2f} GiB | "
                      f"{role.total / max(peaks):.2f} |")
@@ -512,7 +513,7 @@ def steady(a) -> str:
 def inference_child(model_dir: str) -> None:
     """train.py with --inference-gpus 1 for 2 steps, no checkpoint: the inference rank prints its peak
     RSS once its engine is built and once it served the run; the trainer ranks print nothing."""
-    import remote
+    from run import remote
     import train
 
     def make_engine(*a, **k):
@@ -538,10 +539,10 @@ def inference(a) -> str:
     """The inference rank's peak RSS against the plan's inference rank, and the two copies it held before."""
     d = Path(a.out) / "qwen3-0.6b-shaped-bf16"
     child(["_write", str(d)])
-    shape = P.Shape.from_dir(d)
+    shape = Shape.from_dir(d)
     baseline = child(["_baseline"])["peak"]
     r = ranks_child(["_inference", str(d)], 3)[0]
-    role = P.plan(shape, P.Setup(world=2, inference_gpus=1)).role("inference rank")
+    role = plan(shape, Setup(world=2, inference_gpus=1)).role("inference rank")
     n = shape.params()
     before = baseline + 2 * n + 4 * n
     return "\n".join([
@@ -558,8 +559,8 @@ def cuda_step(a) -> str:
     head, backward, AdamW) of a random Qwen3-0.6B-shaped model in fp32 at 4k and 16k tokens of packed
     1k-token documents, checkpointing off and blocks. The plan's side is the trainer rank less the
     engine and the CUDA context (neither is in torch's allocator here); an OOM is a row too."""
-    from lm_head import head
-    shape = P.Shape(M.ModelArgs(**QWEN3_06B))
+    from kernels import head
+    shape = Shape(ModelArgs(**QWEN3_06B))
     lines = [f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, Qwen3-0.6B shape, fp32, flex attention", "",
              "| tokens | checkpointing | max_memory_allocated | plan (no engine, no context) | plan / measured |",
              "|" + " --- |" * 5]
@@ -568,7 +569,7 @@ def cuda_step(a) -> str:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             try:
-                model = M.Transformer(shape.args).cuda()
+                model = Transformer(shape.args).cuda()
                 model.checkpointing = blocks
                 opt = torch.optim.AdamW(model.parameters())
                 ids = torch.randint(0, shape.args.vocab_size, (tokens,), device="cuda")
@@ -580,7 +581,7 @@ def cuda_step(a) -> str:
             except torch.OutOfMemoryError:
                 peak = 0
             model = opt = logp = None
-            role = P.plan(shape, P.Setup(device="cuda", micro_batch_tokens=tokens,
+            role = plan(shape, Setup(device="cuda", micro_batch_tokens=tokens,
                                          activation_checkpointing="blocks" if blocks else "off")).role("trainer rank")
             planned = role.total - role.parts["engine copy"] - role.parts["baseline"]
             lines.append(f"| {tokens} | {'blocks' if blocks else 'off'} | {f'{peak / GIB:.2f} GiB' if peak else 'OOM'} | "
@@ -596,9 +597,9 @@ QWEN3 = {"Qwen3-1.7B": (2048, 6144, 28, 16, 8, True), "Qwen3-8B": (4096, 12288, 
          "Qwen3-14B": (5120, 17408, 40, 40, 8, False), "Qwen3-32B": (5120, 25600, 64, 64, 8, False)}
 
 
-def qwen3(name: str) -> P.Shape:
+def qwen3(name: str) -> Shape:
     h, i, layers, heads, kv, tied = QWEN3[name]
-    return P.Shape.from_config(dict(model_type="qwen3", vocab_size=151936, hidden_size=h, intermediate_size=i,
+    return Shape.from_config(dict(model_type="qwen3", vocab_size=151936, hidden_size=h, intermediate_size=i,
                                     num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
                                     head_dim=128, tie_word_embeddings=tied))
 
@@ -612,10 +613,10 @@ def scale(a) -> str:
         shape = qwen3(name)
         for rank in (0, 16):
             for ac in ("off", "blocks"):
-                s = P.Setup(world=8, lora_rank=rank, device="cuda", micro_batch_tokens=16384, activation_checkpointing=ac)
-                t = P.plan(shape, s).role("trainer rank")
+                s = Setup(world=8, lora_rank=rank, device="cuda", micro_batch_tokens=16384, activation_checkpointing=ac)
+                t = plan(shape, s).role("trainer rank")
                 state = t.parts["weights"] + t.parts["gradients"] + t.parts["AdamW state"]
-                fit = lambda d: "fits" if P.fits(shape, s, P.DEVICES[d]) else "no"  # noqa: E731
+                fit = lambda d: "fits" if fits(shape, s, DEVICES[d]) else "no"  # noqa: E731
                 lines.append(f"| {name} | {shape.params() / 1e9:.2f}B | {'LoRA r16' if rank else 'full'} | {ac} "
                              f"| {state / GIB:.1f} GiB | {t.parts['engine copy'] / GIB:.1f} GiB "
                              f"| {t.parts['activations'] / GIB:.1f} GiB | {t.total / GIB:.1f} GiB "

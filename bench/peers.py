@@ -73,12 +73,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import config as C  # noqa: E402  (floe's modules: the task, the defaults, the evaluator)
-from textcodec import TextCodec  # noqa: E402
-import tasks as T  # noqa: E402
+from config import Config  # noqa: E402  (floe's modules: the task, the defaults, the evaluator)
+from tasks.textcodec import TextCodec  # noqa: E402
+from tasks.task import build  # noqa: E402
 
 MODEL = ROOT / "checkpoints" / "reverse-tiny"
-FLOE = C.Config().resolve(cuda_available=False)  # floe's defaults: lr, max_new_tokens, temperature, ...
+FLOE = Config().resolve(cuda_available=False)  # floe's defaults: lr, max_new_tokens, temperature, ...
 WARMUP, BETAS = 5, (0.9, 0.99)  # hard-coded in train.optimizer_step and train.build
 ID_CHECKS = 512  # prompts whose TRL ids are compared with floe's
 
@@ -195,7 +195,7 @@ def floe_prompts(spec: dict, tok):
     ids checked against floe's), and floe's scorer as a TRL reward function."""
     from datasets import Dataset
 
-    task = T.build(C.Config(), TextCodec.load(MODEL))
+    task = build(Config(), TextCodec.load(MODEL))
     drawn = task.sample(spec["prompts"] * spec["steps"], random.Random(spec["seed"]))
     checked = check_ids(tok, drawn[:ID_CHECKS])
 
@@ -367,13 +367,13 @@ def timing_table(results, skip: int) -> str:
 
 def evaluate_dir(model_dir: Path, seed: int) -> float:
     """floe's own held-out eval of a HF directory (rollout.evaluate at floe's defaults, seed + 1 sampling)."""
-    import hfdir
+    from run import hfdir
     import rollout
-    from vllm_engine import make_engine
+    from engines.vllm_engine import make_engine
 
-    cfg = C.Config(seed=seed, model=str(model_dir)).resolve(cuda_available=False)
+    cfg = Config(seed=seed, model=str(model_dir)).resolve(cuda_available=False)
     codec = TextCodec.load(model_dir)
-    task = T.build(cfg, codec)
+    task = build(cfg, codec)
     m = hfdir.load(model_dir)
     task.fit_eval_set(cfg.max_new_tokens, m.args.max_position_embeddings)
     engine = make_engine(cfg, m, model_dir, codec.stop_ids, cfg.seed)

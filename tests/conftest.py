@@ -9,7 +9,7 @@ sys.path.insert(0, str(ROOT))
 
 def bench_module(name: str):
     """bench/NAME.py imported as `bench_NAME`, by path. bench/ never stays on sys.path: its scripts share
-    names with the flat modules (bench/lora.py, lora.py), and whichever import came next would get the
+    names with the flat modules (bench/lora.py, layers/lora.py), and whichever import came next would get the
     wrong one; while the script runs it is there, after the repo, for the script's own siblings."""
     import importlib.util
 

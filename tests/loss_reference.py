@@ -1,6 +1,6 @@
 """The dense fp64 reference loss.py is tested against (tests/test_loss.py), written from the formulas
 of docs/design.md "The loss" token by token, and the batches it runs on: random documents with a
-sampler q, packed into micro-batches as packing.py would, each loss token's support row replayed
+sampler q, packed into micro-batches as data.py would, each loss token's support row replayed
 or drawn. Nothing here imports loss.py's internals; it reads the flags from a Config as the user
 gives them."""
 
@@ -87,7 +87,7 @@ def make_docs(kind: str, seed: int | None = None, shapes=((3, 5), (2, 4), (3, 0)
 
 
 def assemble(docs: list[Doc], T: int, with_support: bool = True) -> tuple[MicroBatch, torch.Tensor, torch.Tensor]:
-    """Pack docs into one [T] micro-batch the way packing.pack lays it out; (mb, logits [T, V], old noise)."""
+    """Pack docs into one [T] micro-batch the way data.pack lays it out; (mb, logits [T, V], old noise)."""
     ns = [d.labels.numel() for d in docs]
     pad = T - sum(ns)
     assert pad >= 0

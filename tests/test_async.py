@@ -13,15 +13,15 @@ import torch
 
 import config as C
 import data as D
-from textcodec import TextCodec
-import tasks as T
+from tasks.textcodec import TextCodec
+from tasks import task as T
 import loss as L
 import model as M
-import start
+from run import start
 import rollout
 import train
-from pipeline import AsyncRollouts
-from engines import TorchEngine
+from engines.pipeline import AsyncRollouts
+from engines.torch_engine import TorchEngine
 from test_distributed import _rows
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,7 +30,7 @@ SMALL = ["--engine", "torch", "--prompts-per-step", "3", "--group-size", "3", "-
 
 
 def _main(*args: str) -> str:
-    """train.py in its own process: a threaded run sets torch's thread count (pipeline.py, AsyncRollouts
+    """train.py in its own process: a threaded run sets torch's thread count (engines/pipeline.py, AsyncRollouts
     6), which would change the last bits of every later run in this pytest process."""
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -201,7 +201,7 @@ def test_closing_abandons_a_hung_environment_call_at_once():
     sets the episodes' stop event, the wait ends, and the pipeline closes in well under the timeout."""
     import threading
 
-    import usercode
+    from tasks import usercode
 
     stop, started = threading.Event(), threading.Event()
 

@@ -1,8 +1,8 @@
 """The scripts no test runs (bench/, examples/) still import what exists: every floe module and
 name they import, every attribute they read off an imported floe module, and every other module
 they import, are there. Static (the files are parsed, not run), so it costs nothing, and it
-catches a rename that leaves a study behind (bench/memory.py once imported `kernels`, a module
-the reshape had renamed, inside a function no test called).
+catches a rename that leaves a study behind (bench/memory.py once imported a module a reshape
+had renamed, inside a function no test called).
 
     python -m pytest -q tests/test_bench_imports.py
 """
@@ -16,8 +16,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# a root module shadows a bench script's name (bench/lora.py imports the root's lora)
+ROOMS = ("agents", "engines", "layers", "run", "tasks")  # floe's folders, each a package
+# by dotted name: "train", "layers", "layers.lora", and bench's own scripts (a floe module's name wins)
 OWN = {p.stem: p for p in [*ROOT.glob("bench/*.py"), *ROOT.glob("*.py")]}
+OWN |= {r: ROOT / r / "__init__.py" for r in ROOMS}
+OWN |= {f"{r}.{p.stem}": p for r in ROOMS for p in (ROOT / r).glob("*.py") if p.stem != "__init__"}
 ELSEWHERE = {"trl", "datasets"}  # bench/peers.py's TRL side: its own virtual environment (--trl-python)
 SCRIPTS = sorted([*ROOT.glob("bench/*.py"), *ROOT.glob("examples/*.py")])
 
@@ -42,28 +45,46 @@ def defined(path: Path) -> set[str]:
 
 def problems(source: str, own: dict[str, Path]) -> list[str]:
     """What `source` imports or reads that is not there: a module, a name from a floe module, or
-    an attribute of a floe module imported whole (`import loss as L` ... `L.rl_loss`)."""
-    out, aliases = [], {}
+    an attribute of a floe module imported whole (`from run import hfdir` ... `hfdir.load`)."""
+    out, bound = [], {}  # a name the source binds -> the floe module it is
+    rooms = {m.split(".")[0] for m in own}
     tree = ast.parse(source)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
                 top = a.name.split(".")[0]
-                if top in own:
-                    aliases[a.asname or top] = top
+                if a.name in own:
+                    bound[a.asname or top] = a.name if a.asname else top
+                elif top in rooms:
+                    out.append(f"line {node.lineno}: no module {a.name!r}")
                 elif top not in ELSEWHERE and importlib.util.find_spec(top) is None:
                     out.append(f"line {node.lineno}: no module {top!r}")
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             top = node.module.split(".")[0]
-            if top in own and "." not in node.module:
-                missing = [a.name for a in node.names if a.name != "*" and a.name not in defined(own[top])]
-                out += [f"line {node.lineno}: {top} has no {name!r}" for name in missing]
-            elif top not in own and top not in ELSEWHERE and importlib.util.find_spec(top) is None:
+            if node.module in own:
+                for a in node.names:
+                    if f"{node.module}.{a.name}" in own:  # from run import hfdir
+                        bound[a.asname or a.name] = f"{node.module}.{a.name}"
+                    elif a.name != "*" and a.name not in defined(own[node.module]):
+                        out.append(f"line {node.lineno}: {node.module} has no {a.name!r}")
+            elif top in rooms:
+                out.append(f"line {node.lineno}: no module {node.module!r}")
+            elif top not in ELSEWHERE and importlib.util.find_spec(top) is None:
                 out.append(f"line {node.lineno}: no module {top!r}")
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
-            module = aliases[node.value.id]
-            if node.attr not in defined(own[module]):
+    for node in ast.walk(tree):  # the outermost attribute of a chain: tasks.task.build
+        if isinstance(node, ast.Attribute) and not isinstance(node.value, ast.Attribute):
+            if not (isinstance(node.value, ast.Name) and node.value.id in bound):
+                continue
+            module, attr = bound[node.value.id], node.attr
+            if f"{module}.{attr}" in own:
+                continue
+            if attr not in defined(own[module]):
+                out.append(f"line {node.lineno}: {module} has no {attr!r}")
+    for node in ast.walk(tree):  # a chain's later links: tasks.task.build
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                and isinstance(node.value.value, ast.Name) and node.value.value.id in bound):
+            module = f"{bound[node.value.value.id]}.{node.value.attr}"
+            if module in own and node.attr not in defined(own[module]):
                 out.append(f"line {node.lineno}: {module} has no {node.attr!r}")
     return out
 
@@ -76,12 +97,15 @@ def test_every_script_imports_what_exists(script):
 def test_the_check_finds_a_renamed_module_a_missing_name_and_a_missing_attribute():
     source = ("import torch\n"
               "def study():\n"
-              "    import kernels\n"
+              "    import lm_head\n"
               "    from loss import no_such_loss, rl_loss\n"
-              "    import model as M\n"
-              "    return M.Transformer, M.no_such_class\n")
-    assert problems(source, OWN) == ["line 3: no module 'kernels'", "line 4: loss has no 'no_such_loss'",
-                                     "line 6: model has no 'no_such_class'"]
+              "    from run import hfdir, nohere\n"
+              "    import run.start\n"
+              "    from engines.vllm import make_engine\n"
+              "    return hfdir.load, hfdir.no_such_load, run.start.build, run.start.no_build\n")
+    assert problems(source, OWN) == ["line 3: no module 'lm_head'", "line 4: loss has no 'no_such_loss'",
+                                     "line 5: run has no 'nohere'", "line 7: no module 'engines.vllm'",
+                                     "line 8: run.hfdir has no 'no_such_load'", "line 8: run.start has no 'no_build'"]
 
 
 def test_gpu_sh_train_commands_parse_and_resolve_for_cuda():
@@ -90,7 +114,7 @@ def test_gpu_sh_train_commands_parse_and_resolve_for_cuda():
     import re
     import shlex
 
-    import config as C
+    from config import parse
 
     text = (ROOT / "bench" / "gpu.sh").read_text().replace("\\\n", " ")
     lora = re.search(r'^LORA="([^"]*)"', text, re.M).group(1)
@@ -99,6 +123,6 @@ def test_gpu_sh_train_commands_parse_and_resolve_for_cuda():
     assert len(lines) >= 4, lines
     for line in lines:
         words = shlex.split(line.split("train.py", 1)[1].split("2>&1")[0].split("&&")[0].strip().rstrip('"'))
-        cfg = C.parse(words).resolve(True)
+        cfg = parse(words).resolve(True)
         assert cfg.device == "cuda", line
     assert "gpu:" in (ROOT / "pytest.ini").read_text() and " -m gpu " in text

@@ -1,4 +1,4 @@
-"""A checkpoint's files (shardfiles.py): the streamed safetensors writer against safetensors' own
+"""A checkpoint's files (run/shardfiles.py): the streamed safetensors writer against safetensors' own
 reader, the HF sharded layout against transformers, and a resume that falls back past a damaged
 shard or a missing rank's optimizer file. (Two ranks: tests/test_distributed.py.)"""
 
@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import checkpoint
+from run import checkpoint
 import config as C
-import hfdir
+from run import hfdir
 import model as M
-import shardfiles
-import start
+from run import shardfiles
+from run import start
 import train
-from textcodec import write_tokenizer
+from tasks.textcodec import write_tokenizer
 
 transformers = pytest.importorskip("transformers")
 SMALL = ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "6", "--eval-every", "0"]

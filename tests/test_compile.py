@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-import attention as A
+from layers import attention as A
 import model as M
-from lm_head import head
-from engines import Sampling, TorchEngine
+from kernels import head
+from engines.torch_engine import Sampling, TorchEngine
 
 
 def _model(device="cpu"):

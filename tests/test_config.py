@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import config as C
-import start
+from run import start
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,8 +109,8 @@ def test_meaningless_or_unbounded_values_are_refused(args, words, capsys):
     (["--task", "arithmetic", "--min-words", "3", "--max-words", "2"], "--min-words/--max-words need"),  # a typo whatever --task
 ])
 def test_a_bad_task_or_task_flag_is_refused_at_the_start_checks(args, words, tmp_path, capsys):
-    """tasks.py's table holds the task names and their flags' checks, and tasks.py imports config.py: so
-    they run first at the start checks (tasks.check_flags), not at parse time; the same one line, exit
+    """tasks/task.py's table holds the task names and their flags' checks, and tasks/task.py imports config.py: so
+    they run first at the start checks (task.check_flags), not at parse time; the same one line, exit
     status 2, and nothing written."""
     C.parse(args)  # parses: config.py cannot see the table
     out = tmp_path / "run"

@@ -16,16 +16,16 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
 import config as C
-from textcodec import TextCodec
-import tasks as T
-import lora
+from tasks.textcodec import TextCodec
+from tasks import task as T
+from layers import lora
 import loss as L
 import model as M
-import hfdir
-import packing
+from run import hfdir
+import data
 import rollout
 import train
-from engines import TorchEngine
+from engines.torch_engine import TorchEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,7 +108,7 @@ def _cases():
             s.advantage += float(torch.randn((), generator=g))
         samples[7].logq[0] = 0.5  # bad evidence: dropped on every rank, counted once
         longest = max(len(s.ids) - 1 for s in samples)  # three micro-batches: one rank runs a masked copy
-        budget = next(b for b in range(longest, 4096) if len(packing.pack(samples, b)) == 3)
+        budget = next(b for b in range(longest, 4096) if len(data.pack(samples, b)) == 3)
         cases.append((C.dataclasses.replace(cfg, micro_batch_tokens=budget).resolve(False), m.state_dict(), samples))
     cfg, state, samples = cases[0]  # --train-dtype bf16/fp16: autocast around FSDP2's fp32 weights, as in 1 process
     cases += [(C.dataclasses.replace(cfg, train_dtype=d), state, samples) for d in ("bf16", "fp16")]

@@ -23,10 +23,10 @@ import torch
 
 import data as D
 
-from textcodec import TextCodec, write_tokenizer
+from tasks.textcodec import TextCodec, write_tokenizer
 import model as M
-import hfdir
-from engines import Sampling, TorchEngine
+from run import hfdir
+from engines.torch_engine import Sampling, TorchEngine
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,7 +84,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def vllm_engine(model_dir):
     """One vLLM per test process (it keeps process-wide state); tests that push put the weights back."""
-    from vllm_engine import VLLMEngine
+    from engines.vllm_engine import VLLMEngine
 
     return VLLMEngine(model_dir, 32, "fp32", STOPS, seed=0, memory=0.2)
 
@@ -272,7 +272,7 @@ def test_episodes_logq_and_budgets_equal_a_full_forward_of_each_episode(engine, 
     back as token prompts, later turns capped by the room their episode has left) against the full
     forward of the whole episode; under top-k its support row too. The budget is set so a second
     turn of full length cannot fit: some turns are cut by it, none runs past it."""
-    import episodes as E
+    from agents import episodes as E
 
     codec, model, s = TextCodec.tiny(), _model(), Sampling(temperature=0.9, top_k=top_k, max_new_tokens=16,
                                                               support=top_k > 0)
@@ -361,7 +361,7 @@ def test_train_with_the_vllm_engine(tmp_path):
 
 def test_what_vllm_is_asked_for_and_what_it_refuses():
     from config import ConfigError
-    from vllm_engine import vllm_logprobs
+    from engines.vllm_engine import vllm_logprobs
 
     assert vllm_logprobs(Sampling(), 151936) == 0  # no support wanted: the sampled token's logq only
     assert vllm_logprobs(Sampling(support=True, top_k=64, top_p=0.9), 151936) == 128  # room for ties at the k-th
@@ -452,7 +452,7 @@ def test_vllm_fp8_follows_pushes_and_stays_near_the_emulated_fp8_forward(model_d
     """--engine vllm --engine-dtype fp8 on a GPU: vLLM's online W8A8 (its scales are per tensor,
     the built-in emulation's per channel and per token, so the two agree loosely), and a push
     re-quantizes: a zero head gives uniform logq, and the weights pushed back are sampled again."""
-    from vllm_engine import VLLMEngine
+    from engines.vllm_engine import VLLMEngine
 
     e = VLLMEngine(model_dir, 32, "fp8", STOPS, seed=0, memory=0.2, device="cuda", sleep=False)
     zero = _model()
@@ -472,7 +472,7 @@ def test_vllm_fp8_follows_pushes_and_stays_near_the_emulated_fp8_forward(model_d
 def test_a_colocated_vllm_sleeps_once_a_step_is_over_never_between_its_turns():
     """VLLMEngine's sleep logic on a stand-in for vllm.LLM (sleeping needs a GPU): the turns of a
     step run awake, idle() sleeps once, the next push or call wakes it."""
-    from vllm_engine import VLLMEngine
+    from engines.vllm_engine import VLLMEngine
 
     calls = []
 

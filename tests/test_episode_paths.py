@@ -28,10 +28,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import lora
+from layers import lora
 import model as M
-import hfdir
-from textcodec import TextCodec
+from run import hfdir
+from tasks.textcodec import TextCodec
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_vllm = pytest.mark.skipif(not __import__("importlib").util.find_spec("vllm") and not os.environ.get("CI"),

@@ -1,4 +1,4 @@
-"""Multi-turn episodes (episodes.py): the token rule on three template families, exactness against
+"""Multi-turn episodes (agents/episodes.py): the token rule on three template families, exactness against
 a full forward and a dense unpacked step, and the environment's faults.
 
 The Qwen3- and Llama-3.1-behaving templates below are written here from those formats' public
@@ -12,6 +12,7 @@ project.
 
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -25,15 +26,15 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 import config as C
 import data as D
-from textcodec import CHATML, LETTERS, TextCodec
-import envs
-import episodes as E
+from tasks.textcodec import CHATML, LETTERS, TextCodec
+from agents import envs
+from agents import episodes as E
 import loss as L
 import model as M
 import rollout
 import train
 from conftest import one_line
-from engines import Completion, Sampling, TorchEngine
+from engines.torch_engine import Completion, Sampling, TorchEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 :\n<>/|_" + '"{}[],.ABCDEFGHIJKLMNOPQRSTUVWXYZ'  # JSON, schemas
@@ -588,12 +589,12 @@ def _old_guess_rows(n: int, seed: int) -> list[dict]:
 
 
 def test_every_builtin_environment_writes_its_rows_by_name(tmp_path):
-    """`python envs.py NAME FILE`: guess-letter's rows are the old writer's, byte for byte the committed
+    """`python -m agents.envs NAME FILE`: guess-letter's rows are the old writer's, byte for byte the committed
     examples/guess.jsonl; the blind control plays the same rows (and the calculator's control the
     calculator's); each holds the columns its class declares."""
     for name, cls in envs.BUILTIN.items():
         f = tmp_path / f"{name}.jsonl"
-        r = subprocess.run([sys.executable, "envs.py", name, str(f)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        r = subprocess.run([sys.executable, "-m", "agents.envs", name, str(f)], capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert r.returncode == 0 and not r.stderr, r.stderr
         if name.startswith("guess-letter"):
             assert f.read_bytes() == (ROOT / "examples" / "guess.jsonl").read_bytes()
@@ -605,9 +606,9 @@ def test_every_builtin_environment_writes_its_rows_by_name(tmp_path):
 @pytest.mark.parametrize("args,words", [(["nope", "x.jsonl"], "no built-in environment 'nope'"),
                                        (["examples/x.jsonl"], "2 arguments, got 1")])
 def test_envs_py_with_an_unknown_name_says_its_usage_in_one_line(tmp_path, args, words):
-    r = subprocess.run([sys.executable, str(ROOT / "envs.py"), *args], capture_output=True, text=True, timeout=60,
-                       cwd=tmp_path)
-    one_line(r, 2, words, "usage: python envs.py NAME FILE, NAME one of guess-letter, guess-letter-blind, calculator, "
+    r = subprocess.run([sys.executable, "-m", "agents.envs", *args], capture_output=True, text=True, timeout=60,
+                       cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    one_line(r, 2, words, "usage: python -m agents.envs NAME FILE, NAME one of guess-letter, guess-letter-blind, calculator, "
              "calculator-off")
     assert not list(tmp_path.iterdir())  # nothing written
 

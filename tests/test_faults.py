@@ -21,12 +21,12 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-import checkpoint
+from run import checkpoint
 import config as C
-import rundir
-import hfdir
-import shardfiles
-import start
+from run import rundir
+from run import hfdir
+from run import shardfiles
+from run import start
 import train
 from conftest import one_line
 
@@ -253,7 +253,7 @@ def test_a_full_disk_mid_metrics_row_keeps_what_was_written(tmp_path, monkeypatc
             f.write = torn
         return f
 
-    monkeypatch.setattr(rundir, "open", full_at_row_2, raising=False)  # shadows the builtin in rundir.py (create_new)
+    monkeypatch.setattr(rundir, "open", full_at_row_2, raising=False)  # shadows the builtin in run/rundir.py (create_new)
     one_line(_main(capsys, "--steps", "3", "--save-every", "1", "--out-dir", str(out)), 1, "cannot write",
              os.strerror(errno.ENOSPC), "metrics.jsonl")
     _same_but(seen, _tree(out), "metrics.jsonl")
@@ -633,7 +633,7 @@ def test_a_sigint_while_the_rollout_thread_waits_on_a_hung_reward_exits_at_once(
     with its one line in seconds, not after the call's timeout."""
     out, hung = tmp_path / "run", tmp_path / "hung"
     (tmp_path / "slow.py").write_text(
-        "import pathlib, time\nfrom rewards import similarity\ncalls = 0\n"
+        "import pathlib, time\nfrom tasks.rewards import similarity\ncalls = 0\n"
         "def score(prompts, completions, target, **kwargs):\n    global calls\n    calls += 1\n"
         f"    if calls >= 2:\n        pathlib.Path({str(hung)!r}).touch()\n        time.sleep(3600)\n"
         "    return similarity(prompts, completions, target)\n")

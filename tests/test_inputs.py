@@ -13,13 +13,13 @@ import pytest
 import torch
 
 
-from textcodec import TextCodec
+from tasks.textcodec import TextCodec
 import model as M
-import hfdir
-import rewards
-import tasks as T
+from run import hfdir
+from tasks import rewards
+from tasks import task as T
 import train
-from engines import TorchEngine
+from engines.torch_engine import TorchEngine
 from conftest import one_line
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 import data as D
-import evidence as E
-import lm_head
+from run import evidence as E
+import kernels
 import loss as L
-import packing
+import data
 from config import Config
 from data import TokenSupport
-from lm_head import head
+from kernels import head
 from loss import sparse_ok
 
 
@@ -52,7 +52,7 @@ def _dense(hidden, weight, labels, support, T):
 @pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("chunk", [None, 3])
 def test_head_matches_dense(chunk, keep, monkeypatch):
-    monkeypatch.setattr(lm_head, "KEEP_ELEMENTS", 1 << 20 if keep else 0)  # the kept logits, or recomputed
+    monkeypatch.setattr(kernels, "KEEP_ELEMENTS", 1 << 20 if keep else 0)  # the kept logits, or recomputed
     gen = torch.Generator().manual_seed(0)
     N, H, V, T = 11, 8, 19, 0.7
     hidden = torch.randn(N, H, generator=gen, requires_grad=True)
@@ -152,7 +152,7 @@ KINDS = {"replayed": ["replayed"] * 9 + ["empty"] * 2,
 @pytest.mark.parametrize("kinds", list(KINDS))
 def test_sparse_backward_matches_dense(kinds, tile, monkeypatch):
     if tile is not None:  # many spans and d_W blocks
-        monkeypatch.setattr(lm_head, "TILE_ELEMENTS", tile)
+        monkeypatch.setattr(kernels, "TILE_ELEMENTS", tile)
     hidden, weight, labels, support, cl, cs = _problem(KINDS[kinds])
     fwd_d, (dh_d, dw_d) = _grads(hidden, weight, labels, support, cl, cs, 0.7, sparse=False)
     fwd_s, (dh_s, dw_s) = _grads(hidden, weight, labels, support, cl, cs, 0.7, sparse=True)
@@ -193,7 +193,7 @@ def test_ragged_matches_padded():
 
 
 def test_sparse_backward_is_deterministic(monkeypatch):
-    monkeypatch.setattr(lm_head, "TILE_ELEMENTS", 256)  # several d_W blocks added in order
+    monkeypatch.setattr(kernels, "TILE_ELEMENTS", 256)  # several d_W blocks added in order
     kinds = (["draws"] * 5 + ["replayed"] * 5 + ["empty"]) * 12
     hidden, weight, labels, support, cl, cs = _problem(kinds, seed=5, H=16, V=40)
     runs = [_grads(hidden, weight, labels, support, cl, cs, 1.0, sparse=True)[1] for _ in range(2)]
@@ -222,7 +222,7 @@ def _micro_batch(kind, V, gen, k=4):
                 else -float(torch.rand(1, generator=gen)) for j in range(len(completion))]
         samples.append(D.Sample(prompt, completion, logq, [0] * len(completion), "stop", sup,
                                 advantage=float(torch.randn(1, generator=gen))))
-    return packing.pack(samples, 64)[0]
+    return data.pack(samples, 64)[0]
 
 
 SEQ_MASK = dict(seq_mask="geometric", seq_mask_low=0.1, seq_mask_high=10.0)

@@ -1,4 +1,4 @@
-"""LoRA (lora.py) against references: peft on the same base (logits, and floe's saved adapter loaded
+"""LoRA (layers/lora.py) against references: peft on the same base (logits, and floe's saved adapter loaded
 by peft), transformers on the merged directory, autograd on the dense W + (alpha / r) B A, the
 engine's merged copy; the trainer's step moves the adapters alone."""
 
@@ -10,14 +10,14 @@ import torch
 from torch.func import functional_call
 
 import config as C
-from textcodec import TextCodec
-import lora
+from tasks.textcodec import TextCodec
+from layers import lora
 import model as M
-import hfdir
-import tasks as T
+from run import hfdir
+from tasks import task as T
 import rollout
 import train
-from engines import TorchEngine
+from engines.torch_engine import TorchEngine
 from test_model import _family_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -198,7 +198,7 @@ def test_the_compiled_packed_forward_and_its_adapter_gradients_equal_eager():
 def test_bench_linears_arm_trains_exactly_the_layers_lora_adapts():
     """bench/lora.py's diagnosis arm (full fine-tuning with what LoRA leaves frozen frozen) must train
     the weights of the adapted layers and nothing else, and give start.shard back afterwards."""
-    import start
+    from run import start
     from conftest import ROOT, bench_module
 
     bench_lora = bench_module("lora")

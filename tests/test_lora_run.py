@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import checkpoint
-import lora
-import hfdir
+from run import checkpoint
+from layers import lora
+from run import hfdir
 import train
 
 transformers = pytest.importorskip("transformers")

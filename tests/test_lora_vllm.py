@@ -15,12 +15,12 @@ import sys
 import pytest
 import torch
 
-import lora as L
+from layers import lora as L
 import model as M
 from config import ConfigError
 from conftest import one_line
-from lora import VLLM_RANKS, LoRASpec
-from engines import Sampling
+from layers.lora import VLLM_RANKS, LoRASpec
+from engines.torch_engine import Sampling
 from test_distributed import torchrun
 from test_engines import HAS_VLLM, PROMPTS, ROOT, STOPS, _model, _probs, model_dir, needs_vllm  # noqa: F401 (a fixture)
 
@@ -120,7 +120,7 @@ def test_vllm_serves_the_adapter_as_a_merged_fp32_forward(tmp_path):
 
 
 def test_vllm_lora_ranks_round_up_to_what_vllm_accepts():
-    from vllm_engine import vllm_lora_rank
+    from engines.vllm_engine import vllm_lora_rank
 
     assert [vllm_lora_rank(r) for r in (1, 2, 4, 8, 9, 16, 300, 320, 321, 512)] == [
         1, 8, 8, 8, 16, 16, 320, 320, 512, 512]
@@ -270,7 +270,7 @@ def test_vllm_lora_on_a_gpu_keeps_its_adapter_through_sleep(model_dir):
     the LoRA buffers among them, offloaded) and wakes for the next: its bf16 logq stays near the
     merged fp32 forward and far from the base's after a push, after a sleep with no push between
     (an eval, then the next rollout), and after a second push into a woken engine."""
-    from vllm_engine import VLLMEngine
+    from engines.vllm_engine import VLLMEngine
 
     spec = LoRASpec(8, 16.0)
     engine = VLLMEngine(model_dir, 32, "bf16", STOPS, seed=0, memory=0.2, device="cuda", sleep=True, lora=spec)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import evidence as E
+from run import evidence as E
 import loss as L
 from config import Config, ConfigError
 from data import MicroBatch, TokenSupport

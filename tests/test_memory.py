@@ -17,13 +17,13 @@ from safetensors.torch import load_file, save_file
 
 import config as C
 import data as D
-import hfdir
-import lora
+from run import hfdir
+from layers import lora
 import model as M
-import tasks as T
+from tasks import task as T
 import train
 from test_distributed import torchrun
-from textcodec import TextCodec
+from tasks.textcodec import TextCodec
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_DIR = ROOT / "checkpoints" / "reverse-tiny"
@@ -124,7 +124,7 @@ def test_recomputed_blocks_free_their_buffers_to_the_system_on_a_cpu(tmp_path):
 
 
 def test_build_maps_large_buffers_for_blocks_on_a_cpu_only(monkeypatch, tmp_path):
-    import start
+    from run import start
     calls = []
     monkeypatch.setattr(start, "map_large_buffers", lambda: calls.append(1))
     codec = TextCodec.load(TINY_DIR)

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import config as C
-import hfdir
-import lora
-import memplan as P
+from run import hfdir
+from layers import lora
+from run import memplan as P
 import model as M
-import start
+from run import start
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -215,7 +215,7 @@ def test_bad_setups_are_one_line(kwargs, words):
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
-# ----------------------------------------------------------------------------- the plan at the start (start.py)
+# ----------------------------------------------------------------------------- the plan at the start (run/start.py)
 
 QWEN3_06B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)

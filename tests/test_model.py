@@ -17,11 +17,11 @@ import torch
 
 import data as D
 
-from textcodec import TextCodec, write_tokenizer
-import packing
-import tasks as T
+from tasks.textcodec import TextCodec, write_tokenizer
+import data
+from tasks import task as T
 import model as M
-import hfdir
+from run import hfdir
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parent.parent
@@ -314,7 +314,7 @@ def test_packing_keeps_every_token_and_attention_stays_in_its_document():
     ours = M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
     M.init_weights(ours, std=0.1, seed=0)
     samples = _samples(codec, 9, seed=4)
-    mbs = packing.pack(samples, 256)
+    mbs = data.pack(samples, 256)
     assert len(mbs) > 1  # several buffers, each with several documents
     seen = []
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Shared-prompt packing (packing.pack): one copy of a group's prompt per buffer, the same numbers as
+"""Shared-prompt packing (data.pack): one copy of a group's prompt per buffer, the same numbers as
 one copy per sample; the unshared layout with the dense mask is the reference."""
 
 import functools
@@ -9,11 +9,11 @@ import torch
 import config as C
 import loss as L
 import model as M
-import packing
+import data
 import train
 from test_train import _samples, _setup
 
-PACK = packing.pack
+PACK = data.pack
 
 
 def _cfg(**kw):
@@ -85,7 +85,7 @@ def test_shared_layout_holds_each_prompt_once_and_every_completion():
     codec, m, task = _setup()
     cfg = _cfg()
     samples = _samples(cfg, m, codec, task)
-    (mb,) = packing.pack(samples, 512)
+    (mb,) = data.pack(samples, 512)
     prompts = {tuple(s.prompt.ids) for s in samples}
     used = sum(len(p) - 1 for p in prompts) + sum(len(s.completion) for s in samples)
     assert used < sum(len(s.ids) - 1 for s in samples) / 2  # the unshared layout's tokens
@@ -111,7 +111,7 @@ def test_a_group_larger_than_a_buffer_is_split_with_its_own_prompt_copies():
     P = len(samples[0].prompt.ids)
     T = P - 1 + len(samples[0].completion) + len(samples[1].completion)  # two completions per buffer at most
     T = max(T, max(len(s.ids) - 1 for s in samples))
-    mbs = packing.pack(samples, T)
+    mbs = data.pack(samples, T)
     assert len(mbs) >= 2
     assert sorted(i for mb in mbs for i in mb.samples) == list(range(len(samples)))
     for mb in mbs:

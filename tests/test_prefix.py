@@ -1,4 +1,4 @@
-"""The built-in engine's kept cache rows (prefix.py): a call whose prompts extend the last call's
+"""The built-in engine's kept cache rows (engines/torch_engine.py): a call whose prompts extend the last call's
 rows (a multi-turn episode's next turn) prefills only the new tokens, and every logq and support
 row it reports is still the full fp32 forward's of the whole sequence. Rows are dropped when the
 weights change and on idle(); rows that left the decode batch early are kept too."""
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import model as M
-import engines
+from engines import torch_engine
 import train
-from engines import Sampling, TorchEngine
+from engines.torch_engine import Sampling, TorchEngine
 
 STOPS = [2, 0]
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11]]
@@ -193,13 +193,13 @@ def test_a_single_turn_job_passes_keep_false_and_an_episode_job_keeps_until_its_
     """The callers say it: train's rollout and eval never ask the engine to keep rows; the episode
     loop asks on every turn that another turn may follow (--max-turns)."""
     calls = []
-    generate = engines.TorchEngine.generate
+    generate = torch_engine.TorchEngine.generate
 
     def recording(self, prompts, n, sampling, budgets=None, keep=True):
         out = generate(self, prompts, n, sampling, budgets, keep)
         calls.append((keep, self.kept is not None))
         return out
-    monkeypatch.setattr(engines.TorchEngine, "generate", recording)
+    monkeypatch.setattr(torch_engine.TorchEngine, "generate", recording)
     train.main(["--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-prompts", "4",
                 "--out-dir", str(tmp_path / "one")])
     assert len(calls) == 3 and calls == [(False, False)] * 3  # eval at 0, the step, eval at the end

@@ -166,7 +166,7 @@ def test_teardown_closes_the_link_on_every_rank_and_leaves_without_finalization(
 
 def test_leave_keeps_the_exit_status_and_flushes(tmp_path):
     script = tmp_path / "leave.py"
-    script.write_text(f"import atexit, sys\nsys.path[:0] = [{str(ROOT)!r}]\nimport parallel as P\n"
+    script.write_text(f"import atexit, sys\nsys.path[:0] = [{str(ROOT)!r}]\nfrom layers import parallel as P\n"
                       "atexit.register(print, 'FINALIZED')\n"
                       "def main():\n    print('buffered')\n    print('floe: error: x', file=sys.stderr)\n"
                       "    raise SystemExit(3)\nP.leave(main)\n")
@@ -206,7 +206,7 @@ def test_bad_splits_are_refused(monkeypatch, world, flags, says):
 @pytest.mark.parametrize("rank,visible,want", [(2, "4,5,6", ("6", "0")), (2, None, ("2", "0")), (1, "4,5,6", (None, "1"))])
 def test_an_inference_rank_sees_only_its_own_gpu(monkeypatch, rank, visible, want):
     """Set before CUDA starts: vLLM in-process takes cuda:0 of what the process sees."""
-    import parallel as P
+    from layers import parallel as P
 
     monkeypatch.setattr(P, "RANK", rank)
     monkeypatch.setattr(P, "LAUNCHED", 3)
@@ -229,11 +229,11 @@ def test_an_inference_rank_holds_one_copy_its_engines(dtype, device):
     built from a loaded model, and a push streamed from the wire lands as a model's push does."""
     import torch
 
-    import hfdir
-    from engines import TorchEngine
-    from remote import _inference_model, _pushed, wire_dtype
-    from textcodec import TextCodec
-    from vllm_engine import make_engine
+    from run import hfdir
+    from engines.torch_engine import TorchEngine
+    from run.remote import _inference_model, _pushed, wire_dtype
+    from tasks.textcodec import TextCodec
+    from engines.vllm_engine import make_engine
 
     src = str(ROOT / "checkpoints" / "reverse-tiny")
     cfg = C.Config(model=src, engine="torch", engine_dtype=dtype, device=device).resolve(device == "cuda")

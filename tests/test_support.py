@@ -8,11 +8,11 @@ import torch
 
 import data as D
 
-from textcodec import TextCodec
-import packing
-import tasks as T
+from tasks.textcodec import TextCodec
+import data
+from tasks import task as T
 import model as M
-from engines import Sampling, TorchEngine, draw
+from engines.torch_engine import Sampling, TorchEngine, draw
 
 
 def _model():
@@ -57,7 +57,7 @@ def test_support_survives_packing():
     prompts = task.eval_set
     out = engine.generate([p.ids for p in prompts], 2, Sampling(top_p=0.9, max_new_tokens=8, support=True))
     samples = [D.Sample(prompts[i // 2], c.ids, c.logq, c.versions, c.finish_reason, c.support) for i, c in enumerate(out)]
-    for mb in packing.pack(samples, 128):
+    for mb in data.pack(samples, 128):
         sup = mb.support
         assert sup.num_rows == 128 and torch.equal(sup.offsets, torch.from_numpy(sup.host_offsets))
         for i in mb.samples:

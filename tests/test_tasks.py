@@ -1,4 +1,4 @@
-"""tasks.py and the text side of data.py: chat templates against transformers' rendering, stop ids
+"""tasks/task.py and the text side of data.py: chat templates against transformers' rendering, stop ids
 from the model directory, prompts from a file, rewards by import path, and each bad input's one line."""
 
 import hashlib
@@ -14,10 +14,10 @@ import pytest
 
 import config as C
 import data as D
-from textcodec import TextCodec, char_tokenizer
-import rewards
-import start
-import tasks as T
+from tasks.textcodec import TextCodec, char_tokenizer
+from tasks import rewards
+from run import start
+from tasks import task as T
 from conftest import one_line
 
 ROOT = Path(__file__).resolve().parent.parent

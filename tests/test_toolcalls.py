@@ -1,4 +1,4 @@
-"""toolcalls.py: schemas against transformers' get_json_schema, both call formats parsed (each
+"""agents/toolcalls.py: schemas against transformers' get_json_schema, both call formats parsed (each
 malformed kind with its error line), written calls read back, results rendered by Qwen3- and
 Llama-3.1-behaving templates as transformers renders them, and the runner's faults injected.
 
@@ -20,10 +20,10 @@ from typing import Any, Literal
 import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-import textcodec as D
-import tasks
-import toolcalls as T
-import toolrun as R
+from tasks import textcodec as D
+from tasks import task
+from agents import toolcalls as T
+from agents import toolrun as R
 
 QWEN3_TOOLS = r"""
 {%- set first = 1 if messages[0].role == 'system' else 0 -%}
@@ -111,7 +111,7 @@ FORMAT = {"qwen3": "hermes", "qwen3-nonspecial": "hermes", "llama31": "llama3-js
 
 def _tokenizer(specials: list[str], plain: list[str]) -> Tokenizer:
     """One id per printable character, and one per family token (`plain` ones not marked special)."""
-    vocab = {t: i for i, t in enumerate(specials + plain + list(dict.fromkeys(tasks.PRINTABLE)))}
+    vocab = {t: i for i, t in enumerate(specials + plain + list(dict.fromkeys(task.PRINTABLE)))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=specials[0]))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()

@@ -1,4 +1,4 @@
-"""Tools in episodes (episodes.py with toolcalls.py and toolrun.py): the token rule with calls on
+"""Tools in episodes (agents/episodes.py with agents/toolcalls.py and agents/toolrun.py): the token rule with calls on
 the Qwen3- and Llama-3.1-behaving tool templates of tests/test_toolcalls.py (two calls in one Qwen
 turn; a Llama turn ending <|eom_id|>), the SFT round trip, a tool's faults inside an episode, the
 start checks' lines, a run of the built-in `tools` and `calculator` environments, whole runs that
@@ -17,19 +17,19 @@ import pytest
 
 import config as C
 import data as D
-import envs
-import episodes as E
-import hfdir
+from agents import envs
+from agents import episodes as E
+from run import hfdir
 import model as M
 import rollout
-import start
-import toolcalls as T
-import toolrun
+from run import start
+from agents import toolcalls as T
+from agents import toolrun
 import train
-from engines import Sampling
+from engines.torch_engine import Sampling
 from test_episodes import Scripted
 from test_toolcalls import CALLS, LLAMA31_TOOLS, Faults, _model_dir, add, lookup
-from textcodec import TextCodec
+from tasks.textcodec import TextCodec
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [{"role": "user", "content": "What is 1 + 2?"}]
@@ -344,7 +344,7 @@ def test_more_than_the_abandoned_limit_stop_the_run_in_one_line_naming_the_tool(
     """Every episode calls a tool that never returns (the engine samples the call: a random model
     would not); past toolrun.MAX_ABANDONED (256, lowered here so that one step reaches it) calls still
     alive, the run stops with its line, exit 1."""
-    from engines import Completion, TorchEngine
+    from engines.torch_engine import Completion, TorchEngine
 
     assert toolrun.MAX_ABANDONED == 256
     monkeypatch.setattr(toolrun, "MAX_ABANDONED", 5)
@@ -533,7 +533,7 @@ def test_a_calculator_episode_on_calc_tiny_calls_add_and_answers():
     """checkpoints/calc-tiny plays `--env calculator` with the built-in engine: its first turns parse as
     calls of `add`, the environment's add answers each with the sum of the arguments it parsed, and
     episodes end on an answer turn."""
-    from engines import TorchEngine
+    from engines.torch_engine import TorchEngine
 
     d = ROOT / "checkpoints" / "calc-tiny"
     codec = TextCodec.load(d)

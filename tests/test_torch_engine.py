@@ -10,10 +10,10 @@ import torch
 
 import model as M
 
-import hfdir
+from run import hfdir
 from loss import group_advantages
-from precision import Fp8Linear, fp8_quantize
-from engines import Sampling, TorchEngine
+from engines.precision import Fp8Linear, fp8_quantize
+from engines.torch_engine import Sampling, TorchEngine
 
 
 def _model():
@@ -206,7 +206,7 @@ def test_group_advantages():
 
 
 def test_an_import_from_the_engines_old_home_fails():
-    """rollout.py now means the rollout phase; the engine contract lives in engines.py, and an old
+    """rollout.py now means the rollout phase; the engine contract lives in engines/torch_engine.py, and an old
     `from rollout import TorchEngine` must fail, never find something else under that name."""
     import rollout
 

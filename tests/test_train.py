@@ -14,15 +14,15 @@ import torch
 
 import config as C
 import data as D
-from textcodec import TextCodec
-import packing
-import tasks as T
+from tasks.textcodec import TextCodec
+import data
+from tasks import task as T
 import model as M
-import hfdir
+from run import hfdir
 import rollout
 import train
 from conftest import one_line
-from engines import TorchEngine
+from engines.torch_engine import TorchEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,7 +51,7 @@ def test_one_or_three_micro_batches_give_the_same_step(agg):
     cfg = C.Config(loss="icepop", icepop_alpha=0.8, icepop_beta=1.25, loss_agg=agg, prompts_per_step=4,
                    group_size=3, max_new_tokens=10)
     samples = _samples(cfg, m, codec, task)
-    prompts = {tuple(s.prompt.ids) for s in samples}  # packed once per group (packing.pack)
+    prompts = {tuple(s.prompt.ids) for s in samples}  # packed once per group (data.pack)
     total_tokens = sum(len(p) - 1 for p in prompts) + sum(len(s.completion) for s in samples)
     runs = []
     for T in (total_tokens + 64, total_tokens // 3 + 30):
@@ -60,7 +60,7 @@ def test_one_or_three_micro_batches_give_the_same_step(agg):
         cfg_t = C.dataclasses.replace(cfg, micro_batch_tokens=T)
         mbs, denom, _ = train.prepare(cfg_t, samples, 32, "cpu")
         metrics = train.backward_pass(cfg_t, model, model, mbs, denom, step=0)
-        n_mb = len(packing.pack(samples, T))
+        n_mb = len(data.pack(samples, T))
         grads = torch.cat([p.grad.flatten() for p in model.parameters()])
         runs.append((n_mb, import_reduce(metrics), grads))
     (n1, m1, g1), (n3, m3, g3) = runs
@@ -269,7 +269,7 @@ def _bf16_probe(cfg, model, mb) -> dict:
     with torch.autocast(mb.tokens.device.type, torch.bfloat16, enabled=low is not None):
         hidden = model(mb.tokens, mb.positions, mb.doc_ids, mb.parents)
     w = model.head_weight
-    logits = ((hidden.to(low) @ w.to(low).T) if low else hidden @ w.T).float()  # as lm_head._chunk
+    logits = ((hidden.to(low) @ w.to(low).T) if low else hidden @ w.T).float()  # as kernels._chunk
     logp, entropy, sup_logp = train._head(cfg, model, model, mb)
     on = mb.loss_mask
     counts = mb.support.offsets[1:] - mb.support.offsets[:-1]

@@ -1,4 +1,4 @@
-"""The Triton head (triton_head.py) against the plain-torch reference (lm_head.py).
+"""The Triton head (kernels.py `triton_head`) against the plain-torch reference (kernels.py `head`).
 
 CPU: the kernels run in Triton's interpreter at tiny shapes (fp32: tl.dot on bf16 is wrong
 there), against head(impl="torch"): the forward over every kind of row, the dense and the
@@ -24,13 +24,13 @@ import numpy as np
 import pytest
 import torch
 
-import triton_head
+import kernels
 from data import TokenSupport
-from lm_head import head
+from kernels import head
 
 ROOT = Path(__file__).resolve().parent.parent
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-HAS_TRITON = triton_head.triton_available()
+HAS_TRITON = kernels.triton_available()
 interpreted = pytest.mark.skipif(not (INTERPRET and HAS_TRITON),
                                  reason="runs in test_interpreter_in_subprocess (TRITON_INTERPRET=1)")
 gpu = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON) or INTERPRET,
@@ -212,12 +212,12 @@ def test_interpreter_in_subprocess():
 def test_runs_without_triton():
     """floe imports, and the head runs on the reference, where triton does not import."""
     code = ("import sys; sys.modules['triton'] = None\n"
-            "import torch, lm_head, triton_head\n"
-            "assert not triton_head.triton_available()\n"
+            "import torch, kernels\n"
+            "assert not kernels.triton_available()\n"
             "h = torch.randn(5, 4, requires_grad=True); w = torch.randn(9, 4, requires_grad=True)\n"
-            "logp, ent, slp = lm_head.head(h, w, torch.tensor([1, 2, 3, 4, 5]))\n"
+            "logp, ent, slp = kernels.head(h, w, torch.tensor([1, 2, 3, 4, 5]))\n"
             "logp.sum().backward(); assert h.grad is not None\n"
-            "try:\n    lm_head.head(h, w, torch.tensor([1, 2, 3, 4, 5]), impl='triton')\n"
+            "try:\n    kernels.head(h, w, torch.tensor([1, 2, 3, 4, 5]), impl='triton')\n"
             "except ImportError:\n    print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
@@ -236,7 +236,7 @@ def _sm90_jobs(t, N=16384, H=2048, V=151936, W=8192):
                             inv_t=inv_t, stride_h=i(H), stride_w=i(H)), tiled, t.warps),
         ("support_kernel", dict(h_ptr=P, w_ptr=P, labels_ptr=L, ids_ptr=I, offsets_ptr=L, label_ptr=F, raw_ptr=F,
                                 lse_s_ptr=F, H=i(H), inv_t=inv_t, stride_h=i(H), stride_w=i(H)),
-         dict(gather, BLOCK_E=t.rows), triton_head.GATHER_WARPS),
+         dict(gather, BLOCK_E=t.rows), kernels.GATHER_WARPS),
         ("softmax_grad_kernel", dict(h_ptr=P, w_ptr=P, lse_ptr=F, scale_ptr=F, toks_ptr=L, cols_ptr=L, coefs_ptr=F,
                                      bucket_ptr=L, dl_ptr=P, N=i(N), v_lo=i(0), v_hi=i(W), H=i(H), inv_t=inv_t,
                                      stride_h=i(H), stride_w=i(H), stride_dl=i(W)), dict(tiled, BLOCK_R=t.rows), t.warps),
@@ -248,9 +248,9 @@ def _sm90_jobs(t, N=16384, H=2048, V=151936, W=8192):
          dict(mm, ACCUMULATE=False), t.warps),  # d_W[chunk] = dlogits.T @ hidden
         ("sparse_dh_kernel", dict(w_ptr=P, labels_ptr=L, ids_ptr=I, offsets_ptr=L, g_label_ptr=F, coef_ptr=F,
                                   dh_ptr=P, H=i(H), stride_w=i(H), stride_dh=i(H)),
-         dict(gather, BLOCK_E=t.rows), triton_head.GATHER_WARPS),
+         dict(gather, BLOCK_E=t.rows), kernels.GATHER_WARPS),
         ("sparse_dw_kernel", dict(h_ptr=P, toks_ptr=L, coefs_ptr=F, starts_ptr=L, dw_ptr=P, H=i(H), stride_h=i(H),
-                                  stride_dw=i(H)), dict(gather, BLOCK_R=t.rows), triton_head.GATHER_WARPS),
+                                  stride_dw=i(H)), dict(gather, BLOCK_R=t.rows), kernels.GATHER_WARPS),
     ]
 
 
@@ -261,7 +261,7 @@ def test_kernels_compile_for_sm90():
     shared memory) without a GPU: Triton compiles to a cubin for an H200 with its bundled ptxas."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
-    k, t = triton_head._triton(), triton_head.GPU_TILES
+    k, t = kernels._triton(), kernels.GPU_TILES
     for name, args, constexprs, warps in _sm90_jobs(t):
         fn = getattr(k, name)
         sig, attrs, consts = {}, {}, dict(constexprs)

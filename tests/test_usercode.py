@@ -1,5 +1,5 @@
 """User code (rewards here, environments in test_episodes.py) can hang, raise, exit, mutate or lie:
-usercode.py runs it on a thread with a timeout, on copies, and reports each fault as one line."""
+tasks/usercode.py runs it on a thread with a timeout, on copies, and reports each fault as one line."""
 
 import math
 import subprocess
@@ -11,10 +11,10 @@ import pytest
 
 import data as D
 
-from textcodec import TextCodec
-import rewards
-import tasks as T
-import usercode
+from tasks.textcodec import TextCodec
+from tasks import rewards
+from tasks import task as T
+from tasks import usercode
 from config import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent

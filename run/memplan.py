@@ -48,8 +48,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import model as M
-from lora import TARGETS
+from model import ModelArgs
+from layers.lora import TARGETS
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -67,15 +67,15 @@ BACKWARD_LAYERS = 0.474
 # train.py's modules and loaded nothing.
 CPU_BASELINE = 289189888
 # Measured by `python bench/memory.py activations` (the same entry): the CPU head's peak, in
-# [chunk, V] fp32 tiles (lm_head.head: the forward's tiles, then the backward's recomputed ones and their gradient).
+# [chunk, V] fp32 tiles (kernels.head: the forward's tiles, then the backward's recomputed ones and their gradient).
 CPU_HEAD_TILES = 6.19
 # Not measured: the CUDA context and the caching allocator's slack beside torch's allocations.
 CUDA_BASELINE = GIB
 # The error the plan is held to (bench/memory.py sets each per-rank total beside its measured peak): a
 # CUDA start stops only when the plan exceeds the device by more than this.
 PLAN_ERROR = 0.15
-CPU_TILE_ELEMENTS = 1 << 25  # lm_head.TILE_ELEMENTS: the CPU head's [chunk, V] tile
-CUDA_TILE_ELEMENTS = 1 << 27  # triton_head.GPU_TILES.chunk_elements: the dense backward's dlogits tile
+CPU_TILE_ELEMENTS = 1 << 25  # kernels.TILE_ELEMENTS: the CPU head's [chunk, V] tile
+CUDA_TILE_ELEMENTS = 1 << 27  # kernels.GPU_TILES.chunk_elements: the dense backward's dlogits tile
 
 
 class PlanError(ValueError):
@@ -86,11 +86,11 @@ class PlanError(ValueError):
 class Shape:
     """A model's sizes, as model.ModelArgs reads them from config.json."""
 
-    args: M.ModelArgs
+    args: ModelArgs
 
     @staticmethod
     def from_config(cfg: dict, source: str = "config.json") -> Shape:
-        return Shape(M.ModelArgs.from_hf(cfg, source))
+        return Shape(ModelArgs.from_hf(cfg, source))
 
     @staticmethod
     def from_dir(model_dir: str | Path) -> Shape:
@@ -276,7 +276,7 @@ def activation_bytes(shape: Shape, s: Setup) -> dict[str, int]:
 
 
 def head_bytes(shape: Shape, s: Setup) -> int:
-    """The LM head's tiles: the CPU reference's [chunk, V] fp32 tiles (lm_head.head), or the Triton
+    """The LM head's tiles: the CPU reference's [chunk, V] fp32 tiles (kernels.head), or the Triton
     dense backward's dlogits tile in the head's dtype plus its fp32 d_hidden (triton_head)."""
     v, t = shape.args.vocab_size, s.micro_batch_tokens
     if s.device == "cpu":
@@ -325,7 +325,7 @@ def trainer_role(shape: Shape, s: Setup) -> Role:
 
 def inference_role(shape: Shape, s: Setup) -> Role:
     """An --inference-gpus rank: its engine's copy and one pushed tensor in the wire's dtype (received,
-    then cast into the copy: remote.py), or under LoRA the adapter's fp32 tensors; an engine that merges
+    then cast into the copy: run/remote.py), or under LoRA the adapter's fp32 tensors; an engine that merges
     LoRA (the built-in one, vLLM with --lora-merged) also keeps the untouched fp32 base the merge reads."""
     baseline = CPU_BASELINE if s.device == "cpu" else CUDA_BASELINE
     parts = {"engine copy": engine_bytes(shape, s)}
@@ -344,7 +344,7 @@ def inference_role(shape: Shape, s: Setup) -> Role:
 def host_role(shape: Shape, s: Setup, trainer: Role, inference: Role | None) -> Role:
     """A node's RAM. On a CPU the processes are the devices. On CUDA each process holds the baseline
     and stages one tensor or block in fp32 while loading; rank 0 copies one gathered tensor at a time
-    to the host during a save and writes it from there (shardfiles.py: no serialized copy)."""
+    to the host during a save and writes it from there (run/shardfiles.py: no serialized copy)."""
     ranks = s.ranks_per_node or s.world + s.inference_gpus
     trainers = min(ranks, s.world)
     if s.device == "cpu":

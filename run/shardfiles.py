@@ -33,11 +33,10 @@ import torch
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
-import hfdir
-import lora
-import parallel as P
-from parallel import RANK, full
-from rundir import STATE
+from layers import lora, parallel
+from layers.parallel import RANK, full
+from run import hfdir
+from run.rundir import STATE
 
 MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default max_shard_size ("5GB"); tests set it small
 INDEX = "model.safetensors.index.json"
@@ -195,7 +194,7 @@ def write_parts(tmp: Path, model, opt, gen: torch.Generator, src: Path, final: b
     own["rng/engine"] = gen.get_state()
     err = None
     try:
-        write_file(tmp / STATE / optim_file(RANK, P.world()), own)
+        write_file(tmp / STATE / optim_file(RANK, parallel.world()), own)
     except OSError as e:
         err = e
     del own

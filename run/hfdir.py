@@ -23,7 +23,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-import model as M
+from model import ModelArgs, TINY, Transformer, init_weights, rope_frequencies
 
 
 def read_config(path: Path) -> dict:
@@ -41,11 +41,11 @@ INDEX = "model.safetensors.index.json"  # a sharded checkpoint's map: tensor nam
 WEIGHT_DTYPES = ("F32", "BF16", "F16", "F64")  # what a weight may be stored as: each casts to fp32 exactly
 
 
-def load(model_dir: str | Path, device="cpu", dtype=torch.float32) -> M.Transformer:
+def load(model_dir: str | Path, device="cpu", dtype=torch.float32) -> Transformer:
     """A HF directory of a family in model.FAMILIES -> Transformer, every key, shape and value checked."""
     model, where = load_meta(Path(model_dir))
     model.load_state_dict(dict(tensors(where, dtype)), strict=True, assign=True)
-    model.inv_freq = M.rope_frequencies(model.args)  # buffers are not in the file: made on meta, made again here
+    model.inv_freq = rope_frequencies(model.args)  # buffers are not in the file: made on meta, made again here
     return model.to(device)
 
 
@@ -70,21 +70,21 @@ def tensors(where: dict[str, tuple[Path, tuple]], dtype=torch.float32):
                 yield k, t
 
 
-def load_meta(d: Path) -> tuple[M.Transformer, dict[str, tuple[Path, tuple]]]:
+def load_meta(d: Path) -> tuple[Transformer, dict[str, tuple[Path, tuple]]]:
     """The model on the meta device, and where each of its tensors lies (file, shape), from config.json and
     the weights' headers alone: every key and shape checked, no tensor read."""
     for f in ("config.json", "tokenizer.json"):
         if not (d / f).is_file():
             raise FileNotFoundError(f"{d / f}: " + ("not a regular file" if (d / f).exists() else "missing") +
                                     "; --model must be a HF directory with config.json, model.safetensors and tokenizer.json")
-    args = M.ModelArgs.from_hf(read_config(d / "config.json"), str(d / "config.json"))
+    args = ModelArgs.from_hf(read_config(d / "config.json"), str(d / "config.json"))
     where = headers(weight_files(d), args)
     layers = {int(m.group(1)) for k in where if (m := re.match(r"model\.layers\.(\d+)\.", k))}
     if len(layers) != args.num_hidden_layers:  # before building: a typo of 10^7 layers would build for minutes
         raise ValueError(f"{d}: weights do not match config.json: num_hidden_layers {args.num_hidden_layers}, "
                          f"the weights hold {len(layers)} layers")
     with torch.device("meta"):
-        model = M.Transformer(args)
+        model = Transformer(args)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing, extra = sorted(set(expected) - set(where)), sorted(set(where) - set(expected))
     if missing or extra:
@@ -120,7 +120,7 @@ def weight_files(d: Path) -> list[Path]:
     return files
 
 
-def headers(files: list[Path], args: M.ModelArgs) -> dict[str, tuple[Path, tuple]]:
+def headers(files: list[Path], args: ModelArgs) -> dict[str, tuple[Path, tuple]]:
     """Each tensor's file and shape, read from the headers (a tied model's stored head is dropped); a
     tensor in two files is refused, not overwritten by whichever file comes last."""
     where = {}
@@ -142,7 +142,7 @@ def headers(files: list[Path], args: M.ModelArgs) -> dict[str, tuple[Path, tuple
     return where
 
 
-def fill_shards(model: M.Transformer, model_dir: Path, whole: dict[str, torch.Tensor], device) -> None:
+def fill_shards(model: Transformer, model_dir: Path, whole: dict[str, torch.Tensor], device) -> None:
     """The sharded load: `model` sharded by FSDP2 on the meta device; each rank gives every parameter its
     storage on `device` and reads only its own rows (FSDP2's dim-0 chunk) from the file with get_slice,
     as fp32, then into the parameter's dtype; `whole` (the adapters, made whole before sharding) gives
@@ -150,7 +150,7 @@ def fill_shards(model: M.Transformer, model_dir: Path, whole: dict[str, torch.Te
     verdict by an all-reduce (the first bad tensor in file order), so every rank stops with the same line."""
     where = headers(weight_files(Path(model_dir)), model.args)  # checked whole by load_meta
     model.to_empty(device=device)
-    model.inv_freq = M.rope_frequencies(model.args).to(device)  # not in the files: made again
+    model.inv_freq = rope_frequencies(model.args).to(device)  # not in the files: made again
     params = dict(model.named_parameters())
     order = sorted(where, key=lambda k: (str(where[k][0]), k))
     bad = len(order), 0  # this rank's first bad tensor (its index in `order`), and why: 0 unreadable, 1 not finite
@@ -192,14 +192,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
                    "added_tokens.json")
 
 
-def saved_config(args: M.ModelArgs, src_dir: Path) -> dict:
+def saved_config(args: ModelArgs, src_dir: Path) -> dict:
     """The source's config.json with what training changed (fp32 weights now), every other key
     as it was. A source without one, or whose config describes another model (a fresh model
     saved where an old one stood), gets `args.to_hf()`."""
     f = src_dir / "config.json"
     try:
         cfg = read_config(f) if f.is_file() else None
-        same = cfg is not None and M.ModelArgs.from_hf(cfg, str(f)) == args
+        same = cfg is not None and ModelArgs.from_hf(cfg, str(f)) == args
     except ValueError:
         same = False
     if not same:
@@ -228,7 +228,7 @@ def write_weights(state: dict[str, torch.Tensor], path: Path) -> None:
         raise OSError(n, os.strerror(n) if code else str(e), str(path)) from None
 
 
-def save(model: M.Transformer, out_dir: str | Path, src_dir: str | Path, extra: dict[str, bytes] | None = None,
+def save(model: Transformer, out_dir: str | Path, src_dir: str | Path, extra: dict[str, bytes] | None = None,
          state: dict[str, torch.Tensor] | None = None) -> None:
     """Write a HF directory (plus `extra` files) under a temporary name, then rename it into place.
     `src_dir` is where the model came from: its config.json, tokenizer and generation files.
@@ -248,10 +248,10 @@ def write_tiny(out_dir: str | Path, alphabet: str, template: str, tags: list[str
     """A fresh tiny model's directory (model.TINY's shape, random weights from `seed`) with a one-character
     tokenizer of `alphabet` and `tags` and the chat template `template` (textcodec.write_tokenizer): a
     starting point that `--model scratch` cannot make, since that one writes the letters' ChatML tokenizer."""
-    from textcodec import char_tokenizer, write_tokenizer
+    from tasks.textcodec import char_tokenizer, write_tokenizer
 
-    model = M.Transformer(M.ModelArgs(char_tokenizer(alphabet, tags).get_vocab_size(), **M.TINY, eos_token_id=2))
-    M.init_weights(model, seed=seed)  # eos: <|im_end|>, id 2 in every tiny tokenizer
+    model = Transformer(ModelArgs(char_tokenizer(alphabet, tags).get_vocab_size(), **TINY, eos_token_id=2))
+    init_weights(model, seed=seed)  # eos: <|im_end|>, id 2 in every tiny tokenizer
 
     def fill(tmp: Path) -> None:
         write_tokenizer(tmp, alphabet, template, tags)

@@ -27,7 +27,7 @@ the row columns `reset` reads:
 
 Every episode of a group starts from the same row and the same seed (a draw of the run's seeded
 RNG, so a resumed run repeats it): `reset` must give them the same first prompt. Each call runs
-with a timeout (--call-timeout) on a thread of its own (usercode.py), on copies of floe's data.
+with a timeout (--call-timeout) on a thread of its own (tasks/usercode.py), on copies of floe's data.
 
 Built in: `--env guess-letter` (`GuessLetter`), the environment bench/agents.py and
 docs/agents.md's multi-turn job train on, and its control `--env guess-letter-blind`;
@@ -38,8 +38,8 @@ built-in environment is its class and its `BUILTIN` entry; the class's `rows(n, 
 its jsonl file (reference episodes for the SFT warm-up included), and `columns` names what
 `reset` reads from a row.
 
-    python envs.py guess-letter examples/guess.jsonl    # the rows of a built-in environment (NAME FILE)
-    python envs.py calculator calc.jsonl
+    python -m agents.envs guess-letter examples/guess.jsonl    # the rows of a built-in environment (NAME FILE)
+    python -m agents.envs calculator calc.jsonl
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Environment:
 
     @classmethod
     def rows(cls, n: int, seed: int) -> list[dict]:
-        """A built-in environment's n jsonl rows from `seed`, for `python envs.py NAME FILE`."""
+        """A built-in environment's n jsonl rows from `seed`, for `python -m agents.envs NAME FILE`."""
         raise NotImplementedError
 
     def reset(self, row: dict, seed: int) -> str | list[dict] | None:
@@ -192,7 +192,7 @@ def write_rows(name: str, path: str, n: int = 1024, seed: int = 0) -> None:
 def main(argv: list[str]) -> None:
     if len(argv) != 2 or argv[0] not in BUILTIN:  # one line and exit status 2, as train.py's bad flags
         why = f"no built-in environment {argv[0]!r}" if len(argv) == 2 else f"2 arguments, got {len(argv)}"
-        print(f"envs.py: {why}; usage: python envs.py NAME FILE, NAME one of {', '.join(BUILTIN)}", file=sys.stderr)
+        print(f"agents/envs.py: {why}; usage: python -m agents.envs NAME FILE, NAME one of {', '.join(BUILTIN)}", file=sys.stderr)
         raise SystemExit(2)
     write_rows(*argv)
 

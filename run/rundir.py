@@ -9,7 +9,7 @@ the process dies; a lock still holding its id tells the next run it was never re
 every file it writes under a temporary name is created new (`create_new`: a stale one, or a
 symlink planted there, is unlinked, never followed) and renamed into place only while that
 name still holds the file it wrote (`publish`).
-checkpoint.py holds the checkpoints and resume; docs/faults.md lists each case and its line.
+run/checkpoint.py holds the checkpoints and resume; docs/faults.md lists each case and its line.
 
     python -m pytest -q tests/test_faults.py
 """
@@ -26,9 +26,8 @@ import shutil
 import stat
 from pathlib import Path
 
-import config as C
-import parallel as P
-from parallel import RANK
+from config import ConfigError
+from layers.parallel import RANK, gather, world
 
 STATE = "trainer_state"  # a checkpoint's sub-folder, so vLLM's *.safetensors glob sees only the model
 FLOE_KEYS = {"stage", "loss", "out_dir", "prompts_per_step"}  # a config.json with these is a floe run's
@@ -142,22 +141,22 @@ def check_fresh(out: Path, model: str) -> str | None:
     run to --resume, a run that stopped before its first checkpoint, or a directory that is not
     floe's (a model directory above all: a run never writes into its --model)."""
     if out.exists() and not out.is_dir():
-        raise C.ConfigError(f"--out-dir {out}: is a file, not a directory")
+        raise ConfigError(f"--out-dir {out}: is a file, not a directory")
     if model != "scratch" and Path(model).resolve() in (out.resolve(), *out.resolve().parents):
-        raise C.ConfigError(f"--out-dir {out} is the --model directory or inside it ({model}): a run never writes "
+        raise ConfigError(f"--out-dir {out} is the --model directory or inside it ({model}): a run never writes "
                             "into its model; give another --out-dir")
     names = sorted(p.name for p in out.iterdir() if p.name != ".lock") if out.is_dir() else []
     if not names:
         return None
     if checkpoints(out):
-        raise C.ConfigError(f"--out-dir {out} holds a run already: add --resume to continue it, or give another "
+        raise ConfigError(f"--out-dir {out} holds a run already: add --resume to continue it, or give another "
                             "--out-dir (or delete that directory to start over)")
     if done := trained_steps(out):
-        raise C.ConfigError(f"--out-dir {out} holds a run that stopped at step {max(done)}, before its first "
+        raise ConfigError(f"--out-dir {out} holds a run that stopped at step {max(done)}, before its first "
                             f"checkpoint (nothing to resume): {start_over(out)}")
     if floe_config(out) is None:
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-        raise C.ConfigError(f"--out-dir {out} is not empty and holds no floe run (it holds {shown}; no floe "
+        raise ConfigError(f"--out-dir {out} is not empty and holds no floe run (it holds {shown}; no floe "
                             "config.json): give a new or empty directory")
     return f"note: --out-dir {out} holds a run that stopped before its first step (no checkpoint); starting it over"
 
@@ -175,19 +174,19 @@ class RunLock:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             except OSError as e:  # a symlink or a directory planted there (never followed), a read-only disk
-                raise C.ConfigError(f"--out-dir {out}: cannot lock {self.path} ({e.strerror})") from None
+                raise ConfigError(f"--out-dir {out}: cannot lock {self.path} ({e.strerror})") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                raise C.ConfigError(f"--out-dir {out} is in use by another run (it holds {self.path}): wait for it "
+                raise ConfigError(f"--out-dir {out} is in use by another run (it holds {self.path}): wait for it "
                                     "to end, or give another --out-dir") from None
             if _same_file(fd, self.path):
                 self.fd = fd
                 self._mark(out)
                 return
             os.close(fd)  # released and removed by the run that held it: take the new one
-        raise C.ConfigError(f"--out-dir {out}: {self.path} keeps changing (runs starting and ending in it?)")
+        raise ConfigError(f"--out-dir {out}: {self.path} keeps changing (runs starting and ending in it?)")
 
     def _mark(self, out: Path) -> None:
         """Write this process's id into the lock. A lock that holds one when taken was left by a run that
@@ -228,7 +227,7 @@ def claimed(out: Path, seen: tuple):
     made = made or ([] if (out / "scratch").exists() else [out / "scratch"])
     try:
         if snapshot(out) != seen:
-            raise C.ConfigError(f"--out-dir {out} changed while this run was starting (another run wrote to it): "
+            raise ConfigError(f"--out-dir {out} changed while this run was starting (another run wrote to it): "
                                 "run the command again")
         yield lock
     except BaseException:  # SystemExit from `fail` and KeyboardInterrupt too
@@ -245,23 +244,23 @@ def check_shared(out: Path) -> None:
     renames: the ranks must share --out-dir's filesystem. Rank 0 writes a token into it, every rank
     reads it back, and all reach one verdict (ranks that cannot see each other's files stop with one
     line). The token file is removed either way."""
-    if P.world() == 1:
+    if world() == 1:
         return
     probe, token = out.absolute() / ".ranks", os.urandom(16).hex()
     if RANK == 0:
         with create_new(probe) as f:
             f.write(token)
             publish(f, probe)
-    token = P.gather([token])[0]  # rank 0's, once its file is in place
+    token = gather([token])[0]  # rank 0's, once its file is in place
     try:
         seen = probe.read_text() == token
     except OSError:
         seen = False
-    blind = [r for r, ok in enumerate(P.gather([seen])) if not ok]  # every rank has read it
+    blind = [r for r, ok in enumerate(gather([seen])) if not ok]  # every rank has read it
     if RANK == 0:
         probe.unlink(missing_ok=True)
-    P.gather([None])  # no rank returns while the token file is still there
+    gather([None])  # no rank returns while the token file is still there
     if blind:
-        raise C.ConfigError(f"--out-dir {out}: rank {blind[0]} cannot see the files rank 0 writes there (another "
+        raise ConfigError(f"--out-dir {out}: rank {blind[0]} cannot see the files rank 0 writes there (another "
                             "machine's disk?); every rank writes its part of a checkpoint into one directory: give an "
                             "--out-dir on a filesystem all ranks share")

@@ -16,18 +16,16 @@ import inspect
 import json
 from typing import Callable
 
-import config as C
-import envs
-import episodes as E
-import tasks as T
-import toolcalls
-import toolrun
-import usercode
+from config import Config, ConfigError
 from data import Prompt
-from textcodec import TextCodec
+from agents import envs, toolcalls, toolrun
+from agents.episodes import EnvSpec, end_of_turn, reply_ids
+from tasks import usercode
+from tasks.task import Task
+from tasks.textcodec import TextCodec
 
 
-def load_env(cfg: C.Config, task: T.Task, tools: dict) -> E.EnvSpec | None:
+def load_env(cfg: Config, task: Task, tools: dict) -> EnvSpec | None:
     """--env, checked before the run writes anything: it imports, is a class with `step` (optional
     when it has tools), every row holds the columns it declares its `reset` reads, and the episodes
     have a reward (the environment's `reward`, or --reward functions). --tool without --env plays
@@ -36,30 +34,30 @@ def load_env(cfg: C.Config, task: T.Task, tools: dict) -> E.EnvSpec | None:
         if not tools:
             return None
         if not task.rewards:
-            raise C.ConfigError("--tool without --env needs --reward: the episodes have no environment to score them")
-        return E.EnvSpec("tools", envs.ToolsOnly, None, False, has_step=False)
+            raise ConfigError("--tool without --env needs --reward: the episodes have no environment to score them")
+        return EnvSpec("tools", envs.ToolsOnly, None, False, has_step=False)
     try:
         cls, path = usercode.load(cfg.env, "--env", envs.BUILTIN, "class", cfg.call_timeout)
     except usercode.LoadError as e:
-        raise C.ConfigError(str(e)) from None
+        raise ConfigError(str(e)) from None
     if not inspect.isclass(cls):
-        raise C.ConfigError(f"--env {cfg.env}: {cls!r} is not a class (one instance is made per episode)")
+        raise ConfigError(f"--env {cfg.env}: {cls!r} is not a class (one instance is made per episode)")
     has_tools = hasattr(cls, "tools")
     if has_tools and cfg.stage == "sft":  # rollout.sft_samples renders the task's prompts: no reset, no tools()
-        raise C.ConfigError(f"--env {cfg.env}: {cls.__name__}.tools() reach an episode's prompt after reset, which "
+        raise ConfigError(f"--env {cfg.env}: {cls.__name__}.tools() reach an episode's prompt after reset, which "
                             "--stage sft does not call, so its references would train on prompts without them; "
                             "give the same tools with --tool for the warm-up")
     for method in tuple(m for m in ("step", "reset", "reward", "tools") if hasattr(cls, m) or (m == "step" and not has_tools)):
         if not callable(getattr(cls, method, None)):
-            raise C.ConfigError(f"--env {cfg.env}: {cls.__name__}.{method} is not a method (envs.py has the contract)")
+            raise ConfigError(f"--env {cfg.env}: {cls.__name__}.{method} is not a method (agents/envs.py has the contract)")
     if clash := [n for n in tools if hasattr(cls, n)]:
-        raise C.ConfigError(f"--tool {clash[0]}: named like --env {cfg.env}'s {cls.__name__}.{clash[0]}; rename the tool")
+        raise ConfigError(f"--tool {clash[0]}: named like --env {cfg.env}'s {cls.__name__}.{clash[0]}; rename the tool")
     check_columns(cfg.env, cls, getattr(task, "train", []) + task.eval_set)
     has_reward = callable(getattr(cls, "reward", None))
     if not has_reward and not task.rewards:
-        raise C.ConfigError(f"--env {cfg.env}: {cls.__name__} has no reward() and no --reward is given: "
+        raise ConfigError(f"--env {cfg.env}: {cls.__name__} has no reward() and no --reward is given: "
                             "an episode needs one")
-    return E.EnvSpec(cfg.env, cls, path, has_reward, hasattr(cls, "step"), has_tools)
+    return EnvSpec(cfg.env, cls, path, has_reward, hasattr(cls, "step"), has_tools)
 
 
 def check_columns(name: str, cls: type, rows: list) -> None:
@@ -67,27 +65,27 @@ def check_columns(name: str, cls: type, rows: list) -> None:
     reward asks for: a row without one would fail its group's reset at every step that drew it."""
     columns = getattr(cls, "columns", ())
     if not isinstance(columns, (tuple, list)) or not all(isinstance(c, str) for c in columns):
-        raise C.ConfigError(f"--env {name}: {cls.__name__}.columns must be a tuple of column names, got {columns!r}")
+        raise ConfigError(f"--env {name}: {cls.__name__}.columns must be a tuple of column names, got {columns!r}")
     for p in rows:
         if missing := [c for c in columns if c != "prompt" and c not in p.columns]:
-            raise C.ConfigError(f"{p.where}: --env {name} needs the column(s) {missing}, which this row lacks "
+            raise ConfigError(f"{p.where}: --env {name} needs the column(s) {missing}, which this row lacks "
                                 f"(it has {sorted(p.columns) or 'none'})")
 
 
-def load_tools(cfg: C.Config) -> dict:
+def load_tools(cfg: Config) -> dict:
     """--tool's functions with their schemas (toolcalls.toolset), or one line: a tool that does not
     import, is not a function, has a parameter JSON cannot describe, or shares a name."""
     try:
         return toolcalls.toolset(toolcalls.load(cfg.tool, cfg.call_timeout))
     except ValueError as e:
-        raise C.ConfigError(str(e)) from None
+        raise ConfigError(str(e)) from None
 
 
 PROBE = {"type": "function", "function": {"name": "floe_probe", "description": "A probe.",
                                           "parameters": {"type": "object", "properties": {}}}}
 
 
-def check_tools(cfg: C.Config, codec: TextCodec, task: T.Task, env: E.EnvSpec | None, tools: dict) -> toolrun.Tools | None:
+def check_tools(cfg: Config, codec: TextCodec, task: Task, env: EnvSpec | None, tools: dict) -> toolrun.Tools | None:
     """With tools declared (--tool, or an --env with tools()), what they need of the model directory
     and the task, else one line: a chat template that shows them, can render a result after a plain
     assistant turn and writes a known call format (or --tool-format), chat prompts, and no `tools` in
@@ -96,40 +94,40 @@ def check_tools(cfg: C.Config, codec: TextCodec, task: T.Task, env: E.EnvSpec | 
         return None
     src = codec.template_source
     if "tools" in json.loads(cfg.chat_template_kwargs):
-        raise C.ConfigError("--chat-template-kwargs sets `tools`: floe passes the declared tools' schemas (--tool, "
+        raise ConfigError("--chat-template-kwargs sets `tools`: floe passes the declared tools' schemas (--tool, "
                             "an environment's tools()); leave it out")
     if codec.template is None:
-        raise C.ConfigError(f"tools reach the model through the chat template, and {cfg.model} has none")
+        raise ConfigError(f"tools reach the model through the chat template, and {cfg.model} has none")
     if bad := next((p for p in getattr(task, "train", []) + task.eval_set if isinstance(p.prompt, str)), None):
-        raise C.ConfigError(f"{bad.where or cfg.task}: a string prompt cannot show the tools (the chat template "
+        raise ConfigError(f"{bad.where or cfg.task}: a string prompt cannot show the tools (the chat template "
                             "does); give the prompt as chat messages")
     base = {k: v for k, v in task.template_kwargs.items() if k != "tools"}
     schemas = [t.schema for t in tools.values()] or [PROBE]
     probe = [{"role": "user", "content": "floe-probe"}]
     try:
         if codec.render_text(probe, True, **base) == codec.render_text(probe, True, **base, tools=schemas):
-            raise C.ConfigError(f"chat template {src} ignores `tools` (it renders the same text with and without "
+            raise ConfigError(f"chat template {src} ignores `tools` (it renders the same text with and without "
                                 "them): the model would never see the tools")
-        E.reply_ids(codec, [{"role": "tool", "name": "floe_probe", "content": "1"}], E.end_of_turn(codec, base),
+        reply_ids(codec, [{"role": "tool", "name": "floe_probe", "content": "1"}], end_of_turn(codec, base),
                     {**base, "tools": schemas})
     except ValueError as e:
-        if isinstance(e, C.ConfigError):
+        if isinstance(e, ConfigError):
             raise
-        raise C.ConfigError(f"chat template {src} cannot render a tool result after a plain assistant turn ({e}); "
+        raise ConfigError(f"chat template {src} cannot render a tool result after a plain assistant turn ({e}); "
                             "a template that needs the call before its result (as GPT-OSS's) is not supported") from None
     fmt = cfg.tool_format if cfg.tool_format != "auto" else toolcalls.detect_format(codec.template)
     if fmt is None:
-        raise C.ConfigError(f"--tool-format auto: chat template {src} writes neither <tool_call> (hermes) nor ipython "
+        raise ConfigError(f"--tool-format auto: chat template {src} writes neither <tool_call> (hermes) nor ipython "
                             "or <|python_tag|> (llama3-json); give --tool-format")
     if fmt == "llama3-json" and cfg.max_tool_calls_per_turn > 1:
-        raise C.ConfigError(f"--max-tool-calls-per-turn {cfg.max_tool_calls_per_turn} with llama3-json (read from "
+        raise ConfigError(f"--max-tool-calls-per-turn {cfg.max_tool_calls_per_turn} with llama3-json (read from "
                             f"{src}): the format is one call a turn")
     task.tool_format = fmt
     runner = toolrun.Runner(cfg.tool_timeout, cfg.max_tool_result_chars, codec.encode)
     return toolrun.Tools(tools, fmt, cfg.max_tool_calls_per_turn, cfg.max_tool_calls, runner, env.has_tools)
 
 
-def eval_prompt_length(cfg: C.Config, codec: TextCodec, task: T.Task, env: E.EnvSpec | None,
+def eval_prompt_length(cfg: Config, codec: TextCodec, task: Task, env: EnvSpec | None,
                        tools: toolrun.Tools | None) -> Callable[[Prompt, int], int] | None:
     """With an environment that declares tools(), the tokens of a held-out row's first prompt as the
     eval plays it, for Task.fit_eval_set: reset with the seed the row at place j of the eval set gets

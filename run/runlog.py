@@ -18,10 +18,9 @@ from pathlib import Path
 
 import torch
 
-import config as C
-import parallel as P
-from parallel import RANK
-import rundir as R
+from config import Config, ConfigError
+from layers.parallel import RANK, print0
+from run.rundir import create_new, publish, regular, row_step, write_file
 
 
 def read_rows(out: Path) -> list[dict]:
@@ -36,14 +35,14 @@ def read_rows(out: Path) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError:
             if i < len(lines) - 1:
-                raise C.ConfigError(f"--resume: {path}:{i + 1} is not valid JSON (only a torn last row is repaired)")
-            P.print0(f"warning: {path}: dropping its torn last row ({len(line)} bytes)")
+                raise ConfigError(f"--resume: {path}:{i + 1} is not valid JSON (only a torn last row is repaired)")
+            print0(f"warning: {path}: dropping its torn last row ({len(line)} bytes)")
             continue
-        if R.row_step(row) is None:
-            raise C.ConfigError(f"--resume: {path}:{i + 1} is not a metrics row (a JSON object with an integer "
+        if row_step(row) is None:
+            raise ConfigError(f"--resume: {path}:{i + 1} is not a metrics row (a JSON object with an integer "
                                 f"step): {line[:60]}")
         if row["step"] <= last:  # floe writes each step once, in order: the file was edited or pasted together
-            raise C.ConfigError(f"--resume: {path}:{i + 1} is step {row['step']} after step {last} (rows are in step "
+            raise ConfigError(f"--resume: {path}:{i + 1} is step {row['step']} after step {last} (rows are in step "
                                 "order, one per step)")
         rows.append(row)
         last = row["step"]
@@ -54,7 +53,7 @@ def read_rows(out: Path) -> list[dict]:
 class Logger:
     """One line per step, metrics.jsonl, and wandb when asked for."""
 
-    def __init__(self, cfg: C.Config, start: int = 0, kept: list[dict] | None = None):
+    def __init__(self, cfg: Config, start: int = 0, kept: list[dict] | None = None):
         """kept: on resume, the metrics rows up to the checkpoint (check_resumable); they are written
         to a temporary file renamed over metrics.jsonl, so a kill never empties the history, and
         the rows that follow go on through the same descriptor (the file that was renamed into place)."""
@@ -63,18 +62,18 @@ class Logger:
         self.rows = list(kept or [])
         self.file = open(os.devnull, "w")
         if RANK == 0:
-            self.file = R.create_new(out / "metrics.jsonl.tmp")
+            self.file = create_new(out / "metrics.jsonl.tmp")
             self.file.write("".join(json.dumps(r) + "\n" for r in self.rows))
-            R.publish(self.file, out / "metrics.jsonl")
+            publish(self.file, out / "metrics.jsonl")
         self.wandb = None
         if cfg.wandb_project and RANK == 0:
             import wandb
 
             run_id = out / "wandb_id"  # a resumed run logs into the same wandb run; a new one (started over) not
-            ident = run_id.read_text().strip() if kept is not None and R.regular(run_id) else ""
+            ident = run_id.read_text().strip() if kept is not None and regular(run_id) else ""
             if not ident:
                 ident = uuid.uuid4().hex[:8]  # wandb's id alphabet: a-z, 0-9
-                R.write_file(run_id, ident)
+                write_file(run_id, ident)
             self.wandb = wandb.init(project=cfg.wandb_project, config=json.loads(cfg.to_json()), dir=cfg.out_dir,
                                     id=ident, resume="allow")
 
@@ -97,12 +96,12 @@ class Logger:
         masked = max((v for k, v in m.items() if k.endswith("/masked_fraction")), default=0.0)  # any mask's
         reward = f"{m['reward']:.3f}" if "reward" in m else "-"
         loss = "skipped (nothing to train)" if m.get("skipped/empty_step") else f"loss {m.get('loss', math.nan):+.4f}"
-        P.print0(f"step {step}/{self.cfg.steps} | reward {reward} | {loss} "
+        print0(f"step {step}/{self.cfg.steps} | reward {reward} | {loss} "
                f"| masked {masked:.4f} | mismatch kl {m.get('mismatch/kl', 0.0):.2e} | {tokens / dt:,.0f} tok/s "
                f"| eta {eta:.0f}s" + (f" | loss scale {m['loss_scale']:.0f}" if "loss_scale" in m else ""))
         if self.cfg.async_level and self.cfg.stage == "rl":  # the overlap: wall time below the phases' sum
             r, t = m["time/rollout"], m["time/train"]
-            P.print0(f"  async | rollout {r:.2f}s + train {t:.2f}s = {r + t:.2f}s | wall {m['time/step']:.2f}s "
+            print0(f"  async | rollout {r:.2f}s + train {t:.2f}s = {r + t:.2f}s | wall {m['time/step']:.2f}s "
                    f"| age {m.get('staleness/mean', 0.0):.2f}")
 
     def summary(self) -> dict:
@@ -114,7 +113,7 @@ class Logger:
                    "peak_memory_gib": round(peak / 2**30, 3)}
         if evals:
             summary.update({"eval/reward@0": evals[0]["eval/reward"], "eval/reward": evals[-1]["eval/reward"]})
-        P.print0("summary " + json.dumps(summary))
+        print0("summary " + json.dumps(summary))
         return summary
 
     def close(self):

@@ -24,24 +24,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import config as C
-from textcodec import TextCodec, write_tokenizer
-import envcheck
-import episodes as E
-import toolrun
-import loss as L
-import model as M
-import hfdir
-import tasks as T
-from checkpoint import check_resumable, same_flags
-import lora
-import memplan
-import parallel as P
-from parallel import RANK, print0, shard
-from remote import RemoteEngine
-from engines import Sampling
-from vllm_engine import make_engine, serves_adapter, vllm_logprobs, vllm_lora_rank
-from rundir import check_fresh, floe_config, snapshot
+from config import Config, ConfigError, dataclasses, shown
+from model import ModelArgs, TINY, Transformer, init_weights
+from loss import LOSSES, check_flags, reads, reads_support, trained
+from agents import envcheck, toolrun
+from agents.episodes import EnvSpec, reference
+from engines.torch_engine import Sampling
+from engines.vllm_engine import make_engine, serves_adapter, vllm_logprobs, vllm_lora_rank
+from layers import lora, parallel
+from layers.parallel import LAUNCHED, Link, RANK, first_other, print0, shard
+from run import hfdir, memplan
+from run.checkpoint import check_resumable, same_flags
+from run.remote import RemoteEngine
+from run.rundir import check_fresh, floe_config, snapshot
+from tasks.task import Task, alphabet
+from tasks.textcodec import TextCodec, write_tokenizer
+import tasks.task
 
 
 @dataclass
@@ -54,22 +52,22 @@ class Start:
     kept: list[dict] | None  # on resume, the metrics rows up to that checkpoint
     seen: tuple  # the run directory as the checks saw it (checkpoint.snapshot), checked again under its lock
     codec: TextCodec
-    task: T.Task
-    model: M.Transformer
-    env: E.EnvSpec | None = None  # --env (or the built-in `tools` one, for --tool without it)
+    task: Task
+    model: Transformer
+    env: EnvSpec | None = None  # --env (or the built-in `tools` one, for --tool without it)
     tools: toolrun.Tools | None = None  # declared tools: --tool, an environment's tools()
 
 
-def check_start(cfg: C.Config) -> Start:
+def check_start(cfg: Config) -> Start:
     """Flags, run directory, checkpoint, model directory, tokenizer, task and rewards, engine choice."""
     check_same_flags(cfg)  # first: under torchrun every rank then refuses what follows alike
-    L.check_flags(cfg)  # the loss's own flags, from its LOSSES row (config.py cannot see the table)
-    T.check_flags(cfg)  # --task and its flags, from tasks.TASKS
+    check_flags(cfg)  # the loss's own flags, from its LOSSES row (config.py cannot see the table)
+    tasks.task.check_flags(cfg)  # --task and its flags, from tasks.TASKS
     check_read(cfg)
     if cfg.lora_rank and serves_adapter(cfg):  # a rank vLLM's LoRA path cannot serve, before the model loads
         vllm_lora_rank(cfg.lora_rank)
-    if cfg.prompts_per_step % P.world() and not cfg.inference_gpus:
-        raise C.ConfigError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the {P.world()} "
+    if cfg.prompts_per_step % parallel.world() and not cfg.inference_gpus:
+        raise ConfigError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the {parallel.world()} "
                             "torchrun processes (each rank samples its own share)")
     out = Path(cfg.out_dir)
     seen = snapshot(out)
@@ -79,18 +77,18 @@ def check_start(cfg: C.Config) -> Start:
         if note := check_fresh(out, cfg.model):
             print0(note)
         resume_from, kept, src = None, None, None if cfg.model == "scratch" else Path(cfg.model)
-        codec = TextCodec.load(src) if src else TextCodec.tiny(T.alphabet(cfg))
+        codec = TextCodec.load(src) if src else TextCodec.tiny(alphabet(cfg))
     fns = envcheck.load_tools(cfg)
-    task = T.build(cfg, codec, [t.schema for t in fns.values()])
+    task = tasks.task.build(cfg, codec, [t.schema for t in fns.values()])
     env = envcheck.load_env(cfg, task, fns)
     tools = envcheck.check_tools(cfg, codec, task, env, fns)
     if cfg.stage == "sft":  # a multi-turn reference must follow the token rule before anything is written
         for p in getattr(task, "train", []):
             if "episode" in p.columns:
                 try:
-                    E.reference(codec, p, p.columns["episode"], task.template_kwargs, task.tool_format)
+                    reference(codec, p, p.columns["episode"], task.template_kwargs, task.tool_format)
                 except (ValueError, AttributeError, TypeError) as e:
-                    raise C.ConfigError(f"{p.where or cfg.task}: `episode` is not a multi-turn reference ({e})") from None
+                    raise ConfigError(f"{p.where or cfg.task}: `episode` is not a multi-turn reference ({e})") from None
     torch.manual_seed(cfg.seed)
     model = model.to(cfg.device) if cfg.resume else load_model(cfg, src, codec)
     if not cfg.resume and cfg.lora_rank:
@@ -102,22 +100,22 @@ def check_start(cfg: C.Config) -> Start:
     task.fit_eval_set(cfg.max_new_tokens, model.args.max_position_embeddings, cfg.eval_every > 0,
                       envcheck.eval_prompt_length(cfg, codec, task, env, tools) if cfg.eval_every > 0 else None)
     if cfg.engine == "vllm":  # can vLLM report the support this loss needs? Ask before starting it
-        vllm_logprobs(Sampling(top_k=cfg.top_k, support=L.reads_support(cfg)), model.args.vocab_size)
+        vllm_logprobs(Sampling(top_k=cfg.top_k, support=reads_support(cfg)), model.args.vocab_size)
     if (n := codec.tok.get_vocab_size()) > model.args.vocab_size:
-        raise C.ConfigError(f"{src}: tokenizer.json has {n} tokens, more than config.json's vocab_size "
+        raise ConfigError(f"{src}: tokenizer.json has {n} tokens, more than config.json's vocab_size "
                             f"{model.args.vocab_size} (ids past it would index outside the embedding)")
     if bad := [i for i in codec.stop_ids if not 0 <= i < model.args.vocab_size]:  # no sample could ever be one
-        raise C.ConfigError(f"{codec.stop_source} {bad[0]} is outside the vocabulary [0, {model.args.vocab_size}) "
+        raise ConfigError(f"{codec.stop_source} {bad[0]} is outside the vocabulary [0, {model.args.vocab_size}) "
                             "of config.json: generation would never stop")
     if src is not None:
         check_copied(src)
-    if cfg.epochs > 1 and not L.trained(cfg).clipped:  # (plain reinforce: refused by Config)
+    if cfg.epochs > 1 and not trained(cfg).clipped:  # (plain reinforce: refused by Config)
         print0(f"note: --epochs {cfg.epochs} with --loss {cfg.loss}: the later passes reweight by p/q against the "
                "sampler; nothing clips them against pi_old (ppo, cispo and gspo do)")
     return Start(out, src, resume_from, kept, seen, codec, task, model, env, tools)
 
 
-def settled(cfg: C.Config) -> C.Config:
+def settled(cfg: Config) -> Config:
     """The derived values the flags alone cannot decide (Config.resolve settles those), settled once
     before anything is built, so every part of the run reads the same config: --adapter's rank, alpha
     and targets, --compile on turned off on a CPU with no C++ compiler (saying so), and
@@ -125,7 +123,7 @@ def settled(cfg: C.Config) -> C.Config:
     also stops a CUDA run whose plan exceeds its device). --plan settles no memory: it prints."""
     cfg = adapter_flags(cfg)
     if cfg.compile == "on" and not can_compile(cfg.device):
-        cfg = C.dataclasses.replace(cfg, compile="off")
+        cfg = dataclasses.replace(cfg, compile="off")
     if cfg.plan:
         return cfg
     return fit_memory(cfg, device_memory(cfg.device))
@@ -138,16 +136,16 @@ def device_memory(device: str) -> int:
     return torch.cuda.get_device_properties(0).total_memory if device == "cuda" and torch.cuda.is_available() else 0
 
 
-def plan_shape(cfg: C.Config) -> memplan.Shape:
+def plan_shape(cfg: Config) -> memplan.Shape:
     """The model's shape from config.json alone: --model's, on resume the run's own (its record names
     it; --model is not read then), with --model scratch the tiny model the run would build."""
     if cfg.model == "scratch" and not cfg.resume:
-        vocab = TextCodec.tiny(T.alphabet(cfg)).tok.get_vocab_size()
-        return memplan.Shape(M.ModelArgs(vocab, **M.TINY))
+        vocab = TextCodec.tiny(alphabet(cfg)).tok.get_vocab_size()
+        return memplan.Shape(ModelArgs(vocab, **TINY))
     saved = floe_config(Path(cfg.out_dir)) if cfg.resume else None
     if cfg.resume and cfg.plan:  # plan what the resume would run: its model, and flags it would not refuse
         if saved is None:
-            raise C.ConfigError(f"--plan --resume: {cfg.out_dir} holds no floe run (no floe config.json) to plan")
+            raise ConfigError(f"--plan --resume: {cfg.out_dir} holds no floe run (no floe config.json) to plan")
         same_flags(cfg, saved, Path(cfg.out_dir), free=("plan",))
     model = (saved or {}).get("model", cfg.model)
     if model == "scratch":
@@ -155,9 +153,9 @@ def plan_shape(cfg: C.Config) -> memplan.Shape:
     return memplan.Shape.from_dir(model)
 
 
-def plan_setup(cfg: C.Config, device_bytes: int) -> memplan.Setup:
+def plan_setup(cfg: Config, device_bytes: int) -> memplan.Setup:
     """The flags the plan reads; the trainer ranks are --plan-world, or this run's."""
-    world = cfg.plan_world if cfg.plan_world is not None else max(1, P.LAUNCHED - cfg.inference_gpus)
+    world = cfg.plan_world if cfg.plan_world is not None else max(1, LAUNCHED - cfg.inference_gpus)
     return memplan.Setup(world, cfg.lora_rank, tuple(cfg.lora_targets), cfg.base_dtype, cfg.train_dtype, cfg.engine,
                          cfg.engine_dtype, cfg.vllm_memory, cfg.device, device_bytes, cfg.inference_gpus,
                          cfg.micro_batch_tokens, cfg.activation_checkpointing,
@@ -173,26 +171,26 @@ def check_lora(shape: memplan.Shape, s: memplan.Setup) -> None:
         lora.check_spec(shapes, s.lora_rank, s.lora_targets)
 
 
-def fit_memory(cfg: C.Config, device_bytes: int) -> C.Config:
+def fit_memory(cfg: Config, device_bytes: int) -> Config:
     """--activation-checkpointing auto resolved (memplan.resolve: off on a CPU, so the default job does
     not change; on CUDA blocks when the plan without it passes 80% of the device), and on CUDA with
     --plan-check on a plan over `device_bytes` by more than the plan's error stopped with
     memplan.advice's one line. A CPU reads no config.json here: its answer is off, whatever the shape."""
     if cfg.device == "cpu":
-        return C.dataclasses.replace(cfg, activation_checkpointing="off") if cfg.activation_checkpointing == "auto" else cfg
+        return dataclasses.replace(cfg, activation_checkpointing="off") if cfg.activation_checkpointing == "auto" else cfg
     try:
         shape, setup = plan_shape(cfg), plan_setup(cfg, device_bytes)
         check_lora(shape, setup)  # before the plan, which would otherwise name memory as the fault
         resolved = memplan.resolve(shape, setup)
         why = memplan.advice(shape, resolved, device_bytes, memplan.PLAN_ERROR) if device_bytes else None
     except ValueError as e:  # PlanError, or a config.json from_hf refuses
-        raise C.ConfigError(f"the memory plan: {e}") from None
+        raise ConfigError(f"the memory plan: {e}") from None
     if why and cfg.plan_check == "on":
-        raise C.ConfigError(f"{why} (--plan prints the plan; --plan-check off starts anyway)")
-    return C.dataclasses.replace(cfg, activation_checkpointing=resolved.activation_checkpointing)
+        raise ConfigError(f"{why} (--plan prints the plan; --plan-check off starts anyway)")
+    return dataclasses.replace(cfg, activation_checkpointing=resolved.activation_checkpointing)
 
 
-def plan_text(cfg: C.Config) -> str:
+def plan_text(cfg: Config) -> str:
     """--plan: the table of memplan.plan for these flags, and whether it fits this device, or on a
     machine without one each GPU in memplan.DEVICES (a laptop sizes a GPU job)."""
     device_bytes = device_memory(cfg.device)
@@ -202,14 +200,14 @@ def plan_text(cfg: C.Config) -> str:
         lines = [memplan.table(memplan.plan(shape, setup)), ""]
         devices = {"this device": device_bytes} if device_bytes else memplan.DEVICES if cfg.device == "cuda" else {}
         for name, n in devices.items():
-            why = memplan.advice(shape, C.dataclasses.replace(setup, device_bytes=n), n, memplan.PLAN_ERROR)
+            why = memplan.advice(shape, dataclasses.replace(setup, device_bytes=n), n, memplan.PLAN_ERROR)
             lines.append(f"{name} ({memplan.gib(n)}): " + (why or "fits"))
     except ValueError as e:
-        raise C.ConfigError(f"--plan: {e}") from None
+        raise ConfigError(f"--plan: {e}") from None
     return "\n".join(lines).rstrip()
 
 
-def adapter_flags(cfg: C.Config) -> C.Config:
+def adapter_flags(cfg: Config) -> Config:
     """--adapter DIR: the adapter's rank, alpha and targets become --lora-rank, --lora-alpha and
     --lora-targets (a value given that differs is refused); without it, `cfg` as it is."""
     if not cfg.adapter:
@@ -217,18 +215,18 @@ def adapter_flags(cfg: C.Config) -> C.Config:
     try:
         spec, _, _ = lora.read_adapter(cfg.adapter)
     except (ValueError, OSError, KeyError) as e:
-        raise C.ConfigError(f"--adapter {cfg.adapter}: {e}") from None
-    default = C.Config()
+        raise ConfigError(f"--adapter {cfg.adapter}: {e}") from None
+    default = Config()
     given = {"lora_rank": (cfg.lora_rank, 0, spec.rank), "lora_alpha": (cfg.lora_alpha, default.lora_alpha, spec.alpha),
              "lora_targets": (tuple(sorted(cfg.lora_targets)), tuple(sorted(default.lora_targets)), spec.targets)}
     for k, (value, unset, theirs) in given.items():
         if value != unset and value != theirs:
-            raise C.ConfigError(f"--{k.replace('_', '-')} {C.shown(value)} is not --adapter {cfg.adapter}'s "
-                                f"{C.shown(theirs)} (its {lora.CONFIG}); leave the flag out")
-    return C.dataclasses.replace(cfg, lora_rank=spec.rank, lora_alpha=spec.alpha, lora_targets=spec.targets)
+            raise ConfigError(f"--{k.replace('_', '-')} {shown(value)} is not --adapter {cfg.adapter}'s "
+                                f"{shown(theirs)} (its {lora.CONFIG}); leave the flag out")
+    return dataclasses.replace(cfg, lora_rank=spec.rank, lora_alpha=spec.alpha, lora_targets=spec.targets)
 
 
-def add_adapters(cfg: C.Config, model: M.Transformer, src: Path | None) -> None:
+def add_adapters(cfg: Config, model: Transformer, src: Path | None) -> None:
     """--lora-rank: adapters on `model` (lora.add refuses a rank above a layer's width, a target that
     names no layer); --adapter DIR: its tensors, once they fit the model and its base is --model's."""
     lora.add(model, lora.spec_of(cfg), cfg.base_dtype, cfg.device)
@@ -254,15 +252,15 @@ def add_adapters(cfg: C.Config, model: M.Transformer, src: Path | None) -> None:
     lora.load_adapter(model, tensors)
 
 
-def check_same_flags(cfg: C.Config) -> None:
+def check_same_flags(cfg: Config) -> None:
     """Under torchrun every trainer rank resolved the same config (one all_gather_object): a rank with
     its own --seed or --max-new-tokens would train on, on batches and shapes the others do not share.
     Every rank gets the same answer, so all of them stop."""
-    if (other := P.first_other(json.loads(cfg.to_json()))) is None:
+    if (other := first_other(json.loads(cfg.to_json()))) is None:
         return
     rank, ours, theirs = other
     k = next(k for k in ours if ours[k] != theirs.get(k))
-    raise C.ConfigError(f"torchrun rank {rank} has other flags than rank 0: --{k.replace('_', '-')} is "
+    raise ConfigError(f"torchrun rank {rank} has other flags than rank 0: --{k.replace('_', '-')} is "
                         f"{json.dumps(theirs.get(k))} there, {json.dumps(ours[k])} on rank 0 (every rank must run "
                         "the same command)")
 
@@ -280,15 +278,15 @@ SWITCHED = {"seq_mask_low": ("seq_mask", "--seq-mask geometric or max"),
             "kl_estimator": ("kl_coeff", "--kl-coeff > 0"), "kl_staleness": ("kl_coeff", "--kl-coeff > 0")}
 
 
-def unread(cfg: C.Config) -> list[tuple[str, str, bool]]:
+def unread(cfg: Config) -> list[tuple[str, str, bool]]:
     """The loss's flags this config leaves unread, as (field, why, refused). Another loss's flags get a
     note (a sweep keeps one set of flags over several --loss); the flags of a mask or of the KL that is
     off are refused: the run would lack what the user tuned, and the line names the switch."""
     if cfg.stage == "sft":
         return [(f, "is not read with --stage sft", False) for f in (*_loss_flags(), *SWITCHED)]
-    audit, read = cfg.correction_metrics_only, L.reads(cfg)
+    audit, read = cfg.correction_metrics_only, reads(cfg)
     trains = f"by --loss {cfg.loss}" + " under --correction-metrics-only" * audit
-    out = [(f, f"is not read {trains} (it is --loss {', '.join(n for n, x in L.LOSSES.items() if f in x.reads)}'s)", False)
+    out = [(f, f"is not read {trains} (it is --loss {', '.join(n for n, x in LOSSES.items() if f in x.reads)}'s)", False)
            for f in _loss_flags() if f not in read]
     for f, (switch, fix) in SWITCHED.items():
         value = getattr(cfg, switch)
@@ -298,15 +296,15 @@ def unread(cfg: C.Config) -> list[tuple[str, str, bool]]:
 
 
 def _loss_flags() -> list[str]:
-    return list(dict.fromkeys(f for loss in L.LOSSES.values() for f in loss.reads))
+    return list(dict.fromkeys(f for loss in LOSSES.values() for f in loss.reads))
 
 
-def check_read(cfg: C.Config) -> None:
+def check_read(cfg: Config) -> None:
     """A flag set away from its default that nothing reads in this combination: a note where the run
     is still what the user asked for (another loss's or task's flag, an rl flag under sft), an error
     where it would lack what the flag tunes (a mask's bounds with the mask off: `unread`)."""
     found = unread(cfg)
-    found += T.unread(cfg)  # another task's flags
+    found += tasks.task.unread(cfg)  # another task's flags
     found += [(f, "is not read with --stage sft (it is for rl rollouts)", False) for f in RL_FLAGS if cfg.stage == "sft"]
     found += [(f, "is not read without --tool or an --env that declares tools()", False) for f in TOOL_FLAGS
               if not (cfg.tool or cfg.env)]
@@ -322,11 +320,11 @@ def check_read(cfg: C.Config) -> None:
                   for f in ("lora_alpha", "lora_targets")]
     for field, why, refused in found:
         value = getattr(cfg, field)
-        if value == C.Config.__dataclass_fields__[field].default:
+        if value == Config.__dataclass_fields__[field].default:
             continue
-        flag = f"--{field.replace('_', '-')}" + ("" if value is True else f" {C.shown(value)}")
+        flag = f"--{field.replace('_', '-')}" + ("" if value is True else f" {shown(value)}")
         if refused:
-            raise C.ConfigError(f"{flag} {why}")
+            raise ConfigError(f"{flag} {why}")
         print0(f"note: {flag} {why}; the run goes on without it")
 
 
@@ -342,21 +340,21 @@ def check_copied(src: Path) -> None:
                 raise ValueError(f"{f}: not valid JSON ({e}); every checkpoint would copy it as it is") from None
 
 
-def load_model(cfg: C.Config, src: Path | None, codec: TextCodec) -> M.Transformer:
+def load_model(cfg: Config, src: Path | None, codec: TextCodec) -> Transformer:
     """The model in `src`, or with `--model scratch` (src None) a fresh tiny one in memory. Under torchrun
     the model in `src` stays on the meta device, its headers checked (hfdir.load_meta), for check_start
     to shard and fill from the files, each rank its own rows."""
-    if src is not None and P.world() > 1:
+    if src is not None and parallel.world() > 1:
         return hfdir.load_meta(src)[0]
     if src is not None:
         return hfdir.load(src, device=cfg.device)
-    args = M.ModelArgs(codec.tok.get_vocab_size(), **M.TINY, eos_token_id=codec.stop_ids[0])
-    model = M.Transformer(args)
-    M.init_weights(model, seed=cfg.seed)
+    args = ModelArgs(codec.tok.get_vocab_size(), **TINY, eos_token_id=codec.stop_ids[0])
+    model = Transformer(args)
+    init_weights(model, seed=cfg.seed)
     return model.to(cfg.device)
 
 
-def write_scratch(cfg: C.Config, out: Path, model: M.Transformer, task: T.Task) -> Path:
+def write_scratch(cfg: Config, out: Path, model: Transformer, task: Task) -> Path:
     """`--model scratch`: the fresh model as a HF directory in the run, for the engine and checkpoints."""
     src = out / "scratch"
     if RANK == 0:
@@ -364,15 +362,15 @@ def write_scratch(cfg: C.Config, out: Path, model: M.Transformer, task: T.Task) 
         src.mkdir()
         write_tokenizer(src, task.alphabet)
         hfdir.save(model, src, src, state=lora.base_state(model) if model.lora else None)  # LoRA: the base it trains on
-    if P.world() > 1:
+    if parallel.world() > 1:
         dist.barrier()
     return src
 
 
-def build(cfg: C.Config, src: Path, model: M.Transformer, codec: TextCodec, link: P.Link | None = None):
+def build(cfg: Config, src: Path, model: Transformer, codec: TextCodec, link: Link | None = None):
     """Engine, sharded model, optimizer and the (compiled) forward, around the loaded model; `link`
     (setup_distributed's, --inference-gpus) reaches the sampling ranks."""
-    if cfg.inference_gpus:  # the last ranks sample (remote.py): they load `src` once rank 0 says so
+    if cfg.inference_gpus:  # the last ranks sample (run/remote.py): they load `src` once rank 0 says so
         engine = RemoteEngine(link, cfg.seed + RANK, cfg.engine_dtype, model.lora)
         if RANK == 0:
             engine.start(src)
@@ -384,8 +382,8 @@ def build(cfg: C.Config, src: Path, model: M.Transformer, codec: TextCodec, link
     if model.checkpointing and cfg.device == "cpu":
         map_large_buffers()
     shard(model)  # after the engine took its full copy
-    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
-    opt = torch.optim.AdamW(trained, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
     fwd = torch.compile(model) if cfg.compile == "on" else model
     return fwd, engine, opt
 

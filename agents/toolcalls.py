@@ -29,7 +29,7 @@ This module owns what lies between such a function and the episode loop:
    with an ASCII marker before the template renders them, so its closing tags survive.
 4. `load`: the --tool functions, by path or module, as rewards are given.
 
-toolrun.py runs the calls (a timeout each, on usercode.py's threads) and counts them.
+agents/toolrun.py runs the calls (a timeout each, on tasks/usercode.py's threads) and counts them.
 
 Simplifications:
 1. Arguments are checked for their schema's JSON types (array items, object values and enums
@@ -38,7 +38,7 @@ Simplifications:
    arguments has {} (a tool of no parameters).
 3. Every attempt counts towards the episode's call limit, malformed ones too.
 
-This module is layer 1: the standard library and usercode.py. Tests: tests/test_toolcalls.py.
+This module is layer 1: the standard library and tasks/usercode.py. Tests: tests/test_toolcalls.py.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import usercode
+from tasks import usercode
 
 KINDS = ("parse", "unknown", "args", "raised", "timeout", "result", "limit")  # what can go wrong with a call
 FORMATS = ("hermes", "llama3-json")

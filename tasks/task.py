@@ -5,7 +5,7 @@ A task is four things (the `Task` base class holds the shared parts):
   a checkpoint saves where the draws stand);
 - `eval_set`: a fixed held-out list of prompts that training never draws;
 - `score(prompts, completions, group)`: one reward per completion, from the task's reward
-  functions (rewards.py: their contract, the built-in ones); NaN marks a sample that could not
+  functions (tasks/rewards.py: their contract, the built-in ones); NaN marks a sample that could not
   be scored (it is skipped and counted);
 - `Prompt.reference`: the reference completion for `--stage sft`, where the task has one.
 
@@ -27,7 +27,7 @@ Simplifications:
    split needs no bookkeeping; a file is split by row.
 2. Everything is checked before the run writes anything: --task and the built-in tasks' flags
    (`check_flags`, at the start checks), then, when the task is built, the file's rows, that
-   each prompt renders and fits the tokenizer, that each reward function (rewards.py) imports,
+   each prompt renders and fits the tokenizer, that each reward function (tasks/rewards.py) imports,
    and that every row has the columns it asks for by name.
 
     python train.py --task arithmetic --model checkpoints/arith-tiny
@@ -46,8 +46,8 @@ from typing import Callable
 
 from config import Config, ConfigError
 from data import Prompt, RunError
-from rewards import BUILTIN, CALL_ARGS, Reward, load_rewards, numeric_match, score_groups, similarity
-from textcodec import LETTERS, TextCodec
+from tasks.rewards import BUILTIN, CALL_ARGS, Reward, load_rewards, numeric_match, score_groups, similarity
+from tasks.textcodec import LETTERS, TextCodec
 
 # fmt: off
 WORDS = """

@@ -20,7 +20,7 @@ Simplifications:
    one --call-timeout, not one per group, and a function may run in several threads together.
 2. A function is loaded, and its file's top-level code run, at start-up (and again on --resume:
    it is an import); the columns it asks for by name (`Reward.needs`: a parameter with a default
-   may be missing) are checked against every row when the task is built (tasks.py).
+   may be missing) are checked against every row when the task is built (tasks/task.py).
 
     python train.py --task jsonl:examples/sums.jsonl --model checkpoints/arith-tiny --reward examples/rewards.py:close
 """
@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import usercode
 from config import ConfigError
 from data import Prompt, RunError
+from tasks import usercode
 
 CALL_ARGS = ("prompts", "completions", "completion_ids", "messages")  # a call's own arguments: no column takes these
 
@@ -89,7 +89,7 @@ class Reward:
     fn: Callable
     weight: float = 1.0
     source: Path | None = None  # None for the built-ins
-    timeout: float = 60.0  # --call-timeout: seconds one call may take (usercode.py)
+    timeout: float = 60.0  # --call-timeout: seconds one call may take (tasks/usercode.py)
     stop: threading.Event | None = None  # set when the run shuts down: a call still running is abandoned at once
 
     def needs(self) -> list[str]:

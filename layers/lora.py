@@ -18,7 +18,7 @@ Simplifications:
    the bf16 tensor for the backward, not the upcast copy); the adapters and their AdamW state stay
    fp32, and a merge is computed and returned in fp32. The embedding, norms and LM head stay fp32.
 3. The built-in engine gets merged weights, W + (alpha / r) B A, computed in fp32 from the
-   untouched base on every push (engines.TorchEngine), so what samples is a plain model. vLLM
+   untouched base on every push (torch_engine.TorchEngine), so what samples is a plain model. vLLM
    serves the adapter itself, and only the adapter moves on a push (vllm_engine.VLLMEngine), or
    takes merged weights with --lora-merged.
 
@@ -41,9 +41,10 @@ from safetensors.torch import load_file
 from safetensors.torch import save as st_save
 from torch import nn
 
-from config import LORA_TARGETS as TARGETS  # every linear of a block: the flag's default
-from parallel import full
+from config import LORA_TARGETS
+from layers.parallel import full
 
+TARGETS = LORA_TARGETS  # every linear of a block: the flag's default
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 accepts
 BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --base-dtype
 PREFIX = "base_model.model."  # PEFT's prefix before the model's own parameter names
@@ -209,7 +210,7 @@ def linears(model: nn.Module) -> dict[str, nn.Linear]:
 def check_spec(shapes: dict[str, tuple[int, ...]], rank: int, targets) -> None:
     """ValueError, naming the flag, for a target that matches none of the linear layers (`shapes`: name ->
     weight shape) or a rank above the narrowest adapted layer's width: `add`'s check, and the memory plan's
-    (start.py), which has the shapes but no model."""
+    (run/start.py), which has the shapes but no model."""
     kinds = sorted({n.rsplit(".", 1)[-1] for n in shapes})
     if stray := [t for t in targets if t not in kinds]:
         raise ValueError(f"--lora-targets {stray[0]} matches no linear layer of the model (its layers: {', '.join(kinds)}; "

@@ -48,7 +48,7 @@ def setup_distributed(device: str, inference: int = 0, timeout: float = 300.0) -
     the wait). NCCL keeps torch's 10 minutes: its watchdog aborts the process, and on GPUs rank 0
     alone evaluating or writing a large checkpoint can hold the others for minutes.
 
-    With `inference` = k > 0 the last k ranks only sample (remote.py). The trainers' default
+    With `inference` = k > 0 the last k ranks only sample (run/remote.py). The trainers' default
     group then holds the first LAUNCHED - k ranks alone (`world()`); the inference ranks join
     no default group, because an in-process vLLM takes that over. The returned `Link`, trainer
     rank 0 plus the k, is built on torchrun's store directly (None on the other trainer ranks
@@ -179,7 +179,7 @@ CODES = [torch.int64, torch.float64, torch.int32, torch.float32, torch.bool, tor
 class Link:
     """Trainer rank 0 (link rank 0) and the k inference ranks (1..k), on torchrun's store:
     messages of host tensors over gloo (`send`, `recv`) and weights by `broadcast` (NCCL on
-    GPUs). setup_distributed builds it; remote.py speaks its protocol over it."""
+    GPUs). setup_distributed builds it; run/remote.py speaks its protocol over it."""
 
     def __init__(self, store, rank: int, size: int, device: str):
         self.rank, self.size, self.device = rank, size, device

@@ -1,11 +1,11 @@
-"""A run's checkpoints and resume (the directory itself: rundir.py; metrics.jsonl: runlog.py).
+"""A run's checkpoints and resume (the directory itself: run/rundir.py; metrics.jsonl: run/runlog.py).
 
 A checkpoint is a HF directory (config.json, model.safetensors, tokenizer files) that
 transformers and vLLM load as it is, plus the training state in `trainer_state/` (optimizer,
 RNGs, step), written under a temporary name and renamed by rank 0; `--resume` reads the
 newest one that reads whole (`whole`: every part checked) and whose steps' rows metrics.jsonl
 holds; one that fails either is skipped for the one before, with a warning. Nothing is loaded
-with pickle: tensors are safetensors, the rest JSON. metrics.jsonl and the log line: runlog.py.
+with pickle: tensors are safetensors, the rest JSON. metrics.jsonl and the log line: run/runlog.py.
 
     python -m pytest -q tests/test_train.py tests/test_faults.py -k "resume or kill or damaged"
 """
@@ -25,18 +25,15 @@ import torch
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
-import config as C
-from textcodec import TextCodec
-import lora
-import model as M
-import hfdir
-import parallel as P
-import shardfiles
-from parallel import RANK, gather, shard
-from shardfiles import MERGED  # noqa: F401  (checkpoint.MERGED: where a LoRA run's merged model lies)
-import rundir as R
-from rundir import STATE
-from runlog import read_rows
+from config import RENAMED, Config, ConfigError
+from model import Transformer
+from layers import lora, parallel
+from layers.parallel import RANK, gather, print0, shard
+from run import hfdir, shardfiles
+from run.rundir import STATE, checkpoints, floe_config, start_over, trained_steps
+from run.runlog import read_rows
+from run.shardfiles import MERGED  # noqa: F401  (checkpoint.MERGED: where a LoRA run's merged model lies)
+from tasks.textcodec import TextCodec
 
 # a resume may change them; config.json follows (compile: a machine without a C++ compiler resumes a compiled run eager;
 # activation checkpointing recomputes the same values, and auto may settle otherwise on another device)
@@ -72,7 +69,7 @@ def save_checkpoint(out: Path, step: int, model, opt, rng, gen: torch.Generator,
         _agree(shardfiles.write_parts(tmp, model, opt, gen, Path(src), final), tmp)
         if RANK:
             return None
-        state = {"step": step, "python_rng": rng.getstate(), "world_size": P.world()}
+        state = {"step": step, "python_rng": rng.getstate(), "world_size": parallel.world()}
         if scale is not None and scale.dynamic:
             state["loss_scale"] = [scale.value, scale.good]
         (tmp / STATE / "state.json").write_text(json.dumps(state))  # last: rundir.checkpoints looks for it
@@ -97,7 +94,7 @@ def _agree(err: OSError | None, tmp: Path) -> None:
         raise err or OSError(errno.EIO, f"rank {failed[0]} could not write its part of the checkpoint", str(tmp))
 
 
-def whole(path: Path, base: tuple | None = None, device: str = "cpu") -> tuple[M.Transformer, TextCodec]:
+def whole(path: Path, base: tuple | None = None, device: str = "cpu") -> tuple[Transformer, TextCodec]:
     """The checkpoint's model and tokenizer, every part of the checkpoint checked (`_checked`): raises
     naming the first damaged one. One process reads the weights whole, values checked as --model's
     are (hfdir.load); under torchrun the ranks agree on the headers, then each reads only its own rows
@@ -110,17 +107,17 @@ def whole(path: Path, base: tuple | None = None, device: str = "cpu") -> tuple[M
         err = None
     except Exception as e:  # as in `damage`
         err = e
-    if P.world() > 1 and (failed := [r for r, bad in enumerate(gather([err is not None])) if bad]) and err is None:
+    if parallel.world() > 1 and (failed := [r for r, bad in enumerate(gather([err is not None])) if bad]) and err is None:
         raise ValueError(f"rank {failed[0]} finds it damaged")
     if err is not None:
         raise err
-    if P.world() > 1 and base is None:
+    if parallel.world() > 1 and base is None:
         shard(model)
         hfdir.fill_shards(model, path, {}, device)
     return model, codec
 
 
-def _checked(path: Path, base: tuple | None) -> tuple[M.Transformer, TextCodec]:
+def _checked(path: Path, base: tuple | None) -> tuple[Transformer, TextCodec]:
     """state.json: its step is the directory's, its RNG state one that `random` takes; the HF directory:
     config.json, tokenizer.json and the weights' headers as --model's are checked (hfdir.load_meta: keys,
     shapes; one process reads the values too); each rank's optimizer file: its header (a truncated file
@@ -142,7 +139,7 @@ def _checked(path: Path, base: tuple | None) -> tuple[M.Transformer, TextCodec]:
         if not (isinstance(value, float) and math.isfinite(value) and type(good) is int):
             raise ValueError(f"{STATE}/state.json: loss_scale {state['loss_scale']!r}")
     if base is None:
-        model = hfdir.load(path) if P.world() == 1 else hfdir.load_meta(path)[0]
+        model = hfdir.load(path) if parallel.world() == 1 else hfdir.load_meta(path)[0]
         codec = TextCodec.load(path)
     else:
         model, codec = base
@@ -181,7 +178,7 @@ def load_training_state(path: Path, model, opt, rng, engine, scale=None) -> int:
     its own optimizer file alone (its rows of each AdamW tensor, put in place as FSDP2 shards them)."""
     state = json.loads((path / STATE / "state.json").read_text())
     params, legacy = dict(model.named_parameters()), _legacy(path)
-    f = shardfiles.LEGACY if legacy else shardfiles.optim_file(RANK, P.world())
+    f = shardfiles.LEGACY if legacy else shardfiles.optim_file(RANK, parallel.world())
     with safe_open(str(path / STATE / f), framework="pt") as st:
         for key in sorted(st.keys()):  # one order on every rank (safetensors' is not fixed)
             if key.startswith("optim/"):
@@ -213,7 +210,7 @@ def _engine_key(rank: int) -> str:
 
 # ----------------------------------------------------------------------------- resume
 
-def check_resumable(cfg: C.Config, out: Path) -> tuple[Path, list[dict], M.Transformer, TextCodec, Path]:
+def check_resumable(cfg: Config, out: Path) -> tuple[Path, list[dict], Transformer, TextCodec, Path]:
     """The checkpoint to resume from, with the metrics rows it keeps, its model and tokenizer, and the
     directory the model's weights came from (the checkpoint; under LoRA the run's base): the newest
     that reads whole (`whole`) and whose steps all have their row in metrics.jsonl (the rows are
@@ -221,15 +218,15 @@ def check_resumable(cfg: C.Config, out: Path) -> tuple[Path, list[dict], M.Trans
     one before, with a warning). The flags that shape the run must not change, nor a LoRA run's base
     (`lora_base`); a run already at --steps has nothing to do (NothingToDo)."""
     if not out.is_dir():
-        raise C.ConfigError(f"--resume: --out-dir {out} does not exist (a new run needs no --resume)")
-    found, saved, done = R.checkpoints(out), R.floe_config(out), R.trained_steps(out)
+        raise ConfigError(f"--resume: --out-dir {out} does not exist (a new run needs no --resume)")
+    found, saved, done = checkpoints(out), floe_config(out), trained_steps(out)
     if not found and saved is None and not done:
-        raise C.ConfigError(f"--resume: {out} holds no floe run (no checkpoint, no floe config.json)")
+        raise ConfigError(f"--resume: {out} holds no floe run (no checkpoint, no floe config.json)")
     if not found:
-        raise C.ConfigError(f"--resume: no complete checkpoint in {out} (its run stopped "
-                            f"{f'at step {max(done)}' if done else 'before its first step'}): {R.start_over(out)}")
+        raise ConfigError(f"--resume: no complete checkpoint in {out} (its run stopped "
+                            f"{f'at step {max(done)}' if done else 'before its first step'}): {start_over(out)}")
     if saved is None:
-        raise C.ConfigError(f"--resume: {out / 'config.json'} is missing or unreadable: the run's flags are unknown")
+        raise ConfigError(f"--resume: {out / 'config.json'} is missing or unreadable: the run's flags are unknown")
     saved = same_flags(cfg, saved, out)
     base = lora_base(cfg, saved, out) if cfg.lora_rank else None
     rows, gone = read_rows(out), not (out / "metrics.jsonl").exists()
@@ -238,62 +235,62 @@ def check_resumable(cfg: C.Config, out: Path) -> tuple[Path, list[dict], M.Trans
     if path is None:  # a whole checkpoint that lacks only rows can go on without the history (as when the file is gone)
         way = "" if why[1] is None else (f"delete {out / 'metrics.jsonl'} to resume from {why[1].name} without the "
                                          "history before it, or ")
-        raise C.ConfigError(f"--resume: every checkpoint in {out} is damaged or lacks its metrics rows (the newest: "
+        raise ConfigError(f"--resume: every checkpoint in {out} is damaged or lacks its metrics rows (the newest: "
                             f"{why[0]}); {way}delete that directory to start over, or give another --out-dir")
     if path != found[0]:
-        P.print0(f"warning: resuming from {path.name}, the newest checkpoint that reads whole")
+        print0(f"warning: resuming from {path.name}, the newest checkpoint that reads whole")
     if gone:
-        P.print0(f"warning: {out / 'metrics.jsonl'} is gone: resuming from {path.name} without the history before "
+        print0(f"warning: {out / 'metrics.jsonl'} is gone: resuming from {path.name} without the history before "
                  "it (the new file starts at the next step)")
     world = json.loads((path / STATE / "state.json").read_text()).get("world_size", 1)
-    if world != P.world():
-        raise C.ConfigError(f"--resume: the run in {out} ran on {world} trainer processes, this one on {P.world()} "
+    if world != parallel.world():
+        raise ConfigError(f"--resume: the run in {out} ran on {world} trainer processes, this one on {parallel.world()} "
                             f"(torchrun --nproc_per_node); start a new run with "
                             + (f"--model {path}" if base is None else f"--model {base[2]} --adapter {path}") + " instead")
     step = int(path.name[5:])  # step_NNNNNN
     if step >= cfg.steps:
         raise NothingToDo(f"nothing to do: the run in {out} is at step {step} and --steps is {cfg.steps}; give "
                           f"--steps above {step} to continue it")
-    if base is not None and P.world() > 1:  # the base's rows on each rank, beside the checkpoint's whole adapters
+    if base is not None and parallel.world() > 1:  # the base's rows on each rank, beside the checkpoint's whole adapters
         adapters = {n: p.detach() for n, p in model.named_parameters() if not p.is_meta}
         shard(model)
         try:
             hfdir.fill_shards(model, base[2], adapters, cfg.device)
         except ValueError as e:
-            raise C.ConfigError(f"--resume: the run's base model does not load ({e})") from None
+            raise ConfigError(f"--resume: the run's base model does not load ({e})") from None
     if cfg.model != saved.get("model"):
-        P.print0(f"note: --model {cfg.model} is not used: a resumed run continues from {path}"
+        print0(f"note: --model {cfg.model} is not used: a resumed run continues from {path}"
                  + (f" on its base {base[2]}" if base else ""))
     return path, [r for r in rows if r["step"] <= step], model, codec, path if base is None else base[2]
 
 
-def lora_base(cfg: C.Config, saved: dict, out: Path) -> tuple[M.Transformer, TextCodec, Path]:
+def lora_base(cfg: Config, saved: dict, out: Path) -> tuple[Transformer, TextCodec, Path]:
     """A LoRA run's base as its config.json records it (`lora_base`: the directory and its weights'
     sha256), with the run's adapters added (zeros until a checkpoint's are loaded) and its tokenizer.
     A base that is gone or changed stops the resume with one line."""
     rec = saved.get("lora_base")
     if not isinstance(rec, dict) or not isinstance(rec.get("path"), str) or not isinstance(rec.get("sha256"), str):
-        raise C.ConfigError(f"--resume: {out / 'config.json'} records no lora_base (the base model's directory and "
+        raise ConfigError(f"--resume: {out / 'config.json'} records no lora_base (the base model's directory and "
                             "sha256) for its --lora-rank run")
     path = Path(rec["path"])
     try:  # under torchrun its headers alone: each rank reads its rows once a checkpoint is chosen
-        model = hfdir.load(path) if P.world() == 1 else hfdir.load_meta(path)[0]
+        model = hfdir.load(path) if parallel.world() == 1 else hfdir.load_meta(path)[0]
         codec = TextCodec.load(path)
     except (FileNotFoundError, ValueError) as e:
-        raise C.ConfigError(f"--resume: the run's base model does not load ({e})") from None
+        raise ConfigError(f"--resume: the run's base model does not load ({e})") from None
     now = gather([_sha256(path) if RANK == 0 else None])[0]  # hashed once, by rank 0: every rank gets its verdict
     if now.startswith("error: "):
-        raise C.ConfigError(f"--resume: the run's base model does not load ({now[7:]})")
+        raise ConfigError(f"--resume: the run's base model does not load ({now[7:]})")
     if now != rec["sha256"]:
-        raise C.ConfigError(f"--resume: the base model in {path} changed since the run started (the sha256 of its "
+        raise ConfigError(f"--resume: the base model in {path} changed since the run started (the sha256 of its "
                             f"weights was {rec['sha256'][:12]}, now {now[:12]}); its adapters were trained on the old one")
     args = dataclasses.asdict(model.args)  # a record older than this key: the weights alone are compared
     if changed := [k for k in args if isinstance(rec.get("config"), dict) and rec["config"].get(k) != args[k]]:
         k = changed[0]
-        raise C.ConfigError(f"--resume: the base model in {path} changed since the run started (its config.json's {k} "
+        raise ConfigError(f"--resume: the base model in {path} changed since the run started (its config.json's {k} "
                             f"was {json.dumps(rec['config'].get(k))}, now {json.dumps(args[k])}); its adapters were "
                             "trained on the old one")
-    lora.add(model, lora.spec_of(cfg), cfg.base_dtype, None if P.world() == 1 else cfg.device)
+    lora.add(model, lora.spec_of(cfg), cfg.base_dtype, None if parallel.world() == 1 else cfg.device)
     return model, codec, path
 
 
@@ -320,20 +317,20 @@ def _newest_whole(found: list[Path], have: set[int] | None, out: Path, base: tup
                 return p, model, codec, None
             which = f"the row of step {lost[0]}" if len(lost) == 1 else f"the rows of steps {lost[0]}..{lost[-1]}"
             why, rowless = f"{out / 'metrics.jsonl'} lacks {which}, which {p.name} covers", rowless or p
-        P.print0(f"warning: {why}; trying the one before it")
+        print0(f"warning: {why}; trying the one before it")
         first = first or why
     return None, None, None, (first, rowless)
 
 
-def same_flags(cfg: C.Config, saved: dict, out: Path, free: tuple[str, ...] = ()) -> dict:
+def same_flags(cfg: Config, saved: dict, out: Path, free: tuple[str, ...] = ()) -> dict:
     """The run's config.json under today's names; ConfigError naming the first flag that shapes the run
     and differs from it (FREE, UNUSED and `free` may differ)."""
     saved = renamed(saved, out)
-    defaults, now = json.loads(C.Config().to_json()), json.loads(cfg.to_json())
+    defaults, now = json.loads(Config().to_json()), json.loads(cfg.to_json())
     # the flags other defaults derive from first (--lr's default is LoRA's with --lora-rank): name the cause
     for k, v in sorted(now.items(), key=lambda kv: kv[0] not in ("stage", "lora_rank", "adapter")):
         if k not in FREE + UNUSED + free and saved.get(k, defaults[k]) != v:
-            raise C.ConfigError(f"--resume: --{k.replace('_', '-')} is {v!r} but the run in {out} used {saved.get(k)!r}")
+            raise ConfigError(f"--resume: --{k.replace('_', '-')} is {v!r} but the run in {out} used {saved.get(k)!r}")
     return saved
 
 
@@ -343,17 +340,17 @@ def renamed(saved: dict, out: Path) -> dict:
     one nor the run's record is refused: what it set would be silently lost."""
     new = {}
     for k, v in saved.items():
-        name = C.RENAMED.get(k, k)
-        if name not in C.Config.__dataclass_fields__ and name not in RECORD:
-            raise C.ConfigError(f"--resume: {out / 'config.json'} sets {k!r}, which is no flag of this floe; "
+        name = RENAMED.get(k, k)
+        if name not in Config.__dataclass_fields__ and name not in RECORD:
+            raise ConfigError(f"--resume: {out / 'config.json'} sets {k!r}, which is no flag of this floe; "
                                 "the run cannot go on as it was started")
         if name in new and new[name] != v:
-            raise C.ConfigError(f"--resume: {out / 'config.json'} sets both {k!r} and {name!r}, differently")
+            raise ConfigError(f"--resume: {out / 'config.json'} sets both {k!r} and {name!r}, differently")
         new[name] = v
     return new
 
 
-def resumed_config(out: Path, cfg: C.Config) -> dict | None:
+def resumed_config(out: Path, cfg: Config) -> dict | None:
     """config.json on resume: the run's own record (its model, its out_dir) under today's flag names,
     with the flags a resume may change (FREE) as this one gives them; None when none changed (the file
     stays as it is)."""
@@ -367,5 +364,5 @@ def note_changed_rewards(out: Path, hashes: dict[str, str]) -> None:
     saved = json.loads((out / "config.json").read_text()).get("reward_sha256", {})
     for name, h in hashes.items():
         if saved.get(name, h) != h:
-            P.print0(f"note: --reward {name}: its file changed since the run started (sha256 {saved[name][:12]} -> "
+            print0(f"note: --reward {name}: its file changed since the run started (sha256 {saved[name][:12]} -> "
                    f"{h[:12]}); the resumed run scores with the new one")

@@ -1,13 +1,13 @@
 """Multi-turn episodes: the token rule and the episode loop, on top of any engine.
 
-An episode starts from a row of `--task jsonl:FILE`; the model answers, the environment (envs.py
+An episode starts from a row of `--task jsonl:FILE`; the model answers, the environment (agents/envs.py
 has the contract) replies with messages and says whether it is done, the model answers again,
 and the reward comes at the end. `play` runs a step's episodes; rollout.py turns them into the
 step's Samples (`finish_episodes`) and scores the held-out rows (`evaluate_episodes`).
 
 With tools declared (--tool, or an environment's `tools()`), each model turn is first read for
-calls in the family's format (toolcalls.py parses the sampled ids decoded with special tokens
-kept); a call turn's results (toolrun.py runs them) are its reply, by the same token rule, and
+calls in the family's format (agents/toolcalls.py parses the sampled ids decoded with special tokens
+kept); a call turn's results (agents/toolrun.py runs them) are its reply, by the same token rule, and
 any other turn is the answer: the environment's `step` judges it, or, without one, it ends the
 episode. The tools' schemas reach the template as its `tools` keyword, in the first prompt and in
 every reply.
@@ -32,10 +32,10 @@ Simplifications:
    group, n = --group-size); an episode that ended drops out; nothing is carried into the next
    step. Each turn's prompts are the episodes' whole ids: the contract stays one stateless
    `generate`, and the engines keep the prefix themselves (the built-in engine its last call's
-   cache rows, prefix.py; vLLM its prefix cache), until `idle()` after the step's last turn.
+   cache rows, engines/torch_engine.py; vLLM its prefix cache), until `idle()` after the step's last turn.
    bench/turns.py measures what keeping the rows saves (docs/experiments.md "2026-12-02: the cost
    of a turn"): an episode against a single turn of the same total tokens, rows kept or not.
-2. Every call into the environment goes through usercode.py: a thread of its own with
+2. Every call into the environment goes through tasks/usercode.py: a thread of its own with
    --call-timeout, all of a turn's episodes at once, on copies of floe's data.
 3. Faults take the whole group out (`skipped/env_error`): an environment that raised or timed
    out, a reply that is not a list of {"role", "content"} messages or holds characters the
@@ -60,12 +60,11 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import toolcalls
-import toolrun
-import usercode
 from data import Prompt, RunError, Sample, TokenSupport, is_messages
-from textcodec import TextCodec
-from engines import Completion, Sampling
+from agents import toolcalls, toolrun
+from engines.torch_engine import Completion, Sampling
+from tasks import usercode
+from tasks.textcodec import TextCodec
 
 ENDS = ("done", "max_turns", "length", "budget", "timeout", "error", "bad_reply", "dropped")
 FAULTS = ("timeout", "error", "bad_reply")  # the ends that take their group out

