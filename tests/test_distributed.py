@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
 import config as C
+from layers import parallel
 from tasks.textcodec import TextCodec
 from tasks import task as T
 from layers import lora
@@ -43,10 +44,11 @@ WORKER = """
 import pickle, sys
 sys.path[:0] = [{root!r}, {tests!r}]
 import torch, train
+from layers import parallel
 from test_distributed import one_step, only_on_rank1
 train.setup_distributed("cpu")
 cases = pickle.loads(open(sys.argv[1] + "/cases.pkl", "rb").read())
-n = len(cases[0][2]) // train.P.world()  # each rank gets its contiguous share of the samples
+n = len(cases[0][2]) // parallel.world()  # each rank gets its contiguous share of the samples
 out = [one_step(cfg, state, samples[train.RANK * n:(train.RANK + 1) * n]) for cfg, state, samples in cases]
 torch.save({{"steps": out, "names": only_on_rank1()}}, f"{{sys.argv[1]}}/rank{{train.RANK}}.pt")
 torch.distributed.destroy_process_group()
@@ -62,8 +64,8 @@ def one_step(cfg, state, samples):
             lora.add(model, lora.spec_of(cfg), cfg.base_dtype)
         model.load_state_dict(state)
         model.checkpointing = cfg.activation_checkpointing == "blocks"  # as start.build sets it
-        train.P.shard(model)
-        assert isinstance(model.head_weight, DTensor) == (train.P.world() > 1)
+        parallel.shard(model)
+        assert isinstance(model.head_weight, DTensor) == (parallel.world() > 1)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
         batch = train.gather(samples)
         scale = train.LossScale.for_dtype(cfg.train_dtype)  # fp16: 2^16, unscaled in optimizer_step
@@ -250,7 +252,8 @@ import os, sys
 sys.path[:0] = [{root!r}]
 import torch.distributed as dist
 from pathlib import Path
-import config as C, rundir
+import config as C
+from run import rundir
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 say = lambda line: os.write(1, (line + "\\n").encode())  # one write a line: the ranks share the pipe (print writes twice unbuffered)
@@ -283,7 +286,10 @@ import errno, os, random, sys
 sys.path[:0] = [{root!r}]
 from pathlib import Path
 import torch, torch.distributed as dist
-import checkpoint, model as M, parallel, shardfiles
+from run import checkpoint
+import model as M
+from layers import parallel
+from run import shardfiles
 say = lambda line: os.write(1, (line + "\\n").encode())  # one write a line: the ranks share the pipe
 dist.init_process_group("gloo")
 rank, out = dist.get_rank(), Path(sys.argv[1])
@@ -404,8 +410,9 @@ def test_the_dist_timeout_reaches_init_process_group(monkeypatch):
         seen.update(kwargs, backend=backend)
         raise Joined
 
-    monkeypatch.setattr(train.P, "LAUNCHED", 2)
-    monkeypatch.setattr(train.P.dist, "init_process_group", init)
+    monkeypatch.setattr(train, "LAUNCHED", 2)  # train.main reads the name it imported
+    monkeypatch.setattr(parallel, "LAUNCHED", 2)  # and setup_distributed its own
+    monkeypatch.setattr(parallel.dist, "init_process_group", init)
     with pytest.raises(Joined):
         train.main(["--dist-timeout", "7", "--steps", "1"])
     assert seen == {"backend": "gloo", "timeout": datetime.timedelta(seconds=7)}
@@ -413,18 +420,18 @@ def test_the_dist_timeout_reaches_init_process_group(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setattr(train.torch.cuda, "set_device", lambda i: None)
     with pytest.raises(Joined):
-        train.P.setup_distributed("cuda", 0, 7.0)
+        parallel.setup_distributed("cuda", 0, 7.0)
     assert seen == {"backend": "nccl"}
 
 
 def test_a_lost_peer_is_one_line_naming_the_rank_and_the_wait():
     gloo = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
             "300000ms for recv operation to complete")
-    with pytest.raises(train.P.CollectiveTimeout) as e:
-        with train.P.collective("step 3", 300.0):
+    with pytest.raises(parallel.CollectiveTimeout) as e:
+        with parallel.collective("step 3", 300.0):
             raise RuntimeError(gloo)
     assert str(e.value) == ("rank 0 stopped waiting for the other torchrun ranks in step 3 (--dist-timeout 300 s): a "
                             "rank is stopped, hung or dead (Timed out waiting 300000ms for recv operation to complete)")
     with pytest.raises(RuntimeError, match="^something else$"):  # any other error stays as it was
-        with train.P.collective("step 3", 300.0):
+        with parallel.collective("step 3", 300.0):
             raise RuntimeError("something else")

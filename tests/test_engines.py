@@ -303,9 +303,9 @@ PUSHES = """
 import json, sys
 sys.path.insert(0, {root!r})
 import model as M
-import hfdir
-from engines import Sampling
-from vllm_engine import VLLMEngine
+from run import hfdir
+from engines.torch_engine import Sampling
+from engines.vllm_engine import VLLMEngine
 
 def rss_mib():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
@@ -401,11 +401,11 @@ import json, math, sys
 sys.path.insert(0, {root!r})
 import torch
 import data as D
-from textcodec import TextCodec, write_tokenizer
+from tasks.textcodec import TextCodec, write_tokenizer
 import model as M
-import hfdir
-from engines import Sampling
-from vllm_engine import VLLMEngine
+from run import hfdir
+from engines.torch_engine import Sampling
+from engines.vllm_engine import VLLMEngine
 from tests.test_engines import _kept, _probs
 
 d = {dir!r}

@@ -46,7 +46,8 @@ GAME = [*FLAGS, "--env", "guess-letter"]
 DRIVER = """
 import json, os, sys
 sys.path.insert(0, {root!r})
-import parallel as P, train
+from layers import parallel as P
+import train
 real, calls = train.prepare, [0]
 def prepare(cfg, samples, vocab_size, device):
     calls[0] += 1
@@ -168,7 +169,7 @@ def test_the_one_process_reference_is_exact_too(one_process):
 
 
 GUESS_TOOLS = """
-from envs import GuessLetter
+from agents.envs import GuessLetter
 class GuessWithTools(GuessLetter):
     answers = 0
 
@@ -258,7 +259,7 @@ def test_episodes_with_tools_are_exact_on_each_path(caller, tmp_path, path):
 
 SLEEPY = """
 import time
-from envs import GuessLetter
+from agents.envs import GuessLetter
 class Sleepy(GuessLetter):
     def step(self, text, ids):
         if self.secret < "i":
@@ -282,7 +283,9 @@ def test_a_hung_environment_is_counted_and_the_run_exits_cleanly(tmp_path, extra
 KILLER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import episodes as E, rollout, train
+from agents import episodes as E
+import rollout
+import train
 phases, real_phase, real_turn = [0], rollout.episode_phase, E._environment_turn
 def episode_phase(*a):
     phases[0] += 1

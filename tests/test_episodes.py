@@ -466,7 +466,7 @@ def test_a_hung_environment_is_abandoned_the_run_goes_on_and_exits_cleanly(tmp_p
     counted, the others train, and the process exits 0 at the end (no thread keeps it alive)."""
     f = _env_file(tmp_path, """
         import time
-        from envs import GuessLetter
+        from agents.envs import GuessLetter
         class Sleepy(GuessLetter):
             def step(self, text, ids):
                 if self.secret < "i":
@@ -500,7 +500,7 @@ def test_a_first_prompt_longer_than_the_context_is_named_as_the_cause(tmp_path, 
     """reset's prompt leaves no room for a turn in any group: counted in skipped/too_long, and the run
     that trained nothing names the prompt's length, not the rewards."""
     f = _env_file(tmp_path, """
-        from envs import GuessLetter
+        from agents.envs import GuessLetter
         class Wordy(GuessLetter):
             def reset(self, row, seed):
                 super().reset(row, seed)
@@ -517,7 +517,7 @@ def test_a_first_prompt_longer_than_the_context_is_named_as_the_cause(tmp_path, 
 def test_threads_an_environment_leaves_running_do_not_keep_the_process_alive(tmp_path):
     f = _env_file(tmp_path, """
         import threading, time
-        from envs import GuessLetter
+        from agents.envs import GuessLetter
         class Leaky(GuessLetter):
             def step(self, text, ids):
                 threading.Thread(target=time.sleep, args=(3600,), name="leaky", daemon=False).start()
@@ -530,8 +530,8 @@ def test_threads_an_environment_leaves_running_do_not_keep_the_process_alive(tmp
     assert lines[-2].startswith("summary ") and "thread(s) that user code started are still running" in lines[-1] and "(leaky" in lines[-1]
 
 
-@pytest.mark.parametrize("spec,words", [("nowhere.py:Env", "no such file"), ("envs:Missing", "has no class 'Missing'"),
-                                        ("envs:SECRETS", "is not a class"), ("data:Prompt", "Prompt.step is not a method"),
+@pytest.mark.parametrize("spec,words", [("nowhere.py:Env", "no such file"), ("agents.envs:Missing", "has no class 'Missing'"),
+                                        ("agents.envs:SECRETS", "is not a class"), ("data:Prompt", "Prompt.step is not a method"),
                                         ("{f}:NoReward", "has no reward() and no --reward"), ("{f}:Exits", "SystemExit(0)")])
 def test_a_bad_env_is_refused_before_the_first_byte(tmp_path, capsys, spec, words):
     f = _env_file(tmp_path, """
@@ -568,7 +568,7 @@ def test_a_row_without_a_column_the_environment_declares_is_refused_at_its_line(
 
 def test_columns_that_are_not_names_are_refused(tmp_path, capsys):
     f = _env_file(tmp_path, """
-        from envs import GuessLetter
+        from agents.envs import GuessLetter
         class OneString(GuessLetter):
             columns = "secret"
     """)

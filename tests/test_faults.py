@@ -341,7 +341,7 @@ def test_a_directory_that_is_not_a_run_is_refused_and_left_as_it_was(tmp_path, c
 _HOLDER = """
 import sys, time
 sys.path.insert(0, {root!r})
-import rundir
+from run import rundir
 from pathlib import Path
 lock = rundir.RunLock(Path(sys.argv[1]))
 print("locked", flush=True)
@@ -659,7 +659,7 @@ def test_a_run_that_stopped_before_its_first_step_is_started_over(tmp_path, monk
     """A failure at step 1 (here a prompt that cannot fit) leaves config.json and an empty metrics.jsonl:
     --resume says how to start over, and the same command again starts it over, saying so."""
     out = tmp_path / "run"
-    _stop_at(monkeypatch, 1, train.D.RunError("every prompt is longer than the context"))
+    _stop_at(monkeypatch, 1, train.RunError("every prompt is longer than the context"))
     one_line(_main(capsys, "--steps", "2", "--out-dir", str(out)), 1, "longer than the context")
     assert (out / "config.json").is_file() and (out / "metrics.jsonl").read_text() == ""
     monkeypatch.undo()
@@ -673,7 +673,7 @@ def test_a_run_that_stopped_before_its_first_checkpoint_says_how_to_start_over(t
     """Rows but no checkpoint (a kill at step 2 of a run saving only at its end): both a new run and
     --resume say the same way on (delete it, or another --out-dir), never each other's flag."""
     out = tmp_path / "run"
-    _stop_at(monkeypatch, 2, train.D.RunError("stop"))
+    _stop_at(monkeypatch, 2, train.RunError("stop"))
     assert _main(capsys, "--steps", "3", "--out-dir", str(out)).returncode == 1
     monkeypatch.undo()
     before = _tree(out)

@@ -87,13 +87,14 @@ def _saved(run: Path) -> dict:
 
 
 def _cfg(run: Path):
-    return train.C.parse(["--model", str(run.parent / "base"), "--out-dir", str(run), *LORA])
+    return train.parse(["--model", str(run.parent / "base"), "--out-dir", str(run), *LORA])
 
 
 KILLER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import lora, train
+from layers import lora
+import train
 real, calls = lora.write_adapter, [0]
 def dying(out_dir, tensors, spec, base):
     calls[0] += 1

@@ -29,10 +29,13 @@ import json, math, sys
 sys.path.insert(0, {root!r})
 import torch
 import peft, transformers
-import data as D, hfdir, lora as L, model as M
-from engines import Sampling
-from textcodec import TextCodec, write_tokenizer
-from vllm_engine import VLLMEngine
+import data as D
+from run import hfdir
+from layers import lora as L
+import model as M
+from engines.torch_engine import Sampling
+from tasks.textcodec import TextCodec, write_tokenizer
+from engines.vllm_engine import VLLMEngine
 
 d, out = {dir!r}, {out!r}
 write_tokenizer(d)
@@ -133,10 +136,15 @@ WIRE = """
 import sys
 sys.path[:0] = [{root!r}]
 import torch
-import config as C, data as D, hfdir, lora as L, model as M, parallel as P
-from remote import RemoteEngine, serve
-from engines import Sampling, TorchEngine
-from textcodec import TextCodec
+import config as C
+import data as D
+from run import hfdir
+from layers import lora as L
+import model as M
+from layers import parallel as P
+from run.remote import RemoteEngine, serve
+from engines.torch_engine import Sampling, TorchEngine
+from tasks.textcodec import TextCodec
 
 src, engine, dtype = {src!r}, {engine!r}, {dtype!r}
 cfg = C.Config(model=src, engine=engine, inference_gpus=1, engine_dtype=dtype, lora_rank=8).resolve(False)
@@ -212,7 +220,8 @@ def test_a_lora_push_sends_the_adapter_alone(tmp_path, engine, dtype):
 TRAIN = """
 import json, sys
 sys.path[:0] = [{root!r}]
-import train, vllm_engine
+import train
+from engines import vllm_engine
 
 pushes = {{"adapter": [], "full": 0}}
 load_adapter, reload = vllm_engine.VLLMEngine.load_adapter, vllm_engine._reload

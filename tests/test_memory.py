@@ -94,7 +94,9 @@ def test_recomputed_blocks_compose_with_torch_compile():
 HEAP = """
 import sys
 sys.path[:0] = [{root!r}]
-import os, torch, start
+import os
+import torch
+from run import start
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 mapped = sys.argv[1] == "1" and start.map_large_buffers()
 big = torch.ones(24 << 18); del big  # a 24 MiB buffer freed: glibc's dynamic mmap threshold rises past 8 MiB
@@ -260,7 +262,10 @@ def test_train_refuses_a_bad_shard_in_one_line_and_writes_nothing(tmp_path, dama
 WORKER = """
 import sys
 sys.path[:0] = [{root!r}]
-import torch, hfdir, lora, parallel as P
+import torch
+from run import hfdir
+from layers import lora
+from layers import parallel as P
 from pathlib import Path
 P.setup_distributed("cpu")
 whole = hfdir.load(Path(sys.argv[1]) / "sharded")  # the one-process load, the reference

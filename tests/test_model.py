@@ -252,9 +252,9 @@ VLLM_FAMILIES = """
 import gc, json, math, sys
 sys.path.insert(0, {root!r})
 import model as M
-import hfdir
-from engines import Sampling
-from vllm_engine import VLLMEngine
+from run import hfdir
+from engines.torch_engine import Sampling
+from engines.vllm_engine import VLLMEngine
 from tests.test_engines import _probs
 
 prompts, out = [[1, 5, 6, 7, 8, 9, 10], [1, 11, 12, 13]], {{}}

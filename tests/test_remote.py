@@ -16,11 +16,14 @@ WORKER = """
 import sys
 sys.path[:0] = [{root!r}]
 import torch
-import config as C, data as D, model as M, parallel as P
-from textcodec import TextCodec
-import hfdir
-from remote import RemoteEngine, serve
-from engines import Sampling, TorchEngine
+import config as C
+import data as D
+import model as M
+from layers import parallel as P
+from tasks.textcodec import TextCodec
+from run import hfdir
+from run.remote import RemoteEngine, serve
+from engines.torch_engine import Sampling, TorchEngine
 
 src = {src!r}
 cfg = C.Config(model=src, engine="torch", inference_gpus=2, engine_dtype={dtype!r}).resolve(False)
@@ -116,7 +119,8 @@ TEARDOWN = """
 import atexit, os, sys
 sys.path[:0] = [{root!r}]
 import torch
-import model as M, parallel as P
+import model as M
+from layers import parallel as P
 
 
 def gloo_workers():

@@ -281,7 +281,7 @@ def test_what_tools_cannot_run_with_is_refused_in_one_line_before_the_first_byte
     f = _tool_file(tmp_path, NO_HINT)
     cases = [
         (["--tool", "nowhere.py:add", "--reward", "numeric_match"], "--tool nowhere.py:add: no such file nowhere.py"),
-        (["--tool", "envs:PROMPT", "--reward", "numeric_match"], "--tool envs:PROMPT: 'guess a letter from a to o' is not a function"),
+        (["--tool", "agents.envs:PROMPT", "--reward", "numeric_match"], "--tool agents.envs:PROMPT: 'guess a letter from a to o' is not a function"),
         (["--tool", f"{f}:f", "--reward", "numeric_match"], "tool f: parameter a: no type hint"),
         (tool + ["--tool", "examples/calculator.py:add"], "two tools are named add"),
         (["--tool", "examples/calculator.py:add"], "needs --reward"),

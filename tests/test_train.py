@@ -142,7 +142,7 @@ def test_resume_with_a_changed_flag_is_refused(tmp_path):
 def _as_an_older_floe_wrote_it(out, **keys):
     """config.json with `keys` put back under their old names (config.RENAMED's inverse): what a run
     saved before a flag's rename holds."""
-    old = {new: old for old, new in train.C.RENAMED.items()}
+    old = {new: old for old, new in C.RENAMED.items()}
     saved = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({old.get(k, k): v for k, v in {**saved, **keys}.items()}, indent=2))
 
@@ -181,7 +181,8 @@ def test_a_run_saved_before_the_mask_flags_rename_resumes_under_either_name(tmp_
 KILLER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import shardfiles, train
+from run import shardfiles
+import train
 real, calls = shardfiles.save_weights, [0]
 def dying(d, shapes, tensor, write):
     calls[0] += 1

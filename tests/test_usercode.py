@@ -102,7 +102,8 @@ def test_call_all_runs_each_call_on_its_own_thread_and_reports_each_fault():
 
 def test_a_hung_call_does_not_keep_the_process_alive():
     code = textwrap.dedent("""
-        import time, usercode
+        import time
+        from tasks import usercode
         r = usercode.call(lambda: time.sleep(3600), 0.2)
         print("timed out" if r.timed_out else "returned")
     """)
