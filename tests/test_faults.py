@@ -24,6 +24,7 @@ from safetensors.torch import save as st_save
 from run import checkpoint
 import config as C
 from run import rundir
+from run import runlog
 from run import hfdir
 from run import shardfiles
 from run import start
@@ -156,8 +157,9 @@ def test_the_logger_never_empties_the_history(finished, tmp_path, monkeypatch):
 
 
 def _refuse(monkeypatch, name: str, code: int, at: str = "open") -> None:
-    """rundir.create_new fails for the file `name` with OSError `code`: at its creation (a read-only
-    directory), or at its first write (a full disk)."""
+    """create_new fails for the file `name` with OSError `code`: at its creation (a read-only
+    directory), or at its first write (a full disk). Patched where it is defined and in runlog, which
+    imports it by name."""
     real = rundir.create_new
 
     def failing(path):
@@ -174,6 +176,7 @@ def _refuse(monkeypatch, name: str, code: int, at: str = "open") -> None:
         return f
 
     monkeypatch.setattr(rundir, "create_new", failing)
+    monkeypatch.setattr(runlog, "create_new", failing)
 
 
 def test_damage_passes_a_whole_checkpoint(finished):
