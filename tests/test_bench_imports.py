@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import needs_vllm
+
 ROOT = Path(__file__).resolve().parent.parent
 ROOMS = ("agents", "engines", "layers", "run", "tasks")  # floe's folders, each a package
 # by dotted name: "train", "layers", "layers.lora", and bench's own scripts (a floe module's name wins)
@@ -89,7 +91,19 @@ def problems(source: str, own: dict[str, Path]) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
+def imports_vllm(path: Path) -> bool:
+    """Whether a script imports vllm anywhere (bench/turns.py does, where it imports): its check needs vllm."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return "vllm" in names
+
+
+@pytest.mark.parametrize("script", [pytest.param(p, marks=[pytest.mark.vllm, needs_vllm]) if imports_vllm(p) else p
+                                    for p in SCRIPTS], ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_script_imports_what_exists(script):
     assert problems(script.read_text(), OWN) == []
 
@@ -108,21 +122,40 @@ def test_the_check_finds_a_renamed_module_a_missing_name_and_a_missing_attribute
                                      "line 8: run.hfdir has no 'no_such_load'", "line 8: run.start has no 'no_build'"]
 
 
-def test_gpu_sh_train_commands_parse_and_resolve_for_cuda():
-    """Every train.py command bench/gpu.sh runs parses with today's flags and resolves for CUDA (a flag
-    renamed or a pair refused would cost a GPU session its run); its pytest marker is registered."""
+def gpu_sh_commands() -> list[list[str]]:
+    """The flags of every train.py command bench/gpu.sh runs, its $LORA and $OUT filled in."""
     import re
     import shlex
-
-    from config import parse
 
     text = (ROOT / "bench" / "gpu.sh").read_text().replace("\\\n", " ")
     lora = re.search(r'^LORA="([^"]*)"', text, re.M).group(1)
     lines = [line.replace("$LORA", lora).replace('"$OUT/', "/tmp/floe-gpu/").replace("$OUT/", "/tmp/floe-gpu/")
              for line in text.splitlines() if "train.py" in line and not line.lstrip().startswith("#")]
-    assert len(lines) >= 4, lines
-    for line in lines:
-        words = shlex.split(line.split("train.py", 1)[1].split("2>&1")[0].split("&&")[0].strip().rstrip('"'))
-        cfg = parse(words).resolve(True)
-        assert cfg.device == "cuda", line
+    return [shlex.split(line.split("train.py", 1)[1].split("2>&1")[0].split("&&")[0].strip().rstrip('"')) for line in lines]
+
+
+GPU_SH = gpu_sh_commands()
+
+
+def test_gpu_sh_runs_train_commands_and_the_gpu_marked_tests():
+    """gpu.sh's commands were found (the parse below checks each), and its pytest marker is registered."""
+    text = (ROOT / "bench" / "gpu.sh").read_text()
+    assert len(GPU_SH) >= 4, GPU_SH
     assert "gpu:" in (ROOT / "pytest.ini").read_text() and " -m gpu " in text
+
+
+def command_id(words: list[str]) -> str:
+    """A gpu.sh command by its run directory, and its --engine where it names one: "run-lora --engine vllm"."""
+    name = Path(words[words.index("--out-dir") + 1]).name
+    return " ".join([name, *words[words.index("--engine"):][:2]]) if "--engine" in words else name
+
+
+# --engine vllm resolves only where vllm imports (gpu.sh runs that command only there)
+@pytest.mark.parametrize("words", [pytest.param(w, marks=[pytest.mark.vllm, needs_vllm]) if "vllm" in w else w
+                                   for w in GPU_SH], ids=command_id)
+def test_gpu_sh_train_commands_parse_and_resolve_for_cuda(words):
+    """Every train.py command bench/gpu.sh runs parses with today's flags and resolves for CUDA (a flag
+    renamed or a pair refused would cost a GPU session its run)."""
+    from config import parse
+
+    assert parse(words).resolve(True).device == "cuda", words

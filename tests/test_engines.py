@@ -10,7 +10,6 @@ no process behind; and train.py trains the tiny model with --engine vllm.
 """
 
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -27,10 +26,9 @@ from tasks.textcodec import TextCodec, write_tokenizer
 import model as M
 from run import hfdir
 from engines.torch_engine import Sampling, TorchEngine
+from conftest import HAS_VLLM, needs_vllm
 
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
 ROOT = Path(__file__).resolve().parent.parent
-needs_vllm = pytest.mark.skipif(not HAS_VLLM and not os.environ.get("CI"), reason="vllm does not import here")
 ENGINES = ["torch", "fp8", pytest.param("vllm", marks=[pytest.mark.vllm, needs_vllm])]
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11]]
 STOPS = [2, 0]  # what the tiny directories' generation_config.json lists (vLLM reads it too)
@@ -469,9 +467,12 @@ def test_vllm_fp8_follows_pushes_and_stays_near_the_emulated_fp8_forward(model_d
     assert sum(gaps) / len(gaps) < 0.05, max(gaps)
 
 
+@pytest.mark.vllm
+@needs_vllm
 def test_a_colocated_vllm_sleeps_once_a_step_is_over_never_between_its_turns():
     """VLLMEngine's sleep logic on a stand-in for vllm.LLM (sleeping needs a GPU): the turns of a
-    step run awake, idle() sleeps once, the next push or call wakes it."""
+    step run awake, idle() sleeps once, the next push or call wakes it. generate builds vLLM's own
+    SamplingParams, so vllm must import."""
     from engines.vllm_engine import VLLMEngine
 
     calls = []

@@ -32,10 +32,9 @@ from layers import lora
 import model as M
 from run import hfdir
 from tasks.textcodec import TextCodec
+from conftest import needs_vllm
 
 ROOT = Path(__file__).resolve().parent.parent
-needs_vllm = pytest.mark.skipif(not __import__("importlib").util.find_spec("vllm") and not os.environ.get("CI"),
-                                reason="vllm does not import here")
 BASE = ROOT / "checkpoints" / "guess-tiny"
 FLAGS = ["--task", "jsonl:examples/guess.jsonl", "--model", str(BASE), "--steps", "3",
          "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4", "--max-turns", "3",

@@ -18,11 +18,11 @@ import torch
 from layers import lora as L
 import model as M
 from config import ConfigError
-from conftest import one_line
+from conftest import HAS_VLLM, needs_vllm, one_line
 from layers.lora import VLLM_RANKS, LoRASpec
 from engines.torch_engine import Sampling
 from test_distributed import torchrun
-from test_engines import HAS_VLLM, PROMPTS, ROOT, STOPS, _model, _probs, model_dir, needs_vllm  # noqa: F401 (a fixture)
+from test_engines import PROMPTS, ROOT, STOPS, _model, _probs, model_dir  # noqa: F401 (a fixture)
 
 ENGINE = """
 import json, math, sys

@@ -3,7 +3,6 @@ its q/k/v biases, Llama with llama3 RoPE scaling): logits, the NLL's gradient, c
 ways, vLLM serving each family, the refusals; and packing against running each document alone."""
 
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -22,6 +21,7 @@ import data
 from tasks import task as T
 import model as M
 from run import hfdir
+from conftest import needs_vllm
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parent.parent
@@ -274,7 +274,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("CI"), reason="vllm does not import here")
+@needs_vllm
 def test_vllm_serves_each_family_as_floe_computes_it(tmp_path):
     """vLLM (fp32, in one subprocess: it keeps process-wide state) loads a transformers-saved
     checkpoint of each family; every sampled token's logq equals floe's own fp32 forward of the

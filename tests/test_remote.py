@@ -10,7 +10,7 @@ import pytest
 
 import config as C
 from test_distributed import ROOT, _rows, torchrun
-from test_engines import needs_vllm
+from conftest import needs_vllm
 
 WORKER = """
 import sys
@@ -197,12 +197,11 @@ def test_split_run_samples_with_vllm_a_step_ahead(tmp_path):
 @pytest.mark.parametrize("world,flags,says", [
     ("2", ["--inference-gpus", "2"], "--inference-gpus 2 needs torchrun with more processes"),
     ("1", ["--inference-gpus", "1"], "--inference-gpus 1 needs torchrun"),
-    ("2", ["--engine", "vllm"], "--engine vllm under torchrun needs --inference-gpus"),
+    pytest.param("2", ["--engine", "vllm"], "--engine vllm under torchrun needs --inference-gpus",
+                 marks=[pytest.mark.vllm, needs_vllm]),  # without vllm, --engine vllm is refused first for that
 ])
 def test_bad_splits_are_refused(monkeypatch, world, flags, says):
     monkeypatch.setenv("WORLD_SIZE", world)
-    if "vllm" in flags and not __import__("importlib").util.find_spec("vllm"):
-        pytest.skip("vllm does not import here")
     with pytest.raises(C.ConfigError, match=says):
         C.parse(flags).resolve(False)
 
