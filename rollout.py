@@ -152,9 +152,17 @@ def scored_batch(cfg, samples: list, drawn: int, kept: int):
     stats = {"reward": (rewards.sum(), n),  # reward/std: in `run`, over the global batch
              "length": (float(sum(len(s.completion) for s in scored)), n),
              "truncated_fraction": (float(sum(s.finish_reason == "length" for s in scored)), n),
+             "groups/equal_rewards": equal_groups(samples, cfg.group_size),
              "skipped/too_long": (float(drawn - kept), float(drawn)),
              "skipped/reward_error": (float(len(samples) - len(scored)), float(len(samples)))}
     return scored, {k: (torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b)) for k, (a, b) in stats.items()}
+
+
+def equal_groups(samples: list, group: int) -> tuple[float, float]:
+    """(groups whose scored rewards are all equal, groups with a scored sample): such a group's
+    advantages are zero, so its samples teach the policy nothing."""
+    sets = [{s.reward for s in samples[g:g + group] if math.isfinite(s.reward)} for g in range(0, len(samples), group)]
+    return float(sum(len(r) == 1 for r in sets)), float(sum(len(r) > 0 for r in sets))
 
 
 def my_prompts(cfg, drawn: list) -> list:

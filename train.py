@@ -312,11 +312,14 @@ def loop(run: Run, start: int) -> None:
                               cfg.steps, threads, run.stop)
     skipped = empty = failed = 0  # non-finite steps in a row, empty ones, ones whose episodes all failed
     stepped = False  # whether a step of this run took an optimizer step
+    stalls = runlog.Stalls(cfg)  # the warnings of a run that cannot learn
     with ahead or contextlib.nullcontext():
         for step in range(start + 1, cfg.steps + 1):
             run.step = step
             with collective(f"step {step}", cfg.dist_timeout):
                 m, batch = rl_step(run, step, ahead)
+            for line in stalls.check(step, m):
+                print0(line)
             skipped = skipped + 1 if m.get("skipped/nonfinite_step") else 0
             if skipped == 3:
                 raise RunError(f"3 steps in a row skipped for {runlog.nonfinite_cause(batch, m)}; "

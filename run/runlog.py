@@ -122,7 +122,37 @@ class Logger:
             self.wandb.finish()
 
 
-# ----------------------------------------------------------------------------- the lines a run stops with
+# ----------------------------------------------------------------------------- the lines a run warns and stops with
+
+class Stalls:
+    """The two signs that a run cannot learn, read from each step's metrics; each is one warning
+    line when it starts to hold, and again only after it has cleared: most completions cut at
+    --max-new-tokens (`truncated_fraction` over one half: their rewards score cut-off text), and
+    every group's rewards equal for EQUAL_STEPS steps in a row (`groups/equal_rewards` 1: every
+    advantage is zero)."""
+
+    EQUAL_STEPS = 3
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.cut, self.equal = cfg, False, 0
+
+    def check(self, step: int, m: dict) -> list[str]:
+        out, cut = [], m.get("truncated_fraction", 0.0) > 0.5
+        if cut and not self.cut:
+            what = "episodes ended on a turn cut" if self.cfg.env or self.cfg.tool else "completions were cut"
+            out.append(f"warning: step {step}: {m['truncated_fraction']:.0%} of the {what} at --max-new-tokens "
+                       f"{self.cfg.max_new_tokens} (truncated_fraction), so their rewards score cut-off text; "
+                       "raise --max-new-tokens")
+        self.cut = cut
+        self.equal = self.equal + 1 if m.get("groups/equal_rewards") == 1.0 else 0
+        if self.equal == self.EQUAL_STEPS:
+            why = ("the cut completions above are the likely cause" if cut else "give the groups a spread: a task the "
+                   "model sometimes solves, a reward with partial credit, a larger --group-size or --temperature")
+            out.append(f"warning: steps {step - self.EQUAL_STEPS + 1}-{step}: every group's {self.cfg.group_size} rewards "
+                       f"were equal (reward {m.get('reward', 0.0):.3f}, groups/equal_rewards 1.00), so every advantage "
+                       f"is zero and nothing is learned from them; {why}")
+        return out
+
 
 def nonfinite_cause(batch: list, m: dict) -> str:
     """What made a step's gradient non-finite, for the line that stops the run."""
