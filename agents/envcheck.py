@@ -76,9 +76,15 @@ def load_tools(cfg: Config) -> dict:
     """--tool's functions with their schemas (toolcalls.toolset), or one line: a tool that does not
     import, is not a function, has a parameter JSON cannot describe, or shares a name."""
     try:
-        return toolcalls.toolset(toolcalls.load(cfg.tool, cfg.call_timeout))
+        return toolcalls.toolset(toolcalls.load(cfg.tool, cfg.call_timeout), [f"--tool {spec}" for spec in cfg.tool])
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def file_order(p: Prompt, task: str) -> tuple[bool, int]:
+    """A jsonl row's place in the files it came from ("path:N"): --task's rows by line, then --eval-file's."""
+    path, _, line = (p.where or "").rpartition(":")
+    return path != task.removeprefix("jsonl:"), int(line) if line.isdigit() else 0
 
 
 PROBE = {"type": "function", "function": {"name": "floe_probe", "description": "A probe.",
@@ -98,8 +104,9 @@ def check_tools(cfg: Config, codec: TextCodec, task: Task, env: EnvSpec | None, 
                             "an environment's tools()); leave it out")
     if codec.template is None:
         raise ConfigError(f"tools reach the model through the chat template, and {cfg.model} has none")
-    if bad := next((p for p in getattr(task, "train", []) + task.eval_set if isinstance(p.prompt, str)), None):
-        raise ConfigError(f"{bad.where or cfg.task}: a string prompt cannot show the tools (the chat template "
+    if bad := [p for p in getattr(task, "train", []) + task.eval_set if isinstance(p.prompt, str)]:
+        first = min(bad, key=lambda p: file_order(p, cfg.task))  # the held-out rows are drawn from all over the file
+        raise ConfigError(f"{first.where or cfg.task}: a string prompt cannot show the tools (the chat template "
                             "does); give the prompt as chat messages")
     base = {k: v for k, v in task.template_kwargs.items() if k != "tools"}
     schemas = [t.schema for t in tools.values()] or [PROBE]

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
 import types
 import typing
@@ -147,17 +148,20 @@ def schema(fn: Callable) -> dict:
     name = getattr(fn, "__name__", None)
     if not callable(fn) or not isinstance(name, str) or not (inspect.isfunction(fn) or inspect.ismethod(fn)):
         raise ValueError(f"tool {fn!r}: not a function or a method")
-    doc = inspect.getdoc(fn)
-    if not doc:
-        raise ValueError(f"tool {name}: no docstring (it needs one with an Args: line per parameter)")
     try:
         hints = typing.get_type_hints(fn)
     except Exception as e:  # a forward reference that does not resolve
         raise ValueError(f"tool {name}: its type hints do not resolve ({usercode.describe(e)})") from None
-    description, lines, returns = _docstring(doc)
     params = list(inspect.signature(fn).parameters.values())
     if params and params[0].name in ("self", "cls") and params[0].annotation is inspect.Parameter.empty:
         params = params[1:]  # a plain function written as a method: its receiver is no argument
+    doc = inspect.getdoc(fn)
+    if not doc:  # what else is missing too, so that one fix is enough
+        bare = [p.name for p in params if p.name not in hints and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        also = f" and no type hint on {', '.join(bare)}" if bare else ""
+        raise ValueError(f"tool {name}: no docstring{also} (it needs a docstring with an Args: line per parameter"
+                         + (", and a type hint on each)" if bare else ")"))
+    description, lines, returns = _docstring(doc)
     properties, required = {}, []
     for p in params:
         where = f"tool {name}: parameter {p.name}"
@@ -165,10 +169,10 @@ def schema(fn: Callable) -> dict:
             raise ValueError(f"{where}: *args and **kwargs have no JSON schema; name each parameter")
         if p.kind is p.POSITIONAL_ONLY:
             raise ValueError(f"{where}: positional-only, but a call passes its arguments by name")
-        if p.name not in hints:
-            raise ValueError(f"{where}: no type hint")
-        if p.name not in lines:
-            raise ValueError(f"{where}: no line in the docstring's Args: block")
+        missing = [what for what, ok in (("no type hint", p.name in hints),
+                                         ("no line in the docstring's Args: block", p.name in lines)) if not ok]
+        if missing:
+            raise ValueError(f"{where}: {' and '.join(missing)}")
         properties[p.name] = _parameter(p.name, hints[p.name], lines[p.name], where)
         if p.default is inspect.Parameter.empty:
             required.append(p.name)
@@ -183,16 +187,31 @@ def schema(fn: Callable) -> dict:
     return {"type": "function", "function": out}
 
 
-def toolset(fns: list[Callable]) -> dict[str, Tool]:
-    """Tools by name, each schema built; ValueError for two of one name (a call names one)."""
+def toolset(fns: list[Callable], origins: list[str] | None = None) -> dict[str, Tool]:
+    """Tools by name, each schema built; ValueError for two of one name (a call names one), naming
+    where each came from: `origins` (the --tool values), else each function's file and name."""
     out: dict[str, Tool] = {}
-    for fn in fns:
+    came: dict[str, str] = {}  # a tool's name -> where it came from
+    for fn, where in zip(fns, origins or [origin(fn) for fn in fns]):
         s = schema(fn)
         t = Tool(s["function"]["name"], fn, s)
         if t.name in out:
-            raise ValueError(f"two tools are named {t.name} ({out[t.name].fn!r} and {fn!r}): a call names one")
-        out[t.name] = t
+            if came[t.name] == where:
+                raise ValueError(f"{where} is given twice; give each tool once")
+            raise ValueError(f"{came[t.name]} and {where} are both named {t.name!r}: a call names a tool by its "
+                             "function's name, so each needs its own")
+        out[t.name], came[t.name] = t, where
     return out
+
+
+def origin(fn: Callable) -> str:
+    """Where a tool's function is defined, as a --tool value names it: its file (relative to the working
+    directory when under it) and name, or its module and name where it has no file."""
+    path = inspect.getsourcefile(fn) or ""
+    if path:
+        rel = os.path.relpath(path)
+        path = path if rel.startswith("..") else rel
+    return f"{path or fn.__module__}:{fn.__qualname__}"
 
 
 def load(specs: tuple[str, ...], timeout: float = 60.0) -> list[Callable]:

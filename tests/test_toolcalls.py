@@ -330,6 +330,18 @@ def _undocumented(a: int):
     return a
 
 
+def _bare(a, b, c: int):
+    return a
+
+
+def _neither(a, b: int):
+    """Neither a hint nor an Args: line for a.
+
+    Args:
+        b: b
+    """
+
+
 @pytest.mark.parametrize("fn,line", [
     (_no_hint, "tool _no_hint: parameter a: no type hint"),
     (_no_line, "tool _no_line: parameter b: no line in the docstring's Args: block"),
@@ -344,7 +356,10 @@ def _undocumented(a: int):
     (_bad_choices, "tool _bad_choices: parameter k: (choices: a, b) is not a JSON list"),
     (_star, "tool _star: parameter rest: *args and **kwargs have no JSON schema; name each parameter"),
     (_kw, "tool _kw: parameter more: *args and **kwargs have no JSON schema; name each parameter"),
-    (_undocumented, "tool _undocumented: no docstring (it needs one with an Args: line per parameter)"),
+    (_undocumented, "tool _undocumented: no docstring (it needs a docstring with an Args: line per parameter)"),
+    (_bare, "tool _bare: no docstring and no type hint on a, b (it needs a docstring with an Args: line per "
+            "parameter, and a type hint on each)"),
+    (_neither, "tool _neither: parameter a: no type hint and no line in the docstring's Args: block"),
 ])
 def test_what_a_schema_cannot_describe_is_refused_in_one_line_naming_the_parameter(fn, line):
     with pytest.raises(ValueError) as e:
@@ -358,8 +373,14 @@ def test_two_tools_of_one_name_are_refused():
 
     other.__name__ = "add"
     assert list(T.toolset([add, lookup])) == ["add", "lookup"]
-    with pytest.raises(ValueError, match="two tools are named add"):
+    with pytest.raises(ValueError) as e:  # named where each is defined, never by a memory address
         T.toolset([add, other])
+    assert str(e.value) == (f"tests/test_toolcalls.py:add and tests/test_toolcalls.py:{other.__qualname__} are both "
+                            "named 'add': a call names a tool by its function's name, so each needs its own")
+    with pytest.raises(ValueError) as e:
+        T.toolset([add, lookup, add], ["--tool a.py:add", "--tool a.py:lookup", "--tool a.py:add"])
+    assert str(e.value) == "--tool a.py:add is given twice; give each tool once"
+    assert T.origin(add) == "tests/test_toolcalls.py:add" and T.origin(json.dumps).endswith("json/__init__.py:dumps")
 
 
 def test_the_format_comes_from_the_template():

@@ -256,6 +256,20 @@ def f(a, b: int) -> int:
     return 0
 
 
+def add(a: int, b: int) -> int:
+    """Another add.
+
+    Args:
+        a: a
+        b: b
+    """
+    return a - b
+
+
+def bare(a, b):
+    return a
+
+
 def hint(x: int) -> int:
     """Named like a method of GuessLetter.
 
@@ -283,7 +297,10 @@ def test_what_tools_cannot_run_with_is_refused_in_one_line_before_the_first_byte
         (["--tool", "nowhere.py:add", "--reward", "numeric_match"], "--tool nowhere.py:add: no such file nowhere.py"),
         (["--tool", "agents.envs:PROMPT", "--reward", "numeric_match"], "--tool agents.envs:PROMPT: 'guess a letter from a to o' is not a function"),
         (["--tool", f"{f}:f", "--reward", "numeric_match"], "tool f: parameter a: no type hint"),
-        (tool + ["--tool", "examples/calculator.py:add"], "two tools are named add"),
+        (tool + ["--tool", "examples/calculator.py:add"], "--tool examples/calculator.py:add is given twice; give each tool once"),
+        (tool + ["--tool", f"{f}:add"], f"--tool examples/calculator.py:add and --tool {f}:add are both named 'add': a "
+                                        "call names a tool by its function's name, so each needs its own"),
+        (["--tool", f"{f}:bare", "--reward", "numeric_match"], "tool bare: no docstring and no type hint on a, b"),
         (["--tool", "examples/calculator.py:add"], "needs --reward"),
         (tool + ["--chat-template-kwargs", '{"tools": []}'], "--chat-template-kwargs sets `tools`"),
         (tool + ["--task", f"jsonl:{strings}"], "a string prompt cannot show the tools"),
@@ -302,6 +319,16 @@ def test_what_tools_cannot_run_with_is_refused_in_one_line_before_the_first_byte
     for extra, words in cases:
         line = _refused(capsys, tmp_path, [*base, *extra])
         assert words in line, (extra, line)
+
+
+@pytest.mark.parametrize("held", [3, 5, 7, 15])
+def test_a_string_prompt_is_named_by_its_first_line_in_the_file(tmp_path, capsys, held):
+    """Every row a string: the line named is line 1 whichever rows --eval-prompts holds out (the
+    held-out rows are a random draw from all over the file, the rest train)."""
+    rows, model = _rows(tmp_path, string=True), tools_model(tmp_path)
+    line = _refused(capsys, tmp_path, ["--task", f"jsonl:{rows}", "--model", str(model), "--eval-prompts", str(held),
+                                       "--tool", "examples/calculator.py:add", "--reward", "numeric_match"])
+    assert line == f"{rows}:1: a string prompt cannot show the tools (the chat template does); give the prompt as chat messages"
 
 
 def test_the_tools_environment_and_the_calculator_train_with_their_metrics(tmp_path):
