@@ -404,7 +404,8 @@ import model as M
 from run import hfdir
 from engines.torch_engine import Sampling
 from engines.vllm_engine import VLLMEngine
-from tests.test_engines import _kept, _probs
+sys.path.insert(0, {root!r} + "/tests")  # test_engines imports conftest by name, as pytest does
+from test_engines import _kept, _probs
 
 d = {dir!r}
 write_tokenizer(d)

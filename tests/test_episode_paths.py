@@ -319,5 +319,24 @@ def test_a_sigkill_mid_episode_then_resume(tmp_path, extra):
         clean = tmp_path / "clean"
         subprocess.run([sys.executable, "train.py", *flags, "--out-dir", str(clean)], check=True,
                        capture_output=True, timeout=300, cwd=ROOT)
-        strip = [{k: v for k, v in x.items() if not k.startswith("time/")} for x in rows]
-        assert strip == [{k: v for k, v in x.items() if not k.startswith("time/")} for x in _rows(clean)]
+        _same_rows_across_processes(rows, _rows(clean))
+
+
+# Fields measured from the engine's log-probs against the trainer's: in two processes of one machine
+# the CPU's sgemm may pick another kernel for another buffer alignment, so these float-noise
+# measures (~1e-7) may differ in their last digits while every sampled token, loss and gradient
+# agrees. A real divergence (other weights, another batch) moves them by orders of magnitude more.
+SAMPLER_NOISE = ("mismatch/", "score_centering/support_mass")
+
+
+def _same_rows_across_processes(rows, clean):
+    assert len(rows) == len(clean)
+    for got, want in zip(rows, clean):
+        assert got.keys() == want.keys()
+        for k in got:
+            if k.startswith("time/"):
+                continue
+            if k.startswith(SAMPLER_NOISE):
+                assert got[k] == pytest.approx(want[k], abs=1e-6), (got["step"], k)
+            else:
+                assert got[k] == want[k], (got["step"], k)

@@ -255,7 +255,8 @@ import model as M
 from run import hfdir
 from engines.torch_engine import Sampling
 from engines.vllm_engine import VLLMEngine
-from tests.test_engines import _probs
+sys.path.insert(0, {root!r} + "/tests")  # test_engines imports conftest by name, as pytest does
+from test_engines import _probs
 
 prompts, out = [[1, 5, 6, 7, 8, 9, 10], [1, 11, 12, 13]], {{}}
 for d in sys.argv[1:]:
