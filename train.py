@@ -13,8 +13,10 @@ Simplifications:
 2. The loss is normalized over the global batch before the micro-batch loop starts
    (loss.denominators), so any split into micro-batches gives the same gradient.
 3. Metrics stay on the device as (sum, count) pairs and are read once per step.
-4. torch.compile wraps the trainer forward only (static [T] shapes); off by default on a CPU, where
-   it is a wash (docs/experiments.md "2026-11-30: torch.compile on the CPU") and needs a C++ compiler.
+4. torch.compile wraps the trainer forward, the engine's decode step and flex attention; off by
+   default on a CPU, where it is a wash (docs/experiments.md "2026-11-30: torch.compile on the
+   CPU") and needs a C++ compiler. Under it each row counts the graphs built (compile/*), and a
+   graph built after warm-up is a warning line naming the guard that failed (runlog.Graphs).
 5. Under torchrun (FSDP2) every rank samples its share; the ranks swap samples and each packs the
    whole batch, so the denominators are global with no all_reduce. Rank 0 evals and writes the
    files; --inference-gpus, --async-level and --plan: docs/scale.md.
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.attention.flex_attention import flex_attention
 
 from config import Config, ConfigError, parse
 from data import RunError, my_share, pack
@@ -51,6 +54,7 @@ from kernels import head
 from rollout import eval_line, evaluate, make_batch, rl_sampling
 from agents.episodes import Play
 from engines.pipeline import AsyncRollouts, RolloutRNG
+from engines.torch_engine import TorchEngine
 from engines.precision import DTYPES, LossScale
 from layers import lora
 from layers.parallel import (CollectiveTimeout, LAUNCHED, Link, RANK, collective, full, gather, leave,
@@ -59,7 +63,7 @@ from run import evidence, runlog
 from run.checkpoint import NothingToDo, load_training_state, note_changed_rewards, resumed_config, save_checkpoint
 from run.remote import RemoteEngine, dismiss, serve
 from run.rundir import check_shared, claimed, way_on, write_file
-from run.start import Start, build, check_start, plan_text, settled, write_scratch
+from run.start import Start, build, check_start, close_compiler, plan_text, settled, write_scratch
 from tasks import usercode
 from tasks.rewards import reward_hashes
 from tasks.task import Task
@@ -249,7 +253,9 @@ def launch(cfg: Config, s: Start, link: Link | None = None) -> dict:
         play = None if s.env is None else Play(
             s.env, s.codec, engine, rl_sampling(cfg), min(s.model.args.max_position_embeddings, cfg.micro_batch_tokens + 1),
             cfg.max_turns, cfg.call_timeout, s.task.template_kwargs, stop=stop, tools=s.tools)
-        run = Run(cfg, s.task, s.model, fwd, opt, engine, rng, log, s.out, src, scale, play, stop)
+        graphs = runlog.Graphs(cfg, {"trainer forward": Transformer.forward, "engine decode step": TorchEngine._step,
+                                     "flex attention": flex_attention})  # the regions --compile on compiles
+        run = Run(cfg, s.task, s.model, fwd, opt, engine, rng, log, s.out, src, scale, graphs, play, stop)
         # start-up's objects (torch, the tokenizer, the model: hundreds of thousands) leave the cyclic
         # collector's reach, so a full collection during a step scans only what the steps made
         gc.freeze()
@@ -266,9 +272,11 @@ def launch(cfg: Config, s: Start, link: Link | None = None) -> dict:
             log.close()
         if isinstance(engine, RemoteEngine):
             engine.stop()
+        if cfg.compile == "on":
+            close_compiler()
         if lock is not None:
             lock.release()
-    summary = log.summary()
+    summary = log.summary(run.graphs.summary() if run is not None else {})
     teardown(link, cfg.inference_gpus)
     return summary
 
@@ -288,6 +296,7 @@ class Run:
     out: Path  # --out-dir
     src: Path  # the model directory the engine loaded; checkpoints copy its tokenizer
     scale: LossScale  # --train-dtype fp16's dynamic loss scale (1.0 otherwise)
+    graphs: runlog.Graphs  # what torch.compile built: each row's compile/* (--compile on)
     play: Play | None = None  # --env: the environment, engine and limits episodes are played with
     stop: threading.Event | None = None  # set at shutdown (AsyncRollouts.close): user code is abandoned
     step: int = 0  # the step in progress (a Ctrl-C's line names it)
@@ -318,7 +327,7 @@ def loop(run: Run, start: int) -> None:
             run.step = step
             with collective(f"step {step}", cfg.dist_timeout):
                 m, batch = rl_step(run, step, ahead)
-            for line in stalls.check(step, m):
+            for line in stalls.check(step, m) + run.graphs.check(step, m):
                 print0(line)
             skipped = skipped + 1 if m.get("skipped/nonfinite_step") else 0
             if skipped == 3:
@@ -391,6 +400,7 @@ def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[di
         if ahead is not None:
             ahead.release()
         print0(eval_line(step, m))
+    m.update(run.graphs.row())  # the step's graphs, its eval's included
     run.log.row(step, m)
     run.log.line(step, m, n_tok, t2 - t0)
     return m, batch

@@ -45,6 +45,9 @@ echo "== end to end: the default job on the GPU, 10 steps"
 # cache (train.py's own line says "compiling, ~1 min"), so 30 s would stop it before its first step
 timeout 90 python3 train.py --device cuda --loss icepop --icepop-beta 2.0 --steps 10 --eval-every 5 \
   --out-dir "$OUT/run" 2>&1 | grep -v '^  "' | tee "$OUT/run.txt"
+# the graphs each step built (runlog.Graphs): 0 after warm-up, or a warning line above names the guard
+python3 -c 'import json, sys; print("compile/new_graphs by step:", [(r["step"], r.get("compile/new_graphs")) for r in map(json.loads, open(sys.argv[1])) if "compile/graphs" in r])' \
+  "$OUT/run/metrics.jsonl" 2>&1 | tee -a "$OUT/run.txt"
 echo "== the mismatch lab on the GPU: fp8 rollouts (vLLM's fp8 where the image has vLLM) and an fp16 trainer, 10 steps"
 timeout 30 python3 train.py --device cuda --loss icepop --icepop-beta 2.0 --steps 10 --eval-every 5 --engine-dtype fp8 \
   --train-dtype fp16 --compile off --out-dir "$OUT/run-fp8" 2>&1 | grep -v '^  "' | tee "$OUT/run-fp8.txt"

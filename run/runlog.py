@@ -1,5 +1,6 @@
 """A run's log: the line printed per step, metrics.jsonl (one JSON row per step and eval), wandb
-when asked for, the end summary, and the lines a run that cannot go on stops with. A resume reads
+when asked for, the end summary, the graphs torch.compile built (`Graphs`), and the lines a run
+that cannot go on stops with. A resume reads
 the rows back (`read_rows`) and keeps those its checkpoint covers; `Logger` rewrites them through a
 temporary file, so a kill never empties the history.
 
@@ -104,8 +105,9 @@ class Logger:
             print0(f"  async | rollout {r:.2f}s + train {t:.2f}s = {r + t:.2f}s | wall {m['time/step']:.2f}s "
                    f"| age {m.get('staleness/mean', 0.0):.2f}")
 
-    def summary(self) -> dict:
-        """The end summary: eval reward at the start and the end, total time, peak memory."""
+    def summary(self, extra: dict | None = None) -> dict:
+        """The end summary: eval reward at the start and the end, total time, peak memory, and
+        `extra` (the regions that ran compiled)."""
         evals = [r for r in self.rows if "eval/reward" in r]
         peak = (torch.cuda.max_memory_allocated() if self.cfg.device == "cuda"
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
@@ -113,6 +115,7 @@ class Logger:
                    "peak_memory_gib": round(peak / 2**30, 3)}
         if evals:
             summary.update({"eval/reward@0": evals[0]["eval/reward"], "eval/reward": evals[-1]["eval/reward"]})
+        summary.update(extra or {})
         print0("summary " + json.dumps(summary))
         return summary
 
@@ -120,6 +123,66 @@ class Logger:
         self.file.close()
         if self.wandb:
             self.wandb.finish()
+
+
+# ----------------------------------------------------------------------------- what torch.compile built
+
+class Graphs:
+    """torch.compile's graphs as a measured quantity, under --compile on: each row's
+    `compile/graphs` (built since the run began: Dynamo's count, every region and thread) and
+    `compile/new_graphs` (since the last row). Steps 1..WARMUP and the step-0 eval are warm-up;
+    after it a new graph is one warning line naming the function and the guard that failed
+    (Dynamo's record of guard failures). `summary` names the compiled regions that ran
+    (`compile/regions`): a region ran compiled when its function holds a graph."""
+
+    WARMUP = 2
+
+    def __init__(self, cfg: Config, regions: dict):
+        self.on = cfg.compile == "on"
+        self.regions = {name: fn.__code__ for name, fn in regions.items()}  # name -> the compiled function's code
+        self.base = self._count() if self.on else 0  # graphs an earlier run in this process built
+        self.total, self.seen = 0, {}  # graphs at the last row; code -> guard failures already read
+        if self.on:
+            self._failures()  # an earlier run's guard failures are not this run's
+
+    @staticmethod
+    def _count() -> int:
+        from torch._dynamo.utils import counters
+        return counters["stats"]["unique_graphs"]
+
+    def _failures(self) -> list:
+        """The guard failures Dynamo recorded since the last call: (code, reason) pairs."""
+        from torch._dynamo.utils import guard_failures
+        out = []
+        for code, reasons in list(guard_failures.items()):
+            out += [(code, r) for r in reasons[self.seen.get(code, 0):]]
+            self.seen[code] = len(reasons)
+        return out
+
+    def row(self) -> dict:
+        if not self.on:
+            return {}
+        total = self._count() - self.base
+        new, self.total = total - self.total, total
+        return {"compile/graphs": total, "compile/new_graphs": new}
+
+    def check(self, step: int, m: dict) -> list[str]:
+        """The warning for a graph built after warm-up, with the guard failures behind it."""
+        if not self.on:
+            return []
+        failed, new = self._failures(), m.get("compile/new_graphs", 0)
+        if step <= self.WARMUP or not new:
+            return []
+        why = "; ".join(f"{code.co_qualname} ({Path(code.co_filename).name}:{code.co_firstlineno}) recompiled: {r}"
+                        for code, r in failed[-2:]) or "no guard failed (a function compiled for the first time)"
+        return [f"warning: step {step}: torch.compile built {new} new graph{'s' * (new > 1)} after warm-up "
+                f"(steps 1-{self.WARMUP} and the step-0 eval), so this step paid a compile: {why}"]
+
+    def summary(self) -> dict:
+        if not self.on:
+            return {}
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+        return {"compile/regions": [name for name, code in self.regions.items() if _debug_get_cache_entry_list(code)]}
 
 
 # ----------------------------------------------------------------------------- the lines a run warns and stops with

@@ -415,3 +415,12 @@ def can_compile(device: str) -> bool:
         return True
     print0("note: --compile on needs a C++ compiler on a CPU (none found: set CXX or install g++); running eager")
     return False
+
+
+def close_compiler() -> None:
+    """Inductor keeps a pool of compile threads for the process: it ends with the run, so the exit
+    does not take those threads for ones user code left running (usercode.main_then_leave)."""
+    from torch._inductor.async_compile import AsyncCompile
+    if AsyncCompile.pool.cache_info().currsize:
+        AsyncCompile.pool().shutdown(wait=True)
+        AsyncCompile.pool.cache_clear()

@@ -163,3 +163,54 @@ def test_compile_on_a_cpu_without_a_compiler_runs_eager_with_one_line(tmp_path, 
     # settled once at the start (start.settled): every part of the run saw "off", the log line and
     # the run's record included
     assert "compiling" not in out and json.loads((tmp_path / "config.json").read_text())["compile"] == "off"
+
+
+def test_graphs_counts_a_recompile_after_warm_up_and_names_its_guard():
+    """runlog.Graphs against Dynamo itself: warm-up's graphs are counted and not warned about; a
+    new shape after warm-up is one line naming the function and the guard that failed."""
+    from types import SimpleNamespace
+
+    from run.runlog import Graphs
+
+    def doubled(x):
+        return x * 2
+
+    assert Graphs(SimpleNamespace(compile="off"), {"doubled": doubled}).row() == {}
+    torch._dynamo.reset()
+    g, fn = Graphs(SimpleNamespace(compile="on"), {"doubled": doubled, "unused": _model}), torch.compile(doubled)
+    fn(torch.ones(3))  # step 1
+    m = g.row()
+    assert m == {"compile/graphs": 1, "compile/new_graphs": 1} and g.check(1, m) == []
+    fn(torch.ones(3))  # step 3: nothing new
+    m = g.row()
+    assert m["compile/new_graphs"] == 0 and g.check(3, m) == []
+    fn(torch.ones(2, 2))  # step 4: another rank, so another graph
+    m = g.row()
+    lines = g.check(4, m)
+    assert m == {"compile/graphs": 2, "compile/new_graphs": 1} and len(lines) == 1
+    assert lines[0].startswith("warning: step 4: torch.compile built 1 new graph after warm-up")
+    assert "doubled (test_compile.py:" in lines[0] and "rank mismatch" in lines[0]
+    assert g.summary() == {"compile/regions": ["doubled"]}
+
+
+def test_a_compiled_job_builds_no_graph_after_warm_up(tmp_path):
+    """The default task's prompts and completions vary in length: with --compile on every row
+    counts the graphs, none is built after warm-up, the summary names the regions that ran
+    compiled, and the exit finds no thread left behind (Inductor's compile pool is closed)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "train.py", "--compile", "on", "--steps", "5", "--eval-every", "0",
+                        "--max-new-tokens", "12", "--out-dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=600, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [1, 2, 3, 4, 5]
+    assert rows[0]["compile/new_graphs"] >= 2  # the trainer forward and the decode step
+    assert [x["compile/new_graphs"] for x in rows[2:]] == [0, 0, 0]
+    assert rows[-1]["compile/graphs"] == sum(x["compile/new_graphs"] for x in rows)
+    assert "torch.compile built" not in r.stdout and "user code started" not in r.stdout
+    summary = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("summary "))[len("summary "):])
+    assert summary["compile/regions"] == ["trainer forward", "engine decode step"]
