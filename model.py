@@ -385,3 +385,29 @@ def init_weights(model: Transformer, std: float = 0.02, seed: int = 0) -> None:
                 p.zero_()  # as transformers initializes them
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def compiled(fn, region: str):
+    """torch.compile(fn), that falls back to `fn` itself, with one line naming the region and the
+    error, when Dynamo or Inductor fails to compile it (at its first call or at a recompile): the
+    run goes on eager there, and the summary's compile/regions leaves the region out. An error of
+    the function's own (a wrong shape, say) is raised as it is."""
+    from torch._dynamo.exc import BackendCompilerFailed, InternalTorchDynamoError, Unsupported
+
+    graph, eager = torch.compile(fn), False
+
+    def call(*args, **kwargs):
+        nonlocal eager
+        if eager:
+            return fn(*args, **kwargs)
+        try:
+            return graph(*args, **kwargs)
+        except (BackendCompilerFailed, InternalTorchDynamoError, Unsupported) as e:
+            cause = getattr(e, "inner_exception", None) or e  # the backend's own error
+            first = (str(cause).strip().splitlines() or [""])[0][:200]
+            print(f"note: torch.compile failed on the {region} ({type(e).__name__}: {type(cause).__name__}: {first}); "
+                  "it runs eager", flush=True)
+            eager = True
+            return fn(*args, **kwargs)  # compiling fails before the graph runs: nothing was half done
+
+    return call

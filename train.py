@@ -288,7 +288,7 @@ class Run:
     cfg: Config
     task: Task
     model: Transformer  # the trainer's fp32 weights (FSDP2-sharded under torchrun)
-    fwd: object  # the model, or torch.compile(model)
+    fwd: object  # the model, or model.compiled(model)
     opt: torch.optim.Optimizer
     engine: object  # an torch_engine.Engine (or a remote.RemoteEngine): samples with a copy of the weights
     rng: random.Random  # draws the prompts

@@ -51,7 +51,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from data import TokenSupport, truncated
-from model import KVCache, Transformer, rope_frequencies
+from model import KVCache, Transformer, compiled, rope_frequencies
 from engines.precision import DTYPES, Fp8Linear, emulate, fp8_quantize
 from layers import lora
 from layers.parallel import full
@@ -211,7 +211,7 @@ class TorchEngine:
             self.load_weights(model, 0)  # rounds (fp8: quantizes) the copy's weights
         else:
             self.load_tensors(weights, 0)
-        self.step = torch.compile(self._step) if compile_step else self._step
+        self.step = compiled(self._step, "engine decode step") if compile_step else self._step
         self.syncs = self.device.type == "cpu"  # a host sync is free: stop the moment every row has
         self.reuse = True  # keep the last call's rows for a call that extends them (False: re-prefill every prompt)
 

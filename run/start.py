@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from config import Config, ConfigError, dataclasses, shown
-from model import ModelArgs, TINY, Transformer, init_weights
+from model import ModelArgs, TINY, Transformer, compiled, init_weights
 from loss import LOSSES, check_flags, reads, reads_support, trained
 from agents import envcheck, toolrun
 from agents.episodes import EnvSpec, reference
@@ -384,7 +384,7 @@ def build(cfg: Config, src: Path, model: Transformer, codec: TextCodec, link: Li
     shard(model)  # after the engine took its full copy
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
-    fwd = torch.compile(model) if cfg.compile == "on" else model
+    fwd = compiled(model, "trainer forward") if cfg.compile == "on" else model
     return fwd, engine, opt
 
 

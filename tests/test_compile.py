@@ -214,3 +214,25 @@ def test_a_compiled_job_builds_no_graph_after_warm_up(tmp_path):
     assert "torch.compile built" not in r.stdout and "user code started" not in r.stdout
     summary = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("summary "))[len("summary "):])
     assert summary["compile/regions"] == ["trainer forward", "engine decode step"]
+
+
+def test_a_compiler_failure_falls_back_to_eager_with_one_line_per_region(tmp_path, capsys, monkeypatch):
+    """Inductor raising at the first call (here by a patched compile_fx) costs the run nothing but
+    its speed: one line per region, the run ends, and compile/regions lists no region."""
+    import torch._inductor.compile_fx as inductor
+
+    import train
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ toolchain works today")
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(inductor, "compile_fx", broken)
+    summary = train.main(["--compile", "on", "--steps", "2", "--prompts-per-step", "2", "--group-size", "2",
+                          "--max-new-tokens", "4", "--eval-every", "0", "--out-dir", str(tmp_path)])
+    notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note: torch.compile failed")]
+    assert sorted(x.split(" (")[0] for x in notes) == ["note: torch.compile failed on the engine decode step",
+                                                        "note: torch.compile failed on the trainer forward"]
+    assert all("(BackendCompilerFailed: RuntimeError: no C++ toolchain works today); it runs eager" in x for x in notes)
+    assert summary["compile/regions"] == [] and (tmp_path / "final").exists()
+    torch._dynamo.reset()
