@@ -203,6 +203,7 @@ class TorchEngine:
         if self.emulated or self.fp8:
             emulate(self.model, dtype, self.emulated)
         self.quantized = {f"{n}.weight": m for n, m in self.model.named_modules() if isinstance(m, Fp8Linear)}
+        self.head_q = self.head_scale = None  # fp8: the head's e4m3 copy and row scales (_quantize_head)
         self.stop_ids = torch.tensor(stop_ids, device=self.device)
         self.kept: KeptRows | None = None
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
@@ -211,7 +212,11 @@ class TorchEngine:
             self.load_weights(model, 0)  # rounds (fp8: quantizes) the copy's weights
         else:
             self.load_tensors(weights, 0)
-        self.step = compiled(self._step, "engine decode step") if compile_step else self._step
+        # an emulated engine's precision is its roundings (x.to(bf16).float()): Inductor as it ships
+        # keeps fp32 inside a fused kernel and drops them, so the compiled step would sample from
+        # neither the engine's dtype nor fp32; emulate_precision_casts keeps each one where eager has it
+        options = {"emulate_precision_casts": True} if self.emulated else None
+        self.step = compiled(self._step, "engine decode step", options) if compile_step else self._step
         self.syncs = self.device.type == "cpu"  # a host sync is free: stop the moment every row has
         self.reuse = True  # keep the last call's rows for a call that extends them (False: re-prefill every prompt)
 
@@ -260,11 +265,22 @@ class TorchEngine:
             else:
                 own[k].copy_(w.to(self.dtype))
             if self.fp8 and k == head:
-                q, scale = fp8_quantize(w)
-                self.head_q, self.head_scale = q.to(next(self.model.parameters()).dtype), scale[:, 0]
+                self._quantize_head(w)
             left.discard(k)
         assert not left, f"the engine's first load left {sorted(left)[:3]} unfilled"
         self.version, self.kept = version, None  # rows cached under the old weights are not these weights' rows
+
+    def _quantize_head(self, w: torch.Tensor) -> None:
+        """fp8: the head's e4m3 copy and its row scales, made once and then overwritten in place on
+        each push, as every other weight is: a compiled (CUDA: graph-captured) decode step holds
+        these very tensors, so a push that bound new ones would leave it sampling from the old."""
+        q, scale = fp8_quantize(w)
+        q, scale = q.to(next(self.model.parameters()).dtype), scale[:, 0]
+        if self.head_q is None:
+            self.head_q, self.head_scale = q, scale
+        else:
+            self.head_q.copy_(q)
+            self.head_scale.copy_(scale)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head, in the engine's precision -> fp32 logits."""

@@ -236,3 +236,31 @@ def test_a_compiler_failure_falls_back_to_eager_with_one_line_per_region(tmp_pat
     assert all("(BackendCompilerFailed: RuntimeError: no C++ toolchain works today); it runs eager" in x for x in notes)
     assert summary["compile/regions"] == [] and (tmp_path / "final").exists()
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp8"])
+def test_a_push_changes_the_next_draws_of_a_compiled_decode_step(dtype):
+    """A compiled decode step holds the engine's weight tensors: a push must reach it (every weight,
+    the fp8 head's e4m3 copy too, is overwritten in place), so the draws after it are those of an
+    eager engine built from the pushed weights, and not the old weights' draws."""
+    from test_engines import PROMPTS, STOPS
+
+    torch._dynamo.reset()
+    old, new = _model(), M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
+    M.init_weights(new, std=0.15, seed=1)
+    engine = TorchEngine(old, dtype, STOPS, compile_step=True)
+    s = Sampling(temperature=1.0, max_new_tokens=8, seed=5)
+    before = engine.generate(PROMPTS, 4, s)
+    head_q = engine.head_q
+    engine.load_weights(new, 1)
+    after = engine.generate(PROMPTS, 4, s)
+    ref = TorchEngine(new, dtype, STOPS).generate(PROMPTS, 4, s)
+    assert engine.head_q is head_q  # fp8: the same tensor, new values (None otherwise)
+    assert [c.ids for c in after] == [c.ids for c in ref] != [c.ids for c in before]
+    # fp32 and fp8 (whose roundings absorb the summation order) to 1e-4; bf16's logits are rounded
+    # after an fp32 sum in another order, which may flip a rounding: one bf16 step of a logit near 4
+    # is 1.6e-2 (emulate_precision_casts keeps the roundings themselves: without it bf16 draws differ)
+    tol = 2e-2 if dtype == "bf16" else 1e-4
+    for a, r in zip(after, ref):
+        torch.testing.assert_close(torch.tensor(a.logq), torch.tensor(r.logq), atol=tol, rtol=0)
+        assert a.versions == [1] * len(a.ids)
