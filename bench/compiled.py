@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -35,6 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from run.runlog import read_rows  # noqa: E402
 
 JOBS = {
     "default": ["--loss", "icepop", "--icepop-beta", "2.0"],
@@ -93,15 +95,10 @@ def logprobs(args) -> None:
         print(f"| {dtype}{' (emulate_precision_casts)' if emulate else ''} | {cells} |")
 
 
-def rows(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 def run_one(job: str, mode: str, seed: int, out: Path, extra: list[str]) -> list[dict]:
     run = out / f"{job}-{mode}-s{seed}"
     if not (run / "done").exists():  # an interrupted study starts that run over
-        if run.exists():
-            subprocess.run(["rm", "-rf", str(run)], check=True)
+        shutil.rmtree(run, ignore_errors=True)
         cmd = [sys.executable, "train.py", *JOBS[job], "--compile", mode, "--seed", str(seed), "--out-dir", str(run), *extra]
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(out / "inductor-cache")}
         print(f"[{job} {mode} seed {seed}]", " ".join(cmd[1:]), flush=True)
@@ -111,7 +108,7 @@ def run_one(job: str, mode: str, seed: int, out: Path, extra: list[str]) -> list
         if done.returncode:
             raise SystemExit(f"bench/compiled.py: {job} {mode} seed {seed} exited {done.returncode}: see {log}")
         (run / "done").touch()
-    return rows(run)
+    return read_rows(run)
 
 
 def _mean(xs):

@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from data import TokenSupport, truncated
 from model import KVCache, Transformer, compiled, rope_frequencies
-from engines.precision import DTYPES, Fp8Linear, emulate, fp8_quantize
+from engines.precision import DTYPES, Fp8Linear, emulate
 from layers import lora
 from layers.parallel import full
 
@@ -203,7 +203,11 @@ class TorchEngine:
         if self.emulated or self.fp8:
             emulate(self.model, dtype, self.emulated)
         self.quantized = {f"{n}.weight": m for n, m in self.model.named_modules() if isinstance(m, Fp8Linear)}
-        self.head_q = self.head_scale = None  # fp8: the head's e4m3 copy and row scales (_quantize_head)
+        self.head8 = None  # fp8: the head's own e4m3 copy (a tied embedding stays bf16), requantized in place
+        if self.fp8:  # on each push as every weight is: a compiled step holds these very tensors
+            V, D = self.model.head_weight.shape
+            head = torch.nn.Linear(D, V, bias=False, device="meta", dtype=storage).to_empty(device=self.device)
+            self.head8 = Fp8Linear(head, self.emulated)
         self.stop_ids = torch.tensor(stop_ids, device=self.device)
         self.kept: KeptRows | None = None
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
@@ -265,28 +269,15 @@ class TorchEngine:
             else:
                 own[k].copy_(w.to(self.dtype))
             if self.fp8 and k == head:
-                self._quantize_head(w)
+                self.head8.quantize(w)
             left.discard(k)
         assert not left, f"the engine's first load left {sorted(left)[:3]} unfilled"
         self.version, self.kept = version, None  # rows cached under the old weights are not these weights' rows
 
-    def _quantize_head(self, w: torch.Tensor) -> None:
-        """fp8: the head's e4m3 copy and its row scales, made once and then overwritten in place on
-        each push, as every other weight is: a compiled (CUDA: graph-captured) decode step holds
-        these very tensors, so a push that bound new ones would leave it sampling from the old."""
-        q, scale = fp8_quantize(w)
-        q, scale = q.to(next(self.model.parameters()).dtype), scale[:, 0]
-        if self.head_q is None:
-            self.head_q, self.head_scale = q, scale
-        else:
-            self.head_q.copy_(q)
-            self.head_scale.copy_(scale)
-
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head, in the engine's precision -> fp32 logits."""
         if self.fp8:
-            hq, sh = fp8_quantize(h.to(torch.bfloat16))
-            return ((hq.to(self.head_q.dtype) @ self.head_q.T).float() * sh * self.head_scale).bfloat16().float()
+            return self.head8(h).float()
         if self.emulated:
             return (h.to(self.dtype).float() @ self.model.head_weight.T).to(self.dtype).float()
         return (h @ self.model.head_weight.T).float()

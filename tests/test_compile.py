@@ -251,11 +251,11 @@ def test_a_push_changes_the_next_draws_of_a_compiled_decode_step(dtype):
     engine = TorchEngine(old, dtype, STOPS, compile_step=True)
     s = Sampling(temperature=1.0, max_new_tokens=8, seed=5)
     before = engine.generate(PROMPTS, 4, s)
-    head_q = engine.head_q
+    head8 = engine.head8
     engine.load_weights(new, 1)
     after = engine.generate(PROMPTS, 4, s)
     ref = TorchEngine(new, dtype, STOPS).generate(PROMPTS, 4, s)
-    assert engine.head_q is head_q  # fp8: the same tensor, new values (None otherwise)
+    assert engine.head8 is head8  # fp8: the same e4m3 copy, new values (None otherwise)
     assert [c.ids for c in after] == [c.ids for c in ref] != [c.ids for c in before]
     # fp32 and fp8 (whose roundings absorb the summation order) to 1e-4; bf16's logits are rounded
     # after an fp32 sum in another order, which may flip a rounding: one bf16 step of a logit near 4
