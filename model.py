@@ -18,8 +18,8 @@ Simplifications:
    [B, 1, S, S_kv] mask fed to SDPA. The packed attention is `Rows` on the CPU (each
    document a row of its own queries against its parent's and its own keys, rows batched by
    length: work grows with the documents, not with [T, T]), a flex-attention BlockMask on
-   CUDA (the blocks between documents are skipped), and the dense [T, T] mask under
-   torch.compile on a CPU and as the tests' reference (layers/attention.py; the model's `attention` picks). Static shapes on
+   CUDA (the blocks between documents are skipped), and the dense [T, T] mask as the tests'
+   reference (layers/attention.py; the model's `attention` picks). Compiled, `Rows` is one op. Static shapes on
    the compiled paths, so torch.compile traces each once.
 2. RoPE angles are computed from the position tensor on the fly (no table), so packed
    documents restart at position 0 and padding can have any position.

@@ -7,6 +7,7 @@ table goes in the change's note. docs/speed.md says how to read it.
     python bench/ab.py main                       # main against the working tree, every job
     python bench/ab.py 731d758 main               # two revisions
     python bench/ab.py main --jobs default-8x4,episodes-16x8 --rounds 3
+    python bench/ab.py HEAD --b-flags "--compile on" --jobs default-8x4 --cold-cache   # one revision, two flag sets
 
 How it measures:
 1. Both revisions are laid out in temporary directories (`git worktree add` for a revision; the
@@ -26,6 +27,9 @@ How it measures:
    each run, runs kept; RSS: runs resampled). A phase passes when the interval's upper end is at
    most 1.02. While a time phase does not pass, that job gets another round, up to --max-rounds;
    then it is reported `slower`.
+5. `wall` is the whole process, start-up and compile included (runs resampled); it is shown,
+   not judged. --a-flags / --b-flags add train.py flags to one side's runs; --cold-cache gives
+   each run an empty Inductor cache (TORCHINDUCTOR_CACHE_DIR), so a compiled run pays its compile.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import statistics
@@ -109,6 +114,7 @@ def wait_quiet(max_wait: float) -> bool:
 class Run:
     steps: dict[str, list[float]]  # phase -> its value at each counted step
     rss: float  # peak RSS, bytes
+    wall: float  # the whole process, seconds
     disturbed: float  # others' share of the cores during the run
 
 
@@ -118,6 +124,7 @@ class Rev:
     label: str  # A or B
     root: Path
     flags: set[str] = field(default_factory=set)  # the train.py flags it knows
+    extra: list[str] = field(default_factory=list)  # --a-flags or --b-flags
     runs: dict[str, list[Run]] = field(default_factory=dict)
 
 
@@ -132,12 +139,13 @@ def knows(root: Path) -> set[str]:
 def run_once(rev: Rev, job: str, a) -> Run:
     """One `python train.py` of the job in a fresh directory; its counted steps and peak RSS."""
     out = Path(tempfile.mkdtemp(prefix="floe-ab-run-"))
-    cmd = [sys.executable, "train.py", *JOBS[job][0], "--steps", str(a.steps), "--eval-every", "0",
+    cmd = [sys.executable, "train.py", *JOBS[job][0], *rev.extra, "--steps", str(a.steps), "--eval-every", "0",
            "--out-dir", str(out / "run")]
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(out / "inductor")} if a.cold_cache else None
     b0, t0 = cpu_jiffies()
     w0 = time.monotonic()
     with open(out / "log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=rev.root, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=rev.root, stdout=log, stderr=subprocess.STDOUT, env=env)
         _, status, usage = os.wait4(proc.pid, 0)
     wall = time.monotonic() - w0
     b1, t1 = cpu_jiffies()
@@ -153,7 +161,7 @@ def run_once(rev: Rev, job: str, a) -> Run:
     rows = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [r for r in rows if r.get("step", 0) > a.skip and "time/step" in r]
     shutil.rmtree(out, ignore_errors=True)
-    return Run({p: [r[p] for r in rows] for p in PHASES}, usage.ru_maxrss * 1024.0,
+    return Run({p: [r[p] for r in rows] for p in PHASES}, usage.ru_maxrss * 1024.0, wall,
                max(0.0, busy - own) / (ncpu * wall))
 
 
@@ -178,8 +186,8 @@ def pooled(runs: list[Run], phase: str) -> list[float]:
 def interval(a: list[Run], b: list[Run], phase: str, rng: random.Random, n: int = 2000) -> tuple[float, float, float]:
     """median(B) / median(A), pooled over runs, and its bootstrap 90% interval."""
     def med(runs, resample):
-        if phase == "rss":
-            vals = [r.rss for r in runs]
+        if phase in ("rss", "wall"):
+            vals = [getattr(r, phase) for r in runs]
             return statistics.median([rng.choice(vals) for _ in vals] if resample else vals)
         vals = [v for r in runs for v in ([rng.choice(r.steps[phase]) for _ in r.steps[phase]] if resample
                                           else r.steps[phase])]
@@ -202,17 +210,20 @@ def table(a: Rev, b: Rev, jobs: list[str], rng: random.Random) -> tuple[str, dic
     failing: dict[str, list[str]] = {}
     for job in jobs:
         ra, rb = a.runs[job], b.runs[job]
-        for phase in PHASES + ["rss"]:
+        for phase in PHASES + ["wall", "rss"]:
             ratio, lo, hi = interval(ra, rb, phase, rng)
             v = verdict(hi)
             if phase == "rss":
                 ma, mb = (f"{statistics.median(r.rss for r in rs) / 2**20:,.0f} MiB" for rs in (ra, rb))
+            elif phase == "wall":
+                ma, mb = (f"{statistics.median(r.wall for r in rs):.1f} s" for rs in (ra, rb))
+                v = "(shown)"
             else:
                 ma, mb = (f"{statistics.median(pooled(rs, phase)):.3f} s" for rs in (ra, rb))
                 if v not in ("pass", "faster"):
                     failing.setdefault(job, []).append(phase)
             name = "peak RSS" if phase == "rss" else phase
-            rounds = [(y.rss / x.rss) if phase == "rss" else statistics.median(y.steps[phase]) / statistics.median(x.steps[phase])
+            rounds = [getattr(y, phase) / getattr(x, phase) if phase in ("rss", "wall") else statistics.median(y.steps[phase]) / statistics.median(x.steps[phase])
                       for x, y in zip(ra, rb)]  # the machine's drift shows here: a round's A and B ran back to back
             lines.append(f"| {job} ({len(ra)}+{len(rb)} runs) | {name} | {ma} | {mb} | {ratio:.3f} | "
                          f"{lo:.3f}-{hi:.3f} | {min(rounds):.2f}-{max(rounds):.2f} | {v} |")
@@ -250,6 +261,9 @@ def main() -> None:
     ap.add_argument("--max-rounds", type=int, default=6, help="rounds a job whose phase does not pass may get")
     ap.add_argument("--max-wait", type=float, default=600, help="seconds to wait for a quiet machine before a run")
     ap.add_argument("--seed", type=int, default=0, help="the bootstrap's seed")
+    ap.add_argument("--a-flags", default="", help="train.py flags added to A's runs (e.g. \"--compile off\")")
+    ap.add_argument("--b-flags", default="", help="train.py flags added to B's runs")
+    ap.add_argument("--cold-cache", action="store_true", help="each run with an empty Inductor cache")
     a = ap.parse_args()
     jobs = a.jobs.split(",")
     if unknown := [j for j in jobs if j not in JOBS]:
@@ -261,8 +275,10 @@ def main() -> None:
     revs: list[Rev] = []
     try:
         revs = [checkout(a.rev, "A", tmp), checkout(a.rev2, "B", tmp)]
-        for r in revs:
-            r.flags = knows(r.root)
+        for r, extra in zip(revs, (a.a_flags, a.b_flags)):
+            r.flags, r.extra = knows(r.root), shlex.split(extra)
+            if extra:
+                r.name += f" {extra}"
         runnable = []
         for job in jobs:
             missing = {r.name: [f for f in JOBS[job][1] if f not in r.flags] for r in revs}
@@ -294,7 +310,7 @@ def main() -> None:
             print("\nnot passing: " + "; ".join(f"{j} {', '.join(p)}" for j, p in failing.items()))
     finally:
         for r in revs:
-            if r.name != "the working tree":
+            if (r.root / ".git").exists():  # a worktree, not a copy
                 subprocess.run(["git", "worktree", "remove", "--force", str(r.root)], cwd=ROOT, capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
         subprocess.run(["git", "worktree", "prune"], cwd=ROOT, capture_output=True)

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# The GPU checks, on one H200 in about 8 minutes (10 if every timeout is reached): the gpu-marked tests (CUDA against the
-# CPU reference, compiled against eager), then the benchmarks, then a short end-to-end
-# run of the default job on the GPU, and last LoRA on vLLM and LoRA's memory table in whatever time is left. Run from the repo root:
+# The GPU checks, in two parts, each under one 600 s device command and each printing its figures as
+# it goes (a cut run still reports what it reached). Run from the repo root:
 #
-#   bash bench/gpu.sh            # results in $OUT (or /tmp/floe-gpu)
+#   bash bench/gpu.sh 1     # first, under 5 minutes: the gpu-marked tests (CUDA against the CPU
+#                           # reference, compiled against eager, the push-then-draw check), the default
+#                           # job compiled (graphs after warm-up must be 0) against eager, the fp8/fp16 lab
+#   bash bench/gpu.sh 2     # then: the benchmarks (support, head, engine, e2e eager and compiled on a
+#                           # Qwen3-0.6B shape, memory), episodes, LoRA on vLLM, LoRA's memory table
+#   bash bench/gpu.sh       # both, one after the other; results in $OUT (or /tmp/floe-gpu)
 #
 # The device image has torch, transformers, safetensors and tokenizers but not tyro: carry
 # pure-Python wheels in .whl/ (see .ci/gpu-wheels) and they are installed here first. Its package
@@ -18,10 +22,38 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -c "import torch; print('torch', torch.__version__, '|', torch.cuda.get_device_name(0))" | tee "$OUT/env.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/env.txt"
+PART=${1:-all}
+case "$PART" in 1|2|all) ;; *) echo "bench/gpu.sh: part must be 1, 2 or left out (both), not '$PART'"; exit 2;; esac
+steps() {  # the median time/step of steps 3 on, and the graphs each step built (runlog.Graphs)
+  python3 -c 'import json, statistics, sys
+rows = [r for r in map(json.loads, open(sys.argv[1])) if "time/step" in r]
+print(sys.argv[2], "median time/step (steps 3 on):", round(statistics.median(r["time/step"] for r in rows[2:]), 4), "s",
+      "| compile/new_graphs by step:", [r.get("compile/new_graphs") for r in rows])' "$1" "$2" 2>&1
+}
+
+if [ "$PART" != 2 ]; then
+echo "== part 1"
 
 echo "== gpu tests (kernels, flex attention, bf16/fp16 training against CPU/eager references; vLLM fp8 where it imports)"
 timeout 130 python3 -m pytest -q -m gpu tests/ --ignore=tests/test_lora_vllm.py 2>&1 | tee "$OUT/tests.txt"  # LoRA's: below
 
+echo "== end to end: the default job on the GPU, 10 steps, compiled (the CUDA default) then eager"
+# the trainer forward and the engine's decode step compile on a cold cache (train.py's own line
+# says "compiling, ~1 min"), so 30 s would stop it before its first step
+timeout 90 python3 train.py --device cuda --loss icepop --icepop-beta 2.0 --steps 10 --eval-every 5 \
+  --out-dir "$OUT/run" 2>&1 | grep -v '^  "' | tee "$OUT/run.txt"
+timeout 30 python3 train.py --device cuda --loss icepop --icepop-beta 2.0 --steps 10 --eval-every 5 --compile off \
+  --out-dir "$OUT/run-eager" 2>&1 | grep -v '^  "' | tee "$OUT/run-eager.txt"
+# compile/new_graphs: 0 after warm-up (steps 1-2), or a warning line above names the guard
+{ steps "$OUT/run/metrics.jsonl" compiled; steps "$OUT/run-eager/metrics.jsonl" eager; } | tee -a "$OUT/run.txt"
+echo "== the mismatch lab on the GPU: fp8 rollouts (vLLM's fp8 where the image has vLLM) and an fp16 trainer, 10 steps"
+timeout 30 python3 train.py --device cuda --loss icepop --icepop-beta 2.0 --steps 10 --eval-every 5 --engine-dtype fp8 \
+  --train-dtype fp16 --compile off --out-dir "$OUT/run-fp8" 2>&1 | grep -v '^  "' | tee "$OUT/run-fp8.txt"
+fi
+
+if [ "$PART" != 1 ]; then
+SECONDS=0  # part 2 counts its own time
+echo "== part 2"
 echo "== bench/support.py"
 timeout 30 python3 bench/support.py 2>&1 | tee "$OUT/support.txt"
 
@@ -32,35 +64,25 @@ echo "== bench/engine.py (rollout tok/s: built-in engine, and vLLM where the ima
 timeout 30 python3 bench/engine.py 2>&1 | grep -E '^[#|]' | tee "$OUT/engine.txt"
 
 echo "== bench/e2e.py (random Qwen3-0.6B shape: rollout and train tok/s, MFU), trainer in bf16 then fp32"
-# compile off: compiling the 28-layer model would take most of each run's minute; the default
-# job below runs with compile on (the CUDA default) at the tiny shape
+# eager first (a minute each), then compiled with two minutes for its compile of 28 layers
 timeout 60 python3 bench/e2e.py --compile off --train-dtype bf16 2>&1 | grep -v '^  "' | tee "$OUT/e2e.txt"
 timeout 60 python3 bench/e2e.py --compile off --train-dtype fp32 2>&1 | grep -v '^  "' | tee -a "$OUT/e2e.txt"
+echo "== bench/e2e.py compiled (the same Qwen3-0.6B shape, bf16): the compiled step against the eager one above"
+timeout 120 python3 bench/e2e.py --compile on --train-dtype bf16 2>&1 | grep -v '^  "' | tee -a "$OUT/e2e.txt"
 
 echo "== bench/memory.py cuda: the memory plan against torch.cuda.max_memory_allocated (Qwen3-0.6B shape, 4k/16k tokens, checkpointing off/blocks)"
 timeout 90 python3 bench/memory.py cuda 2>&1 | tee "$OUT/memory.txt"
 
-echo "== end to end: the default job on the GPU, 10 steps"
-# compile on (the CUDA default): the trainer forward and the engine's decode step compile on a cold
-# cache (train.py's own line says "compiling, ~1 min"), so 30 s would stop it before its first step
-timeout 90 python3 train.py --device cuda --loss icepop --icepop-beta 2.0 --steps 10 --eval-every 5 \
-  --out-dir "$OUT/run" 2>&1 | grep -v '^  "' | tee "$OUT/run.txt"
-# the graphs each step built (runlog.Graphs): 0 after warm-up, or a warning line above names the guard
-python3 -c 'import json, sys; print("compile/new_graphs by step:", [(r["step"], r.get("compile/new_graphs")) for r in map(json.loads, open(sys.argv[1])) if "compile/graphs" in r])' \
-  "$OUT/run/metrics.jsonl" 2>&1 | tee -a "$OUT/run.txt"
-echo "== the mismatch lab on the GPU: fp8 rollouts (vLLM's fp8 where the image has vLLM) and an fp16 trainer, 10 steps"
-timeout 30 python3 train.py --device cuda --loss icepop --icepop-beta 2.0 --steps 10 --eval-every 5 --engine-dtype fp8 \
-  --train-dtype fp16 --compile off --out-dir "$OUT/run-fp8" 2>&1 | grep -v '^  "' | tee "$OUT/run-fp8.txt"
 # --engine auto: vLLM where the image has it (each turn a token prompt, asleep only after a step's last turn)
 echo "== multi-turn episodes on the GPU (vLLM where the image has it, else the built-in engine): the guess-letter game, 5 steps"
 timeout 45 python3 train.py --device cuda --task jsonl:examples/guess.jsonl --env guess-letter --model checkpoints/guess-tiny \
   --max-new-tokens 4 --prompts-per-step 16 --group-size 8 --steps 5 --eval-every 5 --eval-prompts 16 \
   --compile off --out-dir "$OUT/run-episodes" 2>&1 | grep -v '^  "' | tee "$OUT/run-episodes.txt"
 echo "== LoRA on the GPU: vLLM's adapter path where the image has vLLM (its GPU test, then 10 steps), else 10 steps on the built-in engine"
-left=$((470 - SECONDS))  # what the steps above left of the 8 minutes (bash counts SECONDS from the start)
+left=$((540 - SECONDS))  # what the steps above left of part 2's 9 minutes (SECONDS: since part 2 began)
 LORA="--device cuda --compile off --lora-rank 8 --lr 3e-3 --loss icepop --icepop-beta 2.0 --steps 10 --eval-every 5 --out-dir $OUT/run-lora"
 if [ "$left" -lt 30 ]; then
-  echo "(${left}s left of the 8 minutes: skipped)" | tee "$OUT/lora.txt"
+  echo "(${left}s left of part 2's 9 minutes: skipped)" | tee "$OUT/lora.txt"
 elif ! python3 -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"; then
   timeout "$((left < 60 ? left : 60))" python3 train.py --engine torch $LORA 2>&1 | grep -v '^  "' | tee "$OUT/lora.txt"
 else  # its own pytest process: one vLLM per process
@@ -68,14 +90,15 @@ else  # its own pytest process: one vLLM per process
     2>&1 | grep -v '^  "' | tee "$OUT/lora.txt"
 fi
 echo "== bench/lora.py memory on the GPU (Qwen3-0.6B-shaped: full, LoRA r8, r64), in what is left"
-left=$((470 - SECONDS))
+left=$((540 - SECONDS))
 if [ "$left" -lt 60 ]; then
-  echo "(${left}s left of the 8 minutes: skipped)" | tee "$OUT/lora-memory.txt"
+  echo "(${left}s left of part 2's 9 minutes: skipped)" | tee "$OUT/lora-memory.txt"
 else
   timeout "$left" python3 bench/lora.py memory --device cuda --out /tmp/floe-lora-memory 2>&1 | tee "$OUT/lora-memory.txt"
 fi
-# worst case, every timeout reached: 130 + 30 + 65 + 30 + 60 + 60 + 90 + 90 + 30 + 45 = 630 s of commands, plus
-# start-up (over one 600 s device command: run it with timeout_s 600 and what $OUT holds comes back); typical
-# runs finish well inside them. The LoRA steps take only what is left of 470 s. Only the default job compiles
-# (the gpu tests compile the forward, flex attention and the engine step): the fp8/fp16, episode and LoRA runs
-# run eager, where each would otherwise compile a graph of its own inside its 30-60 s.
+fi
+# worst case, every timeout reached. Part 1: 130 + 90 + 30 + 30 = 280 s of commands. Part 2: 30 + 65 + 30
+# + 60 + 60 + 120 + 90 + 45 = 500 s, and LoRA and its memory table take only what is left of 540 s; typical
+# runs finish well inside them. Run each part as its own device command (timeout_s 600). Only the default job
+# and the compiled e2e compile (the gpu tests compile the forward, flex attention and the engine step): the
+# fp8/fp16, episode and LoRA runs run eager, where each would otherwise compile a graph of its own.

@@ -6,8 +6,9 @@ compute it, one result:
 - `Rows` (the CPU): each document a row of its own queries against its parent's and its own
   keys, rows batched by length, so the work grows with the documents and not with [T, T];
 - a flex-attention BlockMask (CUDA): the blocks between documents are skipped;
-- a dense [1, 1, T, T] bool mask: under torch.compile on a CPU (`Rows` shapes follow each
-  packing, so it would recompile) and as the tests' reference.
+- a dense [1, 1, T, T] bool mask: the tests' reference.
+Under torch.compile on a CPU `Rows` runs as one opaque op, `floe::rows_attention`, fed the
+document ids themselves: its shapes follow each packing and would each guard a graph.
 
     python -m pytest -q tests/test_compile.py tests/test_packing.py
 """
@@ -74,18 +75,23 @@ def document_rows(doc_ids: torch.Tensor, parents: torch.Tensor | None) -> Rows:
     return Rows(buckets, torch.from_numpy(back).to(doc_ids.device))
 
 
+@dataclass
+class Documents:
+    """The packed documents themselves, for `rows_attention` under torch.compile on a CPU."""
+
+    doc_ids: torch.Tensor
+    parents: torch.Tensor | None
+
+
 def document_mask(doc_ids: torch.Tensor, parents: torch.Tensor | None = None, mode: str = "auto"):
     """Who attends to whom in packed rows: the same document and not the future, or the document's
     parent (a shared prompt). A dense [1, 1, T, T] bool mask, a flex BlockMask, or `Rows`; `mode`
-    (the model's `attention`): auto (CUDA flex; CPU rows, compiled dense) | flex | rows | dense."""
+    (the model's `attention`): auto (CUDA flex; CPU rows) | flex | rows | dense."""
     T = doc_ids.shape[0]
-    # torch.compile takes the dense mask on a CPU: `Rows` shapes follow the documents, so every new
-    # packing would recompile
-    cpu = "dense" if torch.compiler.is_compiling() else "rows"
-    mode = mode if mode != "auto" else ("flex" if doc_ids.is_cuda else cpu)
+    mode = mode if mode != "auto" else ("flex" if doc_ids.is_cuda else "rows")
     par = torch.full_like(doc_ids, -1) if parents is None else parents
     if mode == "rows":
-        return document_rows(doc_ids, parents)
+        return Documents(doc_ids, parents) if torch.compiler.is_compiling() else document_rows(doc_ids, parents)
     if mode == "flex":
         def tree(b, h, q, k):
             return ((doc_ids[q] == doc_ids[k]) & (k <= q)) | (par[q] == doc_ids[k])
@@ -101,6 +107,8 @@ def attend(q, k, v, mask) -> torch.Tensor:
     global _compiled_flex
     if isinstance(mask, Rows):
         return _attend_rows(q, k, v, mask)
+    if isinstance(mask, Documents):  # one dtype, v's, as autocast gives SDPA: the op runs outside autocast
+        return rows_attention(q.to(v.dtype), k.to(v.dtype), v, mask.doc_ids, mask.parents)
     if not isinstance(mask, BlockMask):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     # under autocast RoPE's fp32 cos/sin (and qk-norm) leave q and k in fp32 while v is the autocast
@@ -125,3 +133,66 @@ def _attend_rows(q, k, v, rows: Rows) -> torch.Tensor:
         y = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, enable_gqa=True)
         outs.append(y.transpose(0, 1).reshape(q.shape[1], R * Lq, q.shape[3]))
     return torch.cat(outs, 1).index_select(1, rows.back)[None]
+
+
+# `Rows` inside a compiled forward: an op the graph calls with the document ids, whose shapes never
+# change, so one graph serves every packing. It builds `Rows` itself (once per packing: each layer
+# and the backward of the same micro-batch find them in `_last`) and runs `_attend_rows` eagerly;
+# its backward runs the attention again under autograd, which costs one more attention forward and
+# gives the eager path's gradients bit for bit.
+_last: dict = {}
+
+
+def _rows_for(doc_ids: torch.Tensor, parents: torch.Tensor | None) -> Rows:
+    """`document_rows`, kept for the last packing seen (compared by content: a freed buffer's
+    address can come back holding another packing)."""
+    seen = _last.get("rows")
+    if seen is None or not (_equal(seen[0], doc_ids) and _equal(seen[1], parents)):
+        seen = _last["rows"] = doc_ids.clone(), None if parents is None else parents.clone(), document_rows(doc_ids, parents)
+    return seen[2]  # one assignment: another thread never sees one packing's ids with another's rows
+
+
+def _equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is b if a is None or b is None else a.shape == b.shape and torch.equal(a, b)
+
+
+@torch.library.custom_op("floe::rows_attention", mutates_args=())
+def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor,
+                   parents: torch.Tensor | None) -> torch.Tensor:
+    """`_attend_rows` over the packed documents' `Rows`: (1, n_head, T, hd), in q's dtype (q, k
+    and v share one); outside autocast, whose state differs between the forward and the backward."""
+    with torch.autocast(q.device.type, enabled=False):
+        return _attend_rows(q, k, v, _rows_for(doc_ids, parents))
+
+
+# The fakes say what a graph may assume of each output (shape, dtype, strides). Inductor's on-disk
+# cache keys a compiled graph by the ops it calls, not by their fakes: after editing one, empty the
+# cache (TORCHINDUCTOR_CACHE_DIR, by default /tmp/torchinductor_$USER) or a cached graph keeps the old.
+@rows_attention.register_fake
+def _(q, k, v, doc_ids, parents):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("floe::rows_attention_backward", mutates_args=())
+def rows_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor,
+                            parents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = _rows_for(doc_ids, parents)
+    with torch.autocast(q.device.type, enabled=False):
+        _, vjp = torch.func.vjp(lambda q, k, v: _attend_rows(q, k, v, rows), q, k, v)
+        return tuple(g.contiguous() for g in vjp(grad))  # the strides the fake promises
+
+
+@rows_attention_backward.register_fake
+def _(grad, q, k, v, doc_ids, parents):
+    return tuple(x.new_empty(x.shape) for x in (q, k, v))
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad):
+    return *rows_attention_backward(grad, *ctx.saved_tensors), None, None
+
+
+rows_attention.register_autograd(_backward, setup_context=_setup)

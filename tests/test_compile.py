@@ -112,6 +112,51 @@ def test_cpu_rows_attention_and_its_gradients_equal_the_dense_mask(monkeypatch):
     _against_dense(monkeypatch, "cpu", "rows", grads=True)
 
 
+def _packing(lengths, shared):
+    """A packing of documents of these lengths; `shared` maps a document to its parent (a prompt)."""
+    docs = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    positions = torch.cat([torch.arange(n) + (lengths[shared[d]] if d in shared else 0) for d, n in enumerate(lengths)])
+    parents = torch.tensor([shared.get(int(d), -1) for d in docs])
+    tokens = torch.randint(0, 32, (len(docs),), generator=torch.Generator().manual_seed(len(lengths)))
+    return tokens, positions, docs, parents
+
+
+def test_a_compiled_cpu_forward_takes_rows_and_one_graph_serves_every_packing(monkeypatch):
+    """Under torch.compile on a CPU the packed attention is `Rows` (the op floe::rows_attention),
+    not the dense [T, T] mask: over three packings of one [T] buffer, with and without shared
+    prompts, the compiled forward's hidden states and every gradient equal the eager `Rows`
+    forward's (fp32: float noise in the fused parts, 1e-5), and the second and third packings
+    build no graph."""
+    torch._dynamo.reset()
+    built = []
+    rows_for = A._rows_for
+    monkeypatch.setattr(A, "_rows_for", lambda d, p: built.append(1) or rows_for(d, p))
+    eager, m = _model(), _model()
+    fwd = torch.compile(m)
+    packings = [_packing([30, 20, 20, 26], {1: 0, 2: 0}), _packing([64, 32], {}), _packing([10, 40, 9, 9, 28], {3: 2, 4: 2})]
+    for i, batch in enumerate(packings):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            out = [f(*batch) for f in (eager, fwd)]
+        for h in out:
+            (h * torch.linspace(-1, 1, h.numel()).view_as(h)).mean().backward()
+        torch.testing.assert_close(out[1], out[0], atol=1e-5, rtol=1e-5)
+        for a, b in zip(eager.parameters(), m.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4)
+            a.grad = b.grad = None
+    assert built, "the compiled forward did not run floe::rows_attention"
+
+
+def test_the_rows_attention_op_is_registered_right():
+    """torch.library's own check of floe::rows_attention: its fake (shapes and strides), its
+    autograd formula against the op's gradients, and Dynamo's view of it."""
+    tokens, positions, docs, parents = _packing([12, 8, 6, 14], {1: 0, 2: 0})
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, len(docs), 8, generator=g).transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+               for n in (4, 2, 2))
+    for par in (parents, None):
+        torch.library.opcheck(A.rows_attention, (q, k, v, docs, par))
+
+
 def test_flex_attention_under_autocast_gets_one_dtype(monkeypatch):
     """--train-dtype bf16/fp16 on CUDA: RoPE (fp32 cos/sin) and qk-norm leave q and k in fp32 while
     v is the autocast dtype, and inductor's flex backward refuses mixed dtypes. flex must get q, k, v
@@ -238,16 +283,18 @@ def test_a_compiler_failure_falls_back_to_eager_with_one_line_per_region(tmp_pat
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp8"])
-def test_a_push_changes_the_next_draws_of_a_compiled_decode_step(dtype):
+@pytest.mark.parametrize("device, dtype", [("cpu", "fp32"), ("cpu", "bf16"), ("cpu", "fp8"),
+                                           pytest.param("cuda", "fp32", marks=[pytest.mark.gpu, gpu])])
+def test_a_push_changes_the_next_draws_of_a_compiled_decode_step(device, dtype):
     """A compiled decode step holds the engine's weight tensors: a push must reach it (every weight,
     the fp8 head's e4m3 copy too, is overwritten in place), so the draws after it are those of an
     eager engine built from the pushed weights, and not the old weights' draws."""
     from test_engines import PROMPTS, STOPS
 
     torch._dynamo.reset()
-    old, new = _model(), M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
+    old, new = _model(device), M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
     M.init_weights(new, std=0.15, seed=1)
+    new = new.to(device)
     engine = TorchEngine(old, dtype, STOPS, compile_step=True)
     s = Sampling(temperature=1.0, max_new_tokens=8, seed=5)
     before = engine.generate(PROMPTS, 4, s)
