@@ -223,7 +223,8 @@ def table(a: Rev, b: Rev, jobs: list[str], rng: random.Random) -> tuple[str, dic
                 if v not in ("pass", "faster"):
                     failing.setdefault(job, []).append(phase)
             name = "peak RSS" if phase == "rss" else phase
-            rounds = [getattr(y, phase) / getattr(x, phase) if phase in ("rss", "wall") else statistics.median(y.steps[phase]) / statistics.median(x.steps[phase])
+            rounds = [getattr(y, phase) / getattr(x, phase) if phase in ("rss", "wall")
+                      else statistics.median(y.steps[phase]) / statistics.median(x.steps[phase])
                       for x, y in zip(ra, rb)]  # the machine's drift shows here: a round's A and B ran back to back
             lines.append(f"| {job} ({len(ra)}+{len(rb)} runs) | {name} | {ma} | {mb} | {ratio:.3f} | "
                          f"{lo:.3f}-{hi:.3f} | {min(rounds):.2f}-{max(rounds):.2f} | {v} |")

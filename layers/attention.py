@@ -8,7 +8,7 @@ compute it, one result:
 - a flex-attention BlockMask (CUDA): the blocks between documents are skipped;
 - a dense [1, 1, T, T] bool mask: the tests' reference.
 Under torch.compile on a CPU `Rows` runs as one opaque op, `floe::rows_attention`, fed the
-document ids themselves: its shapes follow each packing and would each guard a graph.
+document ids themselves: `Rows`' shapes follow each packing and would each guard a graph.
 
     python -m pytest -q tests/test_compile.py tests/test_packing.py
 """
@@ -137,19 +137,22 @@ def _attend_rows(q, k, v, rows: Rows) -> torch.Tensor:
 
 # `Rows` inside a compiled forward: an op the graph calls with the document ids, whose shapes never
 # change, so one graph serves every packing. It builds `Rows` itself (once per packing: each layer
-# and the backward of the same micro-batch find them in `_last`) and runs `_attend_rows` eagerly;
-# its backward runs the attention again under autograd, which costs one more attention forward and
-# gives the eager path's gradients bit for bit.
-_last: dict = {}
+# and the backward of the same micro-batch find them in `_seen`) and runs `_attend_rows` eagerly;
+# its backward runs the attention again under torch.func.vjp (a custom op runs below autograd),
+# which costs one more attention forward and gives the eager path's gradients bit for bit.
+_seen: tuple | None = None  # (doc_ids, parents, their Rows) of the last packing
 
 
-def _rows_for(doc_ids: torch.Tensor, parents: torch.Tensor | None) -> Rows:
-    """`document_rows`, kept for the last packing seen (compared by content: a freed buffer's
-    address can come back holding another packing)."""
-    seen = _last.get("rows")
-    if seen is None or not (_equal(seen[0], doc_ids) and _equal(seen[1], parents)):
-        seen = _last["rows"] = doc_ids.clone(), None if parents is None else parents.clone(), document_rows(doc_ids, parents)
-    return seen[2]  # one assignment: another thread never sees one packing's ids with another's rows
+def _attend_documents(q, k, v, doc_ids: torch.Tensor, parents: torch.Tensor | None) -> torch.Tensor:
+    """`_attend_rows` over the documents' `Rows`, kept for the last packing (compared by content: a
+    freed buffer's address can come back holding another packing); outside autocast, whose state
+    differs between the forward and the backward (q, k and v share one dtype)."""
+    global _seen
+    if _seen is None or not (_equal(_seen[0], doc_ids) and _equal(_seen[1], parents)):
+        # one assignment: another thread never sees one packing's ids with another's rows
+        _seen = doc_ids.clone(), None if parents is None else parents.clone(), document_rows(doc_ids, parents)
+    with torch.autocast(q.device.type, enabled=False):
+        return _attend_rows(q, k, v, _seen[2])
 
 
 def _equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -159,10 +162,8 @@ def _equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 @torch.library.custom_op("floe::rows_attention", mutates_args=())
 def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor,
                    parents: torch.Tensor | None) -> torch.Tensor:
-    """`_attend_rows` over the packed documents' `Rows`: (1, n_head, T, hd), in q's dtype (q, k
-    and v share one); outside autocast, whose state differs between the forward and the backward."""
-    with torch.autocast(q.device.type, enabled=False):
-        return _attend_rows(q, k, v, _rows_for(doc_ids, parents))
+    """(1, n_head, T, hd), in q's dtype: `_attend_documents` as one op."""
+    return _attend_documents(q, k, v, doc_ids, parents)
 
 
 # The fakes say what a graph may assume of each output (shape, dtype, strides). Inductor's on-disk
@@ -174,12 +175,11 @@ def _(q, k, v, doc_ids, parents):
 
 
 @torch.library.custom_op("floe::rows_attention_backward", mutates_args=())
-def rows_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor,
-                            parents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows = _rows_for(doc_ids, parents)
-    with torch.autocast(q.device.type, enabled=False):
-        _, vjp = torch.func.vjp(lambda q, k, v: _attend_rows(q, k, v, rows), q, k, v)
-        return tuple(g.contiguous() for g in vjp(grad))  # the strides the fake promises
+def rows_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            doc_ids: torch.Tensor, parents: torch.Tensor | None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, vjp = torch.func.vjp(lambda q, k, v: _attend_documents(q, k, v, doc_ids, parents), q, k, v)
+    return tuple(g.contiguous() for g in vjp(grad))  # the strides the fake promises
 
 
 @rows_attention_backward.register_fake

@@ -129,8 +129,8 @@ def test_a_compiled_cpu_forward_takes_rows_and_one_graph_serves_every_packing(mo
     build no graph."""
     torch._dynamo.reset()
     built = []
-    rows_for = A._rows_for
-    monkeypatch.setattr(A, "_rows_for", lambda d, p: built.append(1) or rows_for(d, p))
+    attend_documents = A._attend_documents
+    monkeypatch.setattr(A, "_attend_documents", lambda *args: built.append(1) or attend_documents(*args))
     eager, m = _model(), _model()
     fwd = torch.compile(m)
     packings = [_packing([30, 20, 20, 26], {1: 0, 2: 0}), _packing([64, 32], {}), _packing([10, 40, 9, 9, 28], {3: 2, 4: 2})]
