@@ -387,15 +387,16 @@ def init_weights(model: Transformer, std: float = 0.02, seed: int = 0) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
-def compiled(fn, region: str, options: dict | None = None):
-    """torch.compile(fn) (`options`: Inductor's settings for this region), that falls back to `fn`
+def compiled(fn, region: str, options: dict | None = None, dynamic: bool | None = None):
+    """torch.compile(fn) (`options`: Inductor's settings for this region; `dynamic`: torch.compile's,
+    True for one graph with symbolic input sizes), that falls back to `fn`
     itself, with one line naming the region and the error, when Dynamo or Inductor fails to compile
     it (at its first call or at a recompile): the run goes on eager there, and the summary's
     compile/regions leaves the region out. An error of the function's own (a wrong shape, say) is
     raised as it is."""
     from torch._dynamo.exc import BackendCompilerFailed, InternalTorchDynamoError, Unsupported
 
-    graph, eager = torch.compile(fn, options=options), False
+    graph, eager = torch.compile(fn, options=options, dynamic=dynamic), False
 
     def call(*args, **kwargs):
         nonlocal eager

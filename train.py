@@ -73,9 +73,10 @@ from tasks.task import Task
 
 def prepare(cfg, samples, vocab_size, device):
     """Pack the global batch into micro-batches, validate the evidence, count the denominators;
-    keep this rank's share of the micro-batches. Compiled or on CUDA every buffer is [T] (one
-    shape, no recompiles); an eager CPU forward cuts each buffer's padding to a multiple of 64."""
-    trim = 64 if cfg.compile != "on" and torch.device(device).type == "cpu" else None
+    keep this rank's share of the micro-batches. On CUDA every buffer is [T] (one shape: flex's
+    BlockMask, CUDA graphs); a CPU cuts each buffer's padding to a multiple of 64, eager or compiled
+    (one graph with a symbolic length: run/start.py `build`)."""
+    trim = 64 if torch.device(device).type == "cpu" else None
     mbs = [mb.to(device) for mb in pack(samples, cfg.micro_batch_tokens, trim=trim)]
     checks = evidence.validate(mbs, vocab_size, cfg) if cfg.stage == "rl" else {}
     if RANK:  # every rank checked the whole batch; rank 0 alone counts it

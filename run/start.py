@@ -384,7 +384,10 @@ def build(cfg: Config, src: Path, model: Transformer, codec: TextCodec, link: Li
     shard(model)  # after the engine took its full copy
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
-    fwd = compiled(model, "trainer forward") if cfg.compile == "on" else model
+    # a CPU's buffers end at a multiple of 64 past their last document (train.prepare): one graph with a
+    # symbolic length serves them all; CUDA's are all [T] (flex's BlockMask, CUDA graphs), one static graph
+    cpu = torch.device(cfg.device).type == "cpu"
+    fwd = compiled(model, "trainer forward", dynamic=True if cpu else None) if cfg.compile == "on" else model
     return fwd, engine, opt
 
 

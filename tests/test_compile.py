@@ -123,17 +123,19 @@ def _packing(lengths, shared):
 
 def test_a_compiled_cpu_forward_takes_rows_and_one_graph_serves_every_packing(monkeypatch):
     """Under torch.compile on a CPU the packed attention is `Rows` (the op floe::rows_attention),
-    not the dense [T, T] mask: over three packings of one [T] buffer, with and without shared
-    prompts, the compiled forward's hidden states and every gradient equal the eager `Rows`
-    forward's (fp32: float noise in the fused parts, 1e-5), and the second and third packings
-    build no graph."""
+    not the dense [T, T] mask: over packings of one [T] buffer, with and without shared prompts,
+    and buffers trimmed to other lengths (train.prepare: a multiple of 64), the compiled forward
+    (dynamic, as run/start.py builds it on a CPU) gives the eager `Rows` forward's hidden states and
+    every gradient (fp32: float noise in the fused parts, 1e-5), and only the first builds a graph."""
     torch._dynamo.reset()
     built = []
     attend_documents = A._attend_documents
     monkeypatch.setattr(A, "_attend_documents", lambda *args: built.append(1) or attend_documents(*args))
     eager, m = _model(), _model()
-    fwd = torch.compile(m)
-    packings = [_packing([30, 20, 20, 26], {1: 0, 2: 0}), _packing([64, 32], {}), _packing([10, 40, 9, 9, 28], {3: 2, 4: 2})]
+    fwd = M.compiled(m, "trainer forward", dynamic=True)
+    packings = [_packing([30, 20, 20, 26], {1: 0, 2: 0}), _packing([64, 32], {}), _packing([10, 40, 9, 9, 28], {3: 2, 4: 2}),
+                _packing([50, 14], {1: 0}), _packing([100, 60, 60, 36, 64], {1: 0, 2: 0, 4: 3})]
+    assert sorted({len(p[0]) for p in packings}) == [64, 96, 320]
     for i, batch in enumerate(packings):
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
             out = [f(*batch) for f in (eager, fwd)]
