@@ -220,7 +220,10 @@ class TorchEngine:
         # keeps fp32 inside a fused kernel and drops them, so the compiled step would sample from
         # neither the engine's dtype nor fp32; emulate_precision_casts keeps each one where eager has it
         options = {"emulate_precision_casts": True} if self.emulated else None
-        self.step = compiled(self._step, "engine decode step", options) if compile_step else self._step
+        # a CPU's decode batch shrinks as rows finish and each call's cache is as long as its prompts and
+        # budget: one graph with symbolic sizes serves them all (CUDA's shapes are fixed per call)
+        dynamic = True if self.device.type == "cpu" else None
+        self.step = compiled(self._step, "engine decode step", options, dynamic) if compile_step else self._step
         self.syncs = self.device.type == "cpu"  # a host sync is free: stop the moment every row has
         self.reuse = True  # keep the last call's rows for a call that extends them (False: re-prefill every prompt)
 
