@@ -131,12 +131,13 @@ class AsyncRollouts:
             self._wait(lambda: self.made >= min(step + self.level, self.steps))
         self.lock.acquire()
         self.held = True
+        with self.cv:
+            self.waited["trainer"] += time.perf_counter() - t
         try:
             self.engine.load_weights(model, version=step)
         finally:
             with self.cv:
                 self.after.pop(step - 1, None)
-                self.waited["trainer"] += time.perf_counter() - t
             if not hold:
                 self.release()
 
@@ -177,7 +178,8 @@ class AsyncRollouts:
         with self.cv:
             self.closed = True
             self.cv.notify_all()
-        self.release() if self.held else None  # an eval that raised between publish(hold=True) and release()
+        if self.held:  # an eval that raised between publish(hold=True) and release()
+            self.release()
         if self.stop is not None:
             self.stop.set()
         if self.thread is not None:
@@ -185,9 +187,11 @@ class AsyncRollouts:
         if self.threads is not None:
             torch.set_num_threads(self.threads)
 
-    def _make(self, step: int) -> None:
+    def _make(self, step: int, side: torch.cuda.Stream | None = None) -> None:
         with self.lock:
             self._busy()
+            if side is not None:  # after the weights the trainer pushed on its stream (bounded: maybe just now)
+                side.wait_stream(torch.cuda.default_stream(side.device))
             v, oldest = self.engine.version, self.version(step)
             assert v == oldest or self.bounded and oldest <= v < step, \
                 f"step {step} needs version {oldest}{' or newer' * self.bounded}, the engine holds {v}"
@@ -216,10 +220,8 @@ class AsyncRollouts:
                     self.cv.wait_for(lambda: self.closed or self.pushed >= self.version(step))
                     if self.closed:
                         return
-                if side is not None:  # after the weights the trainer pushed on its stream
-                    side.wait_stream(torch.cuda.default_stream(dev))
                 with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                    self._make(step)
+                    self._make(step, side)
         except BaseException as e:  # handed to the trainer
             with self.cv:
                 self.error = e
