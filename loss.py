@@ -298,8 +298,7 @@ def _token_stats(log_r: Tensor, entropy: Tensor, age: Tensor, mask: Tensor, turn
     """Entropy and the sampler mismatch; with --async-level also the mean age and KL(q||p) on age-0 tokens
     (k3; with --kl-coeff _kl_term logs its estimator), telling engine mismatch from staleness. The
     synchronous loop leaves them out: every age is 0 there and kl/age0 would repeat mismatch/kl.
-    --max-staleness S (`bound`): also the share of the tokens of each age 0..S (train.py reads the max
-    off them, and fails if they leave a token out)."""
+    --max-staleness S (`bound`): also the share of each age 0..S (train.bounded_ages reads them)."""
     out = {"entropy": stat(entropy.to(log_r.dtype), mask), "mismatch/kl": stat(k3(log_r), mask),
            "mismatch/abs_logratio": stat(log_r.clamp(-METRIC_CLAMP, METRIC_CLAMP).abs(), mask)}
     out.update(_by_turn("by_turn/mismatch_kl", k3(log_r), mask, turns))
@@ -307,8 +306,7 @@ def _token_stats(log_r: Tensor, entropy: Tensor, age: Tensor, mask: Tensor, turn
         out["staleness/mean"] = stat(age, mask)
         if not kl_on:
             out["kl/age0"] = stat(k3(log_r), mask & (age == 0))
-    for k in range(bound + 1 if bound else 0):
-        out[f"staleness/frac/{k}"] = stat((age == k).to(log_r.dtype), mask)
+    out.update({f"staleness/frac/{k}": stat((age == k).to(log_r.dtype), mask) for k in range(bound + 1 if bound else 0)})
     return out
 
 

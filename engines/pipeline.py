@@ -76,10 +76,10 @@ class AsyncRollouts:
        and samples it with whatever newer version it holds then; it never discards, it pauses.
        So at most S batches wait sampled but untrained while step s trains.
     10. `publish` does not wait for the batches ahead: it takes the lock as soon as the batch being
-       sampled ends, so the push lands between batches and the next one samples with it. Which
-       version a batch gets depends on the threads' timing: the run is valid, not bit-repeatable.
+        sampled ends, so the push lands between batches and the next one samples with it. Which
+        version a batch gets depends on the threads' timing: the run is valid, not bit-repeatable.
     11. `idle()`: the fractions of the wall time since its last call each side spent waiting (the
-       thread: at the bound, on the lock or done; the trainer: in `get` and `publish`)."""
+        thread: at the bound, on the lock or done; the trainer: in `get` and `publish`)."""
 
     def __init__(self, produce, engine: Engine, rng, level: int, start: int, steps: int, threads: int = 0,
                  stop: threading.Event | None = None, bounded: bool = False):
