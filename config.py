@@ -258,12 +258,9 @@ class Config:
         compile_ = self.compile if self.compile != "auto" else ("on" if device == "cuda" else "off")
         lr = self.lr or (3e-3 if self.stage == "sft" or self.lora_rank or self.adapter else 5e-4)
         engine = self._engine(device)
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if self.max_staleness and self.stage == "rl" and not self.plan and (engine != "torch" or world > 1):
-            raise ConfigError(f"--max-staleness serves one process with the built-in engine for now, not "
-                              + " and ".join(w for w, on in ((f"--engine {engine}", engine != "torch"),
-                                                             (f"torchrun ({world} processes)", world > 1)) if on)
-                              + " (use --async-level there)")
+        if self.max_staleness and self.stage == "rl" and not self.plan and engine != "torch":
+            raise ConfigError(f"--max-staleness serves the built-in engine for now, not --engine {engine} "
+                              "(use --async-level there)")
         return dataclasses.replace(self, device=device, compile=compile_, lr=lr, engine=engine,
                                    dist_timeout=self._wait_limit())
 

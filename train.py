@@ -19,7 +19,7 @@ Simplifications:
    graph built after warm-up is a warning line naming the guard that failed (runlog.Graphs).
 5. Under torchrun (FSDP2) every rank samples its share; the ranks swap samples and each packs the
    whole batch, so the denominators are global with no all_reduce. Rank 0 evals and writes the
-   files; --inference-gpus, --async-level and --plan: docs/scale.md.
+   files; --inference-gpus, --async-level, --max-staleness and --plan: docs/scale.md.
 
     python train.py --loss icepop --icepop-beta 2.0                 # CPU, the tiny model
     python train.py --task arithmetic --model checkpoints/arith-tiny --lr 2e-4 --eval-prompts 256  # a 0/1 reward
