@@ -190,6 +190,8 @@ class AsyncRollouts:
     def _make(self, step: int, side: torch.cuda.Stream | None = None) -> None:
         with self.lock:
             self._busy()
+            if self.closed:  # bounded: close() let the lock go while the thread waited on it
+                return
             if side is not None:  # after the weights the trainer pushed on its stream (bounded: maybe just now)
                 side.wait_stream(torch.cuda.default_stream(side.device))
             v, oldest = self.engine.version, self.version(step)
