@@ -45,13 +45,13 @@ FINITE = ("lr", "weight_decay", "temperature", "adv_tau", "kl_coeff", "seq_mask_
           "dist_timeout", "lora_alpha", "tool_timeout")
 AT_LEAST = {"steps": 1, "top_k": 0, "score_centering_k": 1, "prompts_per_step": 1, "group_size": 1, "max_new_tokens": 1,
             "micro_batch_tokens": 64, "epochs": 1, "save_every": 0, "eval_every": 0, "eval_prompts": 1,
-            "async_level": 0, "inference_gpus": 0, "lora_rank": 0, "max_tool_calls": 1, "max_tool_calls_per_turn": 0,
+            "async_level": 0, "max_staleness": 0, "inference_gpus": 0, "lora_rank": 0, "max_tool_calls": 1, "max_tool_calls_per_turn": 0,
             "max_tool_result_chars": 1}
-OFF = {"top_k": " (0: off)", "eval_every": " (0: no eval)", "async_level": " (0: synchronous)",
+OFF = {"top_k": " (0: off)", "eval_every": " (0: no eval)", "async_level": " (0: synchronous)", "max_staleness": " (0: synchronous)",
        "inference_gpus": " (0: colocated)", "lora_rank": " (0: full fine-tuning)",
        "max_tool_calls_per_turn": " (0: the format's own)"}  # what 0 means
 RENAMED = {"icepop": "icepop_mask"}  # a flag's old field name -> its new one: config.json of an older run still resumes
-BOUNDS = {"score_centering_k": 1024, "eval_prompts": 2**16, "micro_batch_tokens": 2**20}
+BOUNDS = {"score_centering_k": 1024, "max_staleness": 1000, "eval_prompts": 2**16, "micro_batch_tokens": 2**20}
 PLAN_WORLD_MAX = 2**16
 
 
@@ -133,6 +133,7 @@ class Config:
     top_p: float = 1.0  # nucleus sampling; 1: off
     top_k: int = 0  # top-k sampling; 0: off
     async_level: int = 0  # a: step s trains on rollouts sampled, on a thread, by the weights after step s-1-a; 0: synchronous
+    max_staleness: int = 0  # S: a thread samples ahead with the newest weights, pausing so that no token trains more than S steps after the weights that drew it (not bit-repeatable); 0: synchronous
     inference_gpus: int = 0  # under torchrun: the last k processes only sample (run/remote.py); 0: every rank samples its share
     dist_timeout: float = 300.0  # torchrun on a CPU (gloo): seconds a rank waits for the others at a collective, then one line (with --env or --tool at least --call-timeout x (--max-turns + 2) + --tool-timeout x --max-tool-calls + 60)
 
@@ -227,6 +228,10 @@ class Config:
         _check(not self.tool or self.task.startswith("jsonl:"), "--tool", "needs --task jsonl:FILE (the rows its episodes start from)")
         _check(self.tool_format != "llama3-json" or self.max_tool_calls_per_turn <= 1, "--max-tool-calls-per-turn",
                f"{self.max_tool_calls_per_turn} with llama3-json: the format is one call a turn (Llama's template refuses a second)")
+        _check(not (self.max_staleness and self.async_level), "--async-level/--max-staleness",
+               f"give one: --async-level {self.async_level} is a fixed lag, --max-staleness {self.max_staleness} a bound")
+        _check(not (self.max_staleness and self.inference_gpus), "--max-staleness",
+               "serves the colocated built-in engine for now, not --inference-gpus (use --async-level there)")
         _check(self.stage == "sft" or self.group_size >= 2, "--group-size",
                "1 trains nothing: every loss centers the advantages within a prompt's group (A = r - the group's "
                "mean reward), and a group of one is its own mean; use 2 or more")
@@ -252,7 +257,11 @@ class Config:
             raise ConfigError("--device cuda: no CUDA device is available (use --device cpu)")
         compile_ = self.compile if self.compile != "auto" else ("on" if device == "cuda" else "off")
         lr = self.lr or (3e-3 if self.stage == "sft" or self.lora_rank or self.adapter else 5e-4)
-        return dataclasses.replace(self, device=device, compile=compile_, lr=lr, engine=self._engine(device),
+        engine = self._engine(device)
+        if self.max_staleness and self.stage == "rl" and not self.plan and engine != "torch":
+            raise ConfigError(f"--max-staleness serves the built-in engine for now, not --engine {engine} "
+                              "(use --async-level there)")
+        return dataclasses.replace(self, device=device, compile=compile_, lr=lr, engine=engine,
                                    dist_timeout=self._wait_limit())
 
     def _wait_limit(self) -> float:

@@ -294,10 +294,11 @@ def _by_turn(name: str, values: Tensor, mask: Tensor, turns: Tensor | None) -> M
 
 
 def _token_stats(log_r: Tensor, entropy: Tensor, age: Tensor, mask: Tensor, turns: Tensor | None,
-                 stale: bool, kl_on: bool) -> Metrics:
+                 stale: bool, kl_on: bool, bound: int = 0) -> Metrics:
     """Entropy and the sampler mismatch; with --async-level also the mean age and KL(q||p) on age-0 tokens
     (k3; with --kl-coeff _kl_term logs its estimator), telling engine mismatch from staleness. The
-    synchronous loop leaves them out: every age is 0 there and kl/age0 would repeat mismatch/kl."""
+    synchronous loop leaves them out: every age is 0 there and kl/age0 would repeat mismatch/kl.
+    --max-staleness S (`bound`): also the share of each age 0..S (train.bounded_ages reads them)."""
     out = {"entropy": stat(entropy.to(log_r.dtype), mask), "mismatch/kl": stat(k3(log_r), mask),
            "mismatch/abs_logratio": stat(log_r.clamp(-METRIC_CLAMP, METRIC_CLAMP).abs(), mask)}
     out.update(_by_turn("by_turn/mismatch_kl", k3(log_r), mask, turns))
@@ -305,6 +306,7 @@ def _token_stats(log_r: Tensor, entropy: Tensor, age: Tensor, mask: Tensor, turn
         out["staleness/mean"] = stat(age, mask)
         if not kl_on:
             out["kl/age0"] = stat(k3(log_r), mask & (age == 0))
+    out.update({f"staleness/frac/{k}": stat((age == k).to(log_r.dtype), mask) for k in range(bound + 1 if bound else 0)})
     return out
 
 
@@ -400,7 +402,8 @@ def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch,
     logq = torch.where(mask, mb.logq.to(lp.dtype), lp)
     age = (step - mb.versions).clamp(min=0).to(lp.dtype)  # a token carries the version that drew it (engines/torch_engine.py); step may be 0-d
     turns = mb.turns if cfg.env else None  # episodes: the mismatch and the masks by model turn too
-    metrics = _token_stats(lp - logq, entropy, age, mask, turns, cfg.async_level > 0, cfg.kl_coeff > 0)
+    metrics = _token_stats(lp - logq, entropy, age, mask, turns, cfg.async_level > 0 or cfg.max_staleness > 0,
+                           cfg.kl_coeff > 0, cfg.max_staleness)
     name, masks = cfg.loss, Masks.of(cfg)
     if cfg.correction_metrics_only:  # plain reinforce; the corrections only say what they would mask
         metrics.update(_would_mask(lp, logq, mb.doc_ids, mask, cfg))

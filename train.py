@@ -19,7 +19,7 @@ Simplifications:
    graph built after warm-up is a warning line naming the guard that failed (runlog.Graphs).
 5. Under torchrun (FSDP2) every rank samples its share; the ranks swap samples and each packs the
    whole batch, so the denominators are global with no all_reduce. Rank 0 evals and writes the
-   files; --inference-gpus, --async-level and --plan: docs/scale.md.
+   files; --inference-gpus, --async-level, --max-staleness and --plan: docs/scale.md.
 
     python train.py --loss icepop --icepop-beta 2.0                 # CPU, the tiny model
     python train.py --task arithmetic --model checkpoints/arith-tiny --lr 2e-4 --eval-prompts 256  # a 0/1 reward
@@ -233,7 +233,8 @@ def launch(cfg: Config, s: Start, link: Link | None = None) -> dict:
             fail(e, 2)
         if RANK == 0:  # the engine started: now the config, which a resume checks its flags against
             record = (resumed_config(s.out, cfg) if s.resume_from  # the run's own record; None: unchanged
-                      else {**json.loads(cfg.to_json()), "reward_sha256": hashes, **lora.base_record(s.model, src)})
+                      else {**json.loads(cfg.to_json()), "reward_sha256": hashes, **lora.base_record(s.model, src),
+                            **({"repeatable": False} if cfg.max_staleness and cfg.stage == "rl" else {})})
             if record is not None:
                 write_file(s.out / "config.json", json.dumps(record, indent=2))
     log = run = None
@@ -310,16 +311,16 @@ def next_batch(run: Run, step: int):
 
 def loop(run: Run, start: int) -> None:
     """Steps start+1..--steps, then a checkpoint at --save-every and at the end. With --async-level
-    a thread samples each batch ahead (pipeline.AsyncRollouts) and hands it to the step."""
+    or --max-staleness a thread samples each batch ahead (pipeline.AsyncRollouts) and hands it to the step."""
     cfg, run.step = run.cfg, start + 1
     if cfg.eval_every and not start and RANK == 0:
         run.log.row(0, evaluate(cfg, run.task, run.engine, run.play))
         print0(eval_line(0, run.log.rows[-1]))
     ahead = None
-    if cfg.async_level > 0 and cfg.stage == "rl":
+    if (cfg.async_level > 0 or cfg.max_staleness > 0) and cfg.stage == "rl":
         threads = max(1, torch.get_num_threads() // 2) if cfg.device == "cpu" else 0  # half the cores each
-        ahead = AsyncRollouts(lambda step: next_batch(run, step), run.engine, run.rng, cfg.async_level, start,
-                              cfg.steps, threads, run.stop)
+        ahead = AsyncRollouts(lambda step: next_batch(run, step), run.engine, run.rng, cfg.max_staleness or cfg.async_level,
+                              start, cfg.steps, threads, run.stop, bounded=cfg.max_staleness > 0)
     skipped = empty = failed = 0  # non-finite steps in a row, empty ones, ones whose episodes all failed
     stepped = False  # whether a step of this run took an optimizer step
     stalls = runlog.Stalls(cfg)  # the warnings of a run that cannot learn
@@ -401,10 +402,24 @@ def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[di
         if ahead is not None:
             ahead.release()
         print0(eval_line(step, m))
+    if ahead is not None and ahead.bounded:
+        m.update({**bounded_ages(m, cfg.max_staleness), **ahead.idle()})
     m.update(run.graphs.row())  # the step's graphs, its eval's included
     run.log.row(step, m)
     run.log.line(step, m, n_tok, t2 - t0)
     return m, batch
+
+
+def bounded_ages(m: dict, bound: int) -> dict:
+    """--max-staleness: staleness/max, read off the shares of each age 0..S (loss._token_stats). Shares
+    that do not cover every token mean one older than S trained: the sampler broke its bound, and
+    the run stops rather than train on."""
+    fracs = [m[f"staleness/frac/{k}"] for k in range(bound + 1) if f"staleness/frac/{k}" in m]
+    if not fracs:  # nothing trained
+        return {}
+    if abs(sum(fracs) - 1) > 1e-6:
+        raise RuntimeError(f"--max-staleness {bound}: {1 - sum(fracs):.3%} of the tokens trained are older than the bound")
+    return {"staleness/max": float(max(k for k, f in enumerate(fracs) if f > 0))}
 
 
 if __name__ == "__main__":

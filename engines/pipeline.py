@@ -1,8 +1,10 @@
-"""Async rollouts (--async-level a): one thread owns the engine and samples a batch ahead while
-the trainer trains, every batch with exactly the weights the version rule names, so a run
-repeats whatever the threads' timing. `AsyncRollouts` has the rule and the decisions; train.py
-wraps its step in it only for a >= 1 (with a = 0 it would make each batch inline, as the
-synchronous step does itself: tests/test_async.py holds the two equal).
+"""Async rollouts: one thread owns the engine and samples batches ahead while the trainer trains.
+--async-level a: every batch with exactly the weights the version rule names, so a run repeats
+whatever the threads' timing. --max-staleness S: every batch with the newest weights the engine
+holds when it starts, never older than the bound allows; the sampler pauses at the bound. One
+class has both rules and the decisions; train.py wraps its step in it only for a >= 1 or S >= 1
+(with 0 it would make each batch inline, as the synchronous step does itself: tests/test_async.py
+holds the two equal).
 
     python -m pytest -q tests/test_async.py
 """
@@ -49,8 +51,8 @@ class AsyncRollouts:
        adds staleness but no speed: the push after step s waits for batch s + a, which needs the
        version before, so each training step still overlaps exactly one rollout.
     4. `lock` keeps generate and load_weights apart. The trainer evaluates between
-       `publish(model, s, hold=True)` and `release()`: on the step's own weights, with the thread
-       parked, so eval's place in the engine's call order is fixed (whatever an engine does with
+       `publish(model, s, hold=True)` and `release()`, holding the lock: on the step's own weights,
+       with the thread parked, so eval's place in the engine's call order is fixed (whatever an engine does with
        its RNG) and the thread's next batch then overlaps the next training step.
     5. A checkpoint saves the RNG states right after the step's own batch was made (`rng_after`).
        A resume at step k refills the pipeline from the checkpoint's weights: batches k+1..k+a draw
@@ -64,18 +66,33 @@ class AsyncRollouts:
        later run in the same process may differ from a fresh one in the last bits.
     7. An exception on the thread reaches the trainer at its next `get` or `publish`.
     8. Closing never waits on user code: `stop` (the run's event) abandons a reward or environment
-       call the thread is waiting on (usercode.call_all), so hung user code cannot hold up the exit."""
+       call the thread is waiting on (usercode.call_all), so hung user code cannot hold up the exit.
+
+    bounded (--max-staleness S, `level` = S): v(s) above is the oldest version batch s may be
+    sampled with, not the one it must be. The age of a token is counted from the version that
+    sampled it to the version that trains on it, s - 1, queue time included (prime-rl #3313), so
+    every age is at most S.
+    9. Admission by version counts: the thread starts batch s once the engine holds at least v(s)
+       and samples it with whatever newer version it holds then; it never discards, it pauses.
+       So at most S batches wait sampled but untrained while step s trains.
+    10. `publish` does not wait for the batches ahead: it takes the lock as soon as the batch being
+        sampled ends, so the push lands between batches and the next one samples with it. Which
+        version a batch gets depends on the threads' timing: the run is valid, not bit-repeatable.
+    11. `idle()`: the fractions of the wall time since its last call each side spent waiting (the
+        thread: at the bound, on the lock or done; the trainer: in `get` and `publish`)."""
 
     def __init__(self, produce, engine: Engine, rng, level: int, start: int, steps: int, threads: int = 0,
-                 stop: threading.Event | None = None):
+                 stop: threading.Event | None = None, bounded: bool = False):
         self.produce, self.engine, self.rng = produce, engine, rng  # produce(step) -> (samples, stats)
         self.stop = stop  # set by close: user code the thread waits on (a reward, an environment) is abandoned at once
-        self.level, self.start, self.steps = level, start, steps
+        self.level, self.start, self.steps, self.bounded = level, start, steps, bounded
         self.lock = threading.Lock()  # a generate and a weight push never overlap on the engine
         self.cv = threading.Condition()  # guards the fields below
         self.pushed = self.made = start  # the engine's version; the newest batch made
         self.ready, self.after = {}, {}  # step -> (samples, stats, seconds); step -> RNG states after its batch
-        self.error, self.closed, self.thread = None, False, None
+        self.error, self.closed, self.thread, self.held = None, False, None, False
+        self.waited = {"sampler": 0.0, "trainer": 0.0}  # seconds each side waited since the last idle()
+        self.clock = self.waiting = time.perf_counter()  # idle()'s window start; since when the thread waits (None: busy)
         self.threads = None  # torch's intra-op thread count, while the pipeline sets its own
         assert engine.version == start, f"the engine holds version {engine.version}, the run starts at {start}"
         if level > 0:
@@ -92,33 +109,59 @@ class AsyncRollouts:
         self.close()
 
     def version(self, step: int) -> int:
-        """The weights that sample the batch of `step`."""
+        """The weights that sample the batch of `step` (bounded: the oldest that may)."""
         return max(self.start, step - 1 - self.level)
 
     def get(self, step: int):
         """The batch of `step`: (samples, stats, seconds its rollout took)."""
         if self.thread is None:
             self._make(step)
+        t = time.perf_counter()
         self._wait(lambda: step in self.ready)
         with self.cv:
+            self.waited["trainer"] += time.perf_counter() - t
             return self.ready.pop(step)
 
     def publish(self, model: Transformer, step: int, hold: bool = False) -> None:
-        """Push the weights after `step` as version `step` once no batch needs older ones. hold: the
-        batches that sample with them wait for `release()` (the trainer evaluates them first)."""
-        self._wait(lambda: self.made >= min(step + self.level, self.steps))
-        with self.lock:
-            self.engine.load_weights(model, version=step)
+        """Push the weights after `step` as version `step` once no batch needs older ones (bounded:
+        once the batch being sampled ends). hold: no batch samples until `release()` (the trainer
+        evaluates them first)."""
+        t = time.perf_counter()
+        if not self.bounded:
+            self._wait(lambda: self.made >= min(step + self.level, self.steps))
+        self.lock.acquire()
+        self.held = True
         with self.cv:
-            self.after.pop(step - 1, None)
-        if not hold:
-            self.release()
+            self.waited["trainer"] += time.perf_counter() - t
+        try:
+            self.engine.load_weights(model, version=step)
+        finally:
+            with self.cv:
+                self.after.pop(step - 1, None)
+            if not hold:
+                self.release()
 
     def release(self) -> None:
         """Let the thread sample with the version just published."""
         with self.cv:
             self.pushed = self.engine.version
             self.cv.notify_all()
+        if self.held:
+            self.held = False
+            self.lock.release()
+
+    def idle(self) -> dict[str, float]:
+        """async/sampler_idle and async/trainer_idle: the fractions of the wall time since the last
+        call (a step's, called once a step) that each side spent waiting."""
+        with self.cv:
+            now = time.perf_counter()
+            if self.waiting is not None:  # the thread waits now: its wait so far counts in this window
+                self.waited["sampler"] += now - self.waiting
+                self.waiting = now
+            wall, self.clock = max(now - self.clock, 1e-9), now
+            out = {f"async/{k}_idle": min(1.0, v / wall) for k, v in self.waited.items()}
+            self.waited = dict.fromkeys(self.waited, 0.0)
+        return out
 
     def rng_after(self, step: int) -> RolloutRNG:
         """Copies of the prompt and sampling RNGs as they were right after the batch of `step`."""
@@ -135,6 +178,8 @@ class AsyncRollouts:
         with self.cv:
             self.closed = True
             self.cv.notify_all()
+        if self.held:  # an eval that raised between publish(hold=True) and release()
+            self.release()
         if self.stop is not None:
             self.stop.set()
         if self.thread is not None:
@@ -142,17 +187,31 @@ class AsyncRollouts:
         if self.threads is not None:
             torch.set_num_threads(self.threads)
 
-    def _make(self, step: int) -> None:
+    def _make(self, step: int, side: torch.cuda.Stream | None = None) -> None:
         with self.lock:
-            assert self.engine.version == self.version(step), \
-                f"step {step} needs version {self.version(step)}, the engine holds {self.engine.version}"
+            self._busy()
+            if self.closed:  # bounded: close() let the lock go while the thread waited on it
+                return
+            if side is not None:  # after the weights the trainer pushed on its stream (bounded: maybe just now)
+                side.wait_stream(torch.cuda.default_stream(side.device))
+            v, oldest = self.engine.version, self.version(step)
+            assert v == oldest or self.bounded and oldest <= v < step, \
+                f"step {step} needs version {oldest}{' or newer' * self.bounded}, the engine holds {v}"
             t = time.perf_counter()
-            samples, stats = self.produce(step)
+            samples, stats = self.produce(step)  # every token of it from version v: a push waits for the lock
             seconds = time.perf_counter() - t
             after = (self.rng.getstate(), self.engine.gen.get_state())
         with self.cv:
             self.ready[step], self.after[step], self.made = (samples, stats, seconds), after, step
+            self.waiting = time.perf_counter()
             self.cv.notify_all()
+
+    def _busy(self) -> None:
+        """The thread's wait (at the bound, or for the lock) ends here."""
+        with self.cv:
+            if self.waiting is not None and self.thread is not None:
+                self.waited["sampler"] += time.perf_counter() - self.waiting
+            self.waiting = None
 
     def _loop(self) -> None:
         dev = self.engine.gen.device
@@ -163,10 +222,8 @@ class AsyncRollouts:
                     self.cv.wait_for(lambda: self.closed or self.pushed >= self.version(step))
                     if self.closed:
                         return
-                if side is not None:  # after the weights the trainer pushed on its stream
-                    side.wait_stream(torch.cuda.default_stream(dev))
                 with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                    self._make(step)
+                    self._make(step, side)
         except BaseException as e:  # handed to the trainer
             with self.cv:
                 self.error = e

@@ -39,7 +39,7 @@ from tasks.textcodec import TextCodec
 # activation checkpointing recomputes the same values, and auto may settle otherwise on another device)
 FREE = ("steps", "eval_every", "save_every", "wandb_project", "dist_timeout", "call_timeout", "tool_timeout", "compile",
         "activation_checkpointing", "plan_check", "plan_world")
-RECORD = ("reward_sha256", "lora_base")  # config.json's keys that are the run's record, not flags
+RECORD = ("reward_sha256", "lora_base", "repeatable")  # config.json's keys that are the run's record, not flags
 UNUSED = ("resume", "model", "out_dir")  # a resume ignores them (out_dir: any spelling; model: a LoRA run's base is its record's); config.json keeps the run's
 
 

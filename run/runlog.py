@@ -100,7 +100,7 @@ class Logger:
         print0(f"step {step}/{self.cfg.steps} | reward {reward} | {loss} "
                f"| masked {masked:.4f} | mismatch kl {m.get('mismatch/kl', 0.0):.2e} | {tokens / dt:,.0f} tok/s "
                f"| eta {eta:.0f}s" + (f" | loss scale {m['loss_scale']:.0f}" if "loss_scale" in m else ""))
-        if self.cfg.async_level and self.cfg.stage == "rl":  # the overlap: wall time below the phases' sum
+        if (self.cfg.async_level or self.cfg.max_staleness) and self.cfg.stage == "rl":  # the overlap: wall below the sum
             r, t = m["time/rollout"], m["time/train"]
             print0(f"  async | rollout {r:.2f}s + train {t:.2f}s = {r + t:.2f}s | wall {m['time/step']:.2f}s "
                    f"| age {m.get('staleness/mean', 0.0):.2f}")

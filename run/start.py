@@ -266,7 +266,7 @@ def check_same_flags(cfg: Config) -> None:
 
 
 # flags of the rl stage alone: under sft nothing reads them
-RL_FLAGS = ("async_level", "engine_noise", "score_centering_k")
+RL_FLAGS = ("async_level", "max_staleness", "engine_noise", "score_centering_k")
 TOOL_FLAGS = ("tool_format", "max_tool_calls", "max_tool_calls_per_turn", "tool_timeout", "max_tool_result_chars")
 
 

@@ -1,4 +1,5 @@
-"""--async-level: the version rule, overlap, exact repeats, the synchronous loop kept, ages in the metrics."""
+"""--async-level: the version rule, overlap, exact repeats, the synchronous loop kept, ages in the metrics.
+--max-staleness: the bound held (pipeline and whole runs, one process and gloo), a resume, the refusals."""
 
 import json
 import random
@@ -121,9 +122,9 @@ def test_two_async_runs_give_the_same_metrics_and_record_ages(tmp_path):
 
 def test_async_level_0_is_the_synchronous_loop(tmp_path):
     args = [*SMALL, "--steps", "3", "--eval-every", "0", "--out-dir", str(tmp_path)]
-    train.main([*args, "--async-level", "0"])
+    train.main([*args, "--async-level", "0", "--max-staleness", "0"])
     rows = _rows(tmp_path)
-    assert not any("staleness/mean" in r or "kl/age0" in r for r in rows)  # the rows of a run before --async-level existed
+    assert not any(k.startswith(("staleness/", "kl/age0", "async/")) for r in rows for k in r)  # the rows of a run before either existed
     cfg = C.parse([*args[:-1], str(tmp_path / "by-hand")]).resolve(False)  # the loop before --async-level, by hand
     s = start.check_start(cfg)
     model, task = s.model, s.task
@@ -145,6 +146,10 @@ def test_resume_refills_the_pipeline_from_the_checkpoint(tmp_path):
     args = [*SMALL, "--eval-every", "0", "--async-level", "1"]
     _main(*args, "--steps", "4", "--out-dir", str(tmp_path / "a"))
     _main(*args, "--steps", "2", "--out-dir", str(tmp_path / "b"))
+    saved = tmp_path / "b" / "config.json"  # as a run from before --max-staleness wrote it: it still resumes
+    record = json.loads(saved.read_text())
+    del record["max_staleness"]
+    saved.write_text(json.dumps(record))
     _main(*args, "--steps", "4", "--out-dir", str(tmp_path / "b"), "--resume")
     a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
     assert a[:2] == b[:2]
@@ -215,3 +220,116 @@ def test_closing_abandons_a_hung_environment_call_at_once():
     t0 = time.perf_counter()
     pipe.close()
     assert time.perf_counter() - t0 < 5 and not pipe.thread.is_alive()
+
+
+# ----------------------------------------------------------------------------- --max-staleness: a bound, not a fixed lag
+
+def _bounded(bound, sample, trains, steps=6):
+    """AsyncRollouts' bounded rule with rollouts of `sample` seconds and training steps of `trains`; an
+    eval at step 2 generates on the trainer's side while the push is held. (versions, idle rows)."""
+    engine, versions, idle = FakeEngine(), {}, []
+
+    def produce(step):
+        versions[step] = engine.version
+        engine.generate(sample)
+        return [step], {}
+
+    with AsyncRollouts(produce, engine, random.Random(0), bound, 0, steps, bounded=True) as pipe:
+        for step in range(1, steps + 1):
+            assert pipe.get(step)[0] == [step]
+            time.sleep(trains)
+            pipe.publish(None, step, hold=step == 2)
+            if step == 2:  # an eval: FakeEngine fails if the thread generates meanwhile
+                engine.generate(trains)
+                pipe.release()
+            idle.append(pipe.idle())
+    return versions, idle
+
+
+@pytest.mark.parametrize("bound", [1, 2])
+def test_a_fast_sampler_runs_ahead_to_the_bound_and_pauses_there(bound):
+    versions, idle = _bounded(bound, sample=0.01, trains=0.15)
+    # the age of step s's tokens is (s - 1) - version; the sampler fills the queue to S batches, so each is S old
+    assert {s: s - 1 - v for s, v in versions.items()} == {s: min(s - 1, bound) for s in range(1, 7)}
+    assert all(r["async/sampler_idle"] > 0.5 and r["async/trainer_idle"] < 0.5 for r in idle[1:])
+
+
+def test_a_slow_sampler_gets_each_push_between_batches():
+    versions, idle = _bounded(2, sample=0.15, trains=0.01)
+    ages = [s - 1 - versions[s] for s in range(1, 7)]
+    assert ages[0] == 0 and all(0 <= a <= 2 for a in ages) and max(ages) > 0
+    # the trainer waits for rollouts; the sampler hardly at all (never at the bound: it is behind)
+    assert sum(r["async/trainer_idle"] for r in idle) > sum(r["async/sampler_idle"] for r in idle)
+
+
+def _ages_hold(rows, bound):
+    """Each step row: staleness/max <= S, the shares of ages 0..S cover every token and agree with staleness/mean
+    (counted separately, from each token's version), and the idle fractions are fractions."""
+    for r in rows:
+        frac = [r[f"staleness/frac/{k}"] for k in range(bound + 1)]
+        assert sum(frac) == pytest.approx(1) and f"staleness/frac/{bound + 1}" not in r
+        assert r["staleness/max"] == max(k for k, f in enumerate(frac) if f > 0) <= bound
+        assert r["staleness/mean"] == pytest.approx(sum(k * f for k, f in enumerate(frac)))
+        assert 0 <= r["async/sampler_idle"] <= 1 and 0 <= r["async/trainer_idle"] <= 1
+
+
+@pytest.mark.parametrize("bound", [1, 2])
+def test_max_staleness_trains_within_the_bound_with_stale_tokens(tmp_path, bound):
+    _main(*SMALL, "--steps", "4", "--eval-every", "2", "--max-staleness", str(bound), "--out-dir", str(tmp_path))
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and "eval/reward" in rows[4]
+    _ages_hold(rows[1:], bound)
+    assert rows[1]["staleness/max"] == 0  # from the start's weights, trained by them
+    assert max(r["staleness/max"] for r in rows[1:]) > 0  # the sampler ran ahead
+    assert json.loads((tmp_path / "config.json").read_text())["repeatable"] is False
+
+
+def test_a_resumed_bounded_run_counts_ages_from_the_checkpoint(tmp_path):
+    """The queue is not saved: a resume at step k samples it again from version k (the RNGs as step k
+    left them), so step k + 1's tokens are all of age 0, and every later age stays within the bound."""
+    args = [*SMALL, "--eval-every", "0", "--max-staleness", "2", "--out-dir", str(tmp_path)]
+    _main(*args, "--steps", "3")
+    _main(*args, "--steps", "6", "--resume")
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    _ages_hold(rows, 2)
+    assert rows[3]["staleness/frac/0"] == 1  # version 3 sampled it and trains on it
+    assert max(r["staleness/max"] for r in rows[4:]) > 0
+    assert json.loads((tmp_path / "config.json").read_text())["repeatable"] is False
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--max-staleness", "-1"], "--max-staleness must be >= 0 (0: synchronous), got -1"),
+    (["--max-staleness", "1001"], "--max-staleness must be <= 1,000, got 1,001"),
+    (["--max-staleness", "1", "--async-level", "1"], "--async-level/--max-staleness give one"),
+    (["--max-staleness", "1", "--inference-gpus", "1"], "not --inference-gpus"),
+])
+def test_max_staleness_refusals_are_one_line(capsys, flags, says):
+    with pytest.raises(SystemExit) as e:
+        C.parse(flags)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and says in err and err.count("\n") == 0
+
+
+def test_max_staleness_refuses_vllm_before_writing(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    find = importlib.util.find_spec  # vllm "imports": the refusal is --max-staleness's, not the missing package's
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find(name, *a))
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        train.main([*SMALL[2:], "--engine", "vllm", "--max-staleness", "1", "--out-dir", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "--max-staleness serves the built-in engine for now, not --engine vllm" in err
+    assert err.count("\n") == 0 and not out.exists()
+
+
+def test_two_gloo_ranks_each_with_a_bounded_sampler(tmp_path):
+    from test_distributed import torchrun
+
+    r = torchrun(str(ROOT / "train.py"), *SMALL, "--prompts-per-step", "2", "--steps", "3", "--eval-every", "2",
+                 "--max-staleness", "1", "--out-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = _rows(tmp_path)
+    _ages_hold(rows[1:], 1)  # the shares sum over both ranks' tokens
+    assert max(r["staleness/max"] for r in rows[1:]) == 1
