@@ -41,8 +41,8 @@ SEED_MAX = 2**32  # torch and numpy seed from 64-bit integers; floe adds the ran
 SAMPLES_MAX = 2**20  # samples a step: --prompts-per-step x --group-size (rl), sequences (sft)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every linear of a block (lora.TARGETS)
 # floats that must be finite (a loss's own flags: loss.check_flags); a cap whose inf means "no cap" is not here
-FINITE = ("lr", "weight_decay", "temperature", "adv_tau", "kl_coeff", "log_ratio_coeff", "seq_mask_low", "top_p", "vllm_memory",
-          "engine_noise", "dist_timeout", "lora_alpha", "tool_timeout")
+FINITE = ("lr", "weight_decay", "temperature", "adv_tau", "kl_coeff", "log_ratio_coeff", "m2po_threshold", "seq_mask_low",
+          "top_p", "vllm_memory", "engine_noise", "dist_timeout", "lora_alpha", "tool_timeout")
 AT_LEAST = {"steps": 1, "top_k": 0, "score_centering_k": 1, "prompts_per_step": 1, "group_size": 1, "max_new_tokens": 1,
             "micro_batch_tokens": 64, "epochs": 1, "save_every": 0, "eval_every": 0, "eval_prompts": 1,
             "async_level": 0, "inference_gpus": 0, "lora_rank": 0, "max_tool_calls": 1, "max_tool_calls_per_turn": 0,
@@ -155,6 +155,9 @@ class Config:
     # DPPO (arXiv 2602.04879): --kl-mask zeroes a token only where the update would move it further from the
     # sampler, A > 0 with p(a) > q(a) or A < 0 with p(a) < q(a) (p is pi_old for ppo/cispo/gspo/sapo)
     kl_mask_directional: bool = False
+    # M2PO (arXiv 2510.01161): drop the step's loss tokens (every micro-batch, every rank) with the largest (log r)^2,
+    # r = pi_old/q at the step's start, until the mean over the rest is <= tau (the paper's 0.04); 0: off
+    m2po_threshold: float = 0.0
     correction_metrics_only: bool = False  # train plain reinforce; log what each correction would mask
     sapo_tau_pos: float = 1.0  # sapo: the soft gate's temperature where A > 0 (SAPO's paper: 1.0)
     sapo_tau_neg: float = 1.05  # sapo: its temperature where A <= 0 (the paper's 1.05: a faster decay on negative tokens)
@@ -202,6 +205,7 @@ class Config:
         _check(self.kl_mask_threshold > 0, "--kl-mask-threshold", f"must be > 0, got {self.kl_mask_threshold}")
         _check(self.kl_coeff >= 0, "--kl-coeff", f"must be >= 0, got {self.kl_coeff}")
         _check(self.log_ratio_coeff >= 0, "--log-ratio-coeff", f"must be >= 0 (0: off), got {self.log_ratio_coeff}")
+        _check(self.m2po_threshold >= 0, "--m2po-threshold", f"must be >= 0 (0: off), got {self.m2po_threshold}")
         self._check_combinations()
         # the task's files and rewards (the task's name and flags: tasks/task.py, at the start checks)
         _check(not self.eval_file or self.task.startswith("jsonl:"), "--eval-file", "is for --task jsonl:PATH")

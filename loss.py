@@ -13,7 +13,8 @@ ppo keeps its surrogate -M(k)*min(rho*A, clip(rho)*A), and gspo the same with rh
 its sequence's s = exp(mean of log rho); sapo swaps the clip for SAPO's soft gate on rho. M(k) is
 IcePop's mask on k = pi_old/q (with --icepop). topr is uncentered: w = 1 where A >= 0, the
 sequence's p/q truncated to 1 where A < 0. --seq-mask and --kl-mask (DPPO's directional form
-too) zero every w of a sequence or token, centering included; --log-ratio-coeff adds
+too) and --m2po-threshold (M2PO: the step's largest (log pi_old/q)^2, its bound found before the
+first backward) zero every w of a sequence or token, centering included; --log-ratio-coeff adds
 tau*(log r)^2 (Kimi K2.5) on the ratio the loss reads.
 
 Simplifications and decisions:
@@ -227,6 +228,7 @@ def group_advantages(rewards: list[float], group_size: int, std_norm: bool = Fal
 class Denominators:
     tokens: int  # loss tokens in the global batch, masked-by-weight tokens included
     seqs: int  # sequences with >= 1 loss token in the global batch
+    m2_max: float = math.inf  # --m2po-threshold: the largest (log pi_old/q)^2 a loss token may keep (m2po_bound)
 
 
 def denominators(micro_batches: list[MicroBatch]) -> Denominators:
@@ -237,6 +239,24 @@ def denominators(micro_batches: list[MicroBatch]) -> Denominators:
               for mb in micro_batches]
     tokens, seqs = torch.stack(counts).sum(0).tolist()  # the one host sync, before the loop
     return Denominators(int(tokens), int(seqs))
+
+
+def m2po_bound(old: list[Tensor], micro_batches: list[MicroBatch], tau: float,
+               gather: Callable[[Tensor], Tensor] = lambda x: x) -> float:
+    """M2PO (arXiv 2510.01161): the largest (log r)^2, r = pi_old/q, a loss token may have so that the mean
+    over the tokens kept is <= tau, the largest dropped first, over the whole step: this rank's micro-batches
+    and, through `gather` (a concatenation in rank order), every other rank's. A bound on the value, so ties
+    go together and any split of the batch gives the same mask; -1 drops every token. Its host syncs come
+    before the first backward, with pi_old."""
+    x = torch.cat([torch.where(mb.loss_mask, (o - mb.logq.to(o.dtype)) ** 2, -1.0) for o, mb in zip(old, micro_batches)])
+    x = gather(x.detach().cpu())
+    xs = x[x >= 0].double().sort().values  # rl_loss compares in the dtype of log p: the bound is one of these values
+    if not len(xs):
+        return math.inf
+    means = xs.cumsum(0) / torch.arange(1, len(xs) + 1, dtype=xs.dtype)
+    ends = torch.cat([xs[1:] > xs[:-1], torch.ones(1, dtype=torch.bool)])  # the last of each run of equal values
+    fits = ends & (means <= tau)
+    return xs[fits].max().item() if fits.any() else -1.0
 
 
 def _would_mask(lp: Tensor, logq: Tensor, adv: Tensor, doc_ids: Tensor, mask: Tensor, cfg: Config) -> Metrics:
@@ -448,8 +468,14 @@ def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch,
         metrics.update(_would_mask(lp, logq, adv, mb.doc_ids, mask, cfg))
         name, masks = "reinforce", Masks()
     loss = LOSSES[name]
-    old = lp if not loss.clipped or old_logp is None else torch.where(mask, old_logp.detach().to(lp.dtype), lp)
+    start = lp if old_logp is None else torch.where(mask, old_logp.detach().to(lp.dtype), lp)  # p at the step's start
+    old = start if loss.clipped else lp
     keep = keep_mask(old, logq, adv, mb.doc_ids, mask, masks, metrics)  # judges p/q, or pi_old/q for ppo/cispo
+    if cfg.m2po_threshold > 0:  # M2PO: the step's bound, found before the first backward (m2po_bound)
+        drop = mask & ((start - logq) ** 2 > denom.m2_max)
+        metrics["correction/would_mask/m2po" if cfg.correction_metrics_only else "m2po/masked_fraction"] = \
+            stat(drop.to(lp.dtype), mask)
+        keep = keep if cfg.correction_metrics_only else keep & ~drop
     exact = cfg.kl_estimator == "exact"
     rows = _rows(mb.support, support_logp, mask) if mb.support is not None and (loss.centered or cfg.kl_coeff > 0 and exact) else None
     if loss.centered:

@@ -147,6 +147,10 @@ def grads(loss: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
 def run_loss(mbs, logits_list, cfg, old_list=None, denom=None, step=STEP):
     """Sum rl_loss over micro-batches as train.py does; (loss, reduced metrics)."""
     denom = denom or L.denominators(mbs)
+    if cfg.m2po_threshold > 0:  # its bound over the whole step before the first backward, as train.py finds it
+        starts = [head(lg, mb)[0].detach() + (0.0 if old_list is None else old_list[i])
+                  for i, (mb, lg) in enumerate(zip(mbs, logits_list))]
+        denom = replace(denom, m2_max=L.m2po_bound(starts, mbs, cfg.m2po_threshold))
     total, metrics = 0.0, {}
     for i, (mb, logits) in enumerate(zip(mbs, logits_list)):
         logp, slogp, ent = head(logits, mb)
@@ -359,6 +363,21 @@ def ref_would_mask(cfg: Config, lps: list[float], lqs: list[float], A: float, st
     st.add("correction/ess", sum(rs) ** 2 / (n * sum(r * r for r in rs)))
 
 
+def ref_m2po_dropped(cfg: Config, docs: list[Doc], old: bool) -> set:
+    """M2PO from its definition: the step's loss tokens by (log r)^2, r = pi_old/q (pi_old = p + the noise with
+    `old`), the largest dropped one at a time until the mean over the rest is <= tau; (doc, position) of each dropped."""
+    values = {}
+    for j, d in enumerate(docs):
+        for i in torch.nonzero(d.mask).flatten().tolist():
+            z = torch.log_softmax(d.logits[i].detach() / TEMP, -1)
+            lp = z[int(d.labels[i])] - (torch.logsumexp(z[d.rows[i][0]], 0) if d.replayed[i] else 0.0)
+            values[j, i] = (float(lp) + (float(d.old_noise[i]) if old else 0.0) - float(d.logq[i])) ** 2
+    kept = sorted(values, key=values.get)
+    while kept and sum(values[k] for k in kept) / len(kept) > cfg.m2po_threshold:
+        kept.pop()
+    return set(values) - set(kept)
+
+
 def reference(docs: list[Doc], cfg: Config, step: int, old: bool):
     """The loss of docs/design.md "The loss", token by token over full-vocabulary logits; (loss, metrics)."""
     st = Stats()
@@ -371,9 +390,11 @@ def reference(docs: list[Doc], cfg: Config, step: int, old: bool):
                         correction_metrics_only=False)
     centered = train.loss in ("reinforce", "icepop", "ipo", "tis")
     clipped = train.loss in ("ppo", "cispo", "gspo", "sapo")
-    for d in docs:
+    dropped = ref_m2po_dropped(cfg, docs, old) if cfg.m2po_threshold > 0 else set()
+    for j, d in enumerate(docs):
         n_doc, doc_sum, toks = int(d.mask.sum()), torch.zeros((), dtype=F64), []
-        for i in torch.nonzero(d.mask).flatten().tolist():
+        positions = torch.nonzero(d.mask).flatten().tolist()
+        for i in positions:
             z = torch.log_softmax(d.logits[i] / TEMP, -1)
             ids, lqs = d.rows[i]
             norm = torch.logsumexp(z[ids], 0) if d.replayed[i] else 0.0
@@ -390,6 +411,11 @@ def reference(docs: list[Doc], cfg: Config, step: int, old: bool):
         if cfg.correction_metrics_only and toks:
             ref_would_mask(cfg, [t.lp(t.a).item() for t, _, _ in toks], lqs, cfg.adv_tau * d.adv, st)
         keep = ref_keep(train, [o for _, o, _ in toks], lqs, cfg.adv_tau * d.adv, st) if toks else []
+        if cfg.m2po_threshold > 0:  # reported under --correction-metrics-only, applied otherwise
+            gone = [(j, i) in dropped for i in positions]
+            for g in gone:
+                st.add("correction/would_mask/m2po" if cfg.correction_metrics_only else "m2po/masked_fraction", float(g))
+            keep = keep if cfg.correction_metrics_only else [k and not g for k, g in zip(keep, gone)]
         if train.loss == "gspo" and toks:  # one ratio for the whole sequence
             terms = ref_gspo(train, toks, keep, st)
         elif train.loss == "topr" and toks:

@@ -72,6 +72,12 @@ CORRECTIONS = {  # name: (variant, extra flags); bounds chosen so every mask act
     "ppo+icepop+log-ratio": ("ppo+icepop", dict(log_ratio_coeff=0.3)),
     "sapo+log-ratio": ("sapo", dict(log_ratio_coeff=0.3)),
     "topr+log-ratio": ("topr", dict(log_ratio_coeff=0.3)),
+    # M2PO (arXiv 2510.01161): the step's largest (log r)^2 dropped until the mean is <= tau; r = pi_old/q
+    "icepop+m2po": ("icepop", dict(m2po_threshold=0.5)),
+    "ppo+icepop+m2po": ("ppo+icepop", dict(m2po_threshold=0.5)),
+    "topr+m2po+tv-directional": ("topr", dict(m2po_threshold=0.5, kl_mask="binary_tv", kl_mask_threshold=0.1,
+                                              kl_mask_directional=True)),
+    "metrics-only+m2po": ("ppo+icepop", dict(correction_metrics_only=True, m2po_threshold=0.5)),
     "metrics-only": ("icepop", dict(correction_metrics_only=True, kl_mask_threshold=0.3)),
     "metrics-only+directional": ("icepop", dict(correction_metrics_only=True, kl_mask_threshold=0.1,
                                                 kl_mask_directional=True)),
@@ -89,7 +95,8 @@ def test_corrections_match_dense_reference(name, kind, kl, agg):
     variant, extra = CORRECTIONS[name]
     loss_type, icepop, old = VARIANTS[variant]
     want_m = compare_with_reference(cfg_for(loss_type, icepop_mask=icepop, loss_agg=agg, **KLS[kl], **extra), kind, old)
-    for k in ("tis/clip_fraction", "kl_mask/masked_fraction", "seq_mask/masked_fraction"):
+    for k in ("tis/clip_fraction", "kl_mask/masked_fraction", "seq_mask/masked_fraction", "m2po/masked_fraction",
+              "correction/would_mask/m2po"):
         if k in want_m:  # the masks must act, and not on everything
             assert 0 < want_m[k] < 1, k
 
@@ -217,6 +224,51 @@ def test_one_vs_four_micro_batches(name, agg):
     assert torch.allclose(l1, l4, rtol=1e-12)
     assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-15) for a, b in zip(g1, g4))
     assert_metrics_close(m1, m4, tol=1e-12)
+
+
+def test_m2po_bound_is_the_steps_on_one_rank_or_two():
+    """--m2po-threshold's bound covers the optimizer step: 1 rank x 4 micro-batches and 2 ranks x 2 (the
+    same batch dealt as my_share deals it, each rank's values gathered) give one bound, one mask and one
+    gradient; a bound found per micro-batch would not."""
+    cfg = cfg_for("tis", m2po_threshold=0.5, **KLS["exact"])
+    docs = make_docs("replayed", seed=7, shapes=[(2, 4), (3, 3), (2, 0), (3, 5), (2, 2), (4, 3), (2, 6), (3, 1)])
+    leaves = [d.logits for d in docs]
+    mbs, logits, _ = map(list, zip(*[assemble(docs[i:i + 2], T=16) for i in range(0, 8, 2)]))
+    starts = [head(lg, mb)[0].detach() for mb, lg in zip(mbs, logits)]
+    one = L.m2po_bound(starts, mbs, cfg.m2po_threshold)
+    ranks = [[0, 2], [1, 3]]
+    seen = []  # each rank's own values, as the gather receives them
+    for r in ranks:
+        L.m2po_bound([starts[i] for i in r], [mbs[i] for i in r], cfg.m2po_threshold, lambda x: seen.append(x) or x)
+    two = [L.m2po_bound([starts[i] for i in r], [mbs[i] for i in r], cfg.m2po_threshold, lambda x: torch.cat(seen))
+           for r in ranks]
+    assert two == [one, one] and 0 <= one < math.inf
+    assert any(L.m2po_bound([s], [mb], cfg.m2po_threshold) != one for s, mb in zip(starts, mbs))
+    denom = replace(L.denominators(mbs), m2_max=one)  # train.prepare counts the whole batch on every rank
+    results = []
+    for parts in ([[0, 1, 2, 3]], ranks):
+        loss, total = 0.0, {}
+        for r in parts:
+            for i in r:
+                logp, slogp, ent = head(logits[i], mbs[i])
+                l, m = L.rl_loss(logp, slogp, ent, mbs[i], cfg, denom, STEP)
+                loss = loss + l
+                L.accumulate(total, m)
+        results.append((loss, grads(loss, leaves), L.reduce_metrics(total)))
+    (l1, g1, m1), (l2, g2, m2) = results
+    assert 0 < m1["m2po/masked_fraction"] < 1
+    assert torch.allclose(l1, l2, rtol=1e-12) and all(torch.allclose(a, b, rtol=1e-12, atol=1e-15) for a, b in zip(g1, g2))
+    assert_metrics_close(m1, m2, tol=1e-12)
+
+
+def test_m2po_drops_ties_together_and_keeps_the_mean_under_tau():
+    """Values by hand: (log r)^2 = 0.01, 0.04, 0.25, 0.25, 1.0 with tau 0.1: the mean of the three smallest,
+    0.17, passes tau, so both 0.25s go (a bound on the value); the rest's mean 0.025 is <= tau."""
+    lr = [0.1, -0.2, 0.5, -0.5, 1.0]
+    mb, lp = docs_batch([[-1.0 + x for x in lr]], [[-1.0] * 5], [1.0], dtype=F64)
+    assert L.m2po_bound([lp.detach()], [mb], 0.1) == pytest.approx(0.04)
+    assert L.m2po_bound([lp.detach()], [mb], 0.005) == -1.0  # not even the smallest fits: every token goes
+    assert L.m2po_bound([lp.detach()], [mb], 10.0) == pytest.approx(1.0)
 
 
 # ----------------------------------------------------------------------------- 4. overflowing ratios
@@ -415,6 +467,8 @@ def test_correction_flags_are_checked():
                      (dict(sapo_tau_neg=0.0), "--sapo-tau-pos/--sapo-tau-neg need both > 0"),
                      (dict(sapo_tau_pos=float("inf")), "--sapo-tau-pos must be a finite number"),
                      (dict(log_ratio_coeff=-0.1), "--log-ratio-coeff must be >= 0"),
+                     (dict(m2po_threshold=-0.1), "--m2po-threshold must be >= 0"),
+                     (dict(m2po_threshold=float("inf")), "--m2po-threshold must be a finite number"),
                      (dict(log_ratio_coeff=float("nan")), "--log-ratio-coeff must be a finite number"),
                      (dict(kl_mask_directional=True), "--kl-mask-directional has no effect with --kl-mask off")):
         with pytest.raises(ConfigError, match=flag):
