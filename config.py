@@ -156,7 +156,7 @@ class Config:
     # sampler, A > 0 with p(a) > q(a) or A < 0 with p(a) < q(a) (p is pi_old for ppo/cispo/gspo/sapo)
     kl_mask_directional: bool = False
     # M2PO (arXiv 2510.01161): drop the step's loss tokens (every micro-batch, every rank) with the largest (log r)^2,
-    # r = pi_old/q at the step's start, until the mean over the rest is <= tau (the paper's 0.04); 0: off
+    # r = pi_old/q, the trainer at the step's start over the sampler, until the mean over the rest is <= tau; 0: off
     m2po_threshold: float = 0.0
     correction_metrics_only: bool = False  # train plain reinforce; log what each correction would mask
     sapo_tau_pos: float = 1.0  # sapo: the soft gate's temperature where A > 0 (SAPO's paper: 1.0)
