@@ -41,8 +41,8 @@ SEED_MAX = 2**32  # torch and numpy seed from 64-bit integers; floe adds the ran
 SAMPLES_MAX = 2**20  # samples a step: --prompts-per-step x --group-size (rl), sequences (sft)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every linear of a block (lora.TARGETS)
 # floats that must be finite (a loss's own flags: loss.check_flags); a cap whose inf means "no cap" is not here
-FINITE = ("lr", "weight_decay", "temperature", "adv_tau", "kl_coeff", "seq_mask_low", "top_p", "vllm_memory", "engine_noise",
-          "dist_timeout", "lora_alpha", "tool_timeout")
+FINITE = ("lr", "weight_decay", "temperature", "adv_tau", "kl_coeff", "log_ratio_coeff", "m2po_threshold", "seq_mask_low",
+          "top_p", "vllm_memory", "engine_noise", "dist_timeout", "lora_alpha", "tool_timeout")
 AT_LEAST = {"steps": 1, "top_k": 0, "score_centering_k": 1, "prompts_per_step": 1, "group_size": 1, "max_new_tokens": 1,
             "micro_batch_tokens": 64, "epochs": 1, "save_every": 0, "eval_every": 0, "eval_prompts": 1,
             "async_level": 0, "max_staleness": 0, "inference_gpus": 0, "lora_rank": 0, "max_tool_calls": 1, "max_tool_calls_per_turn": 0,
@@ -138,7 +138,7 @@ class Config:
     dist_timeout: float = 300.0  # torchrun on a CPU (gloo): seconds a rank waits for the others at a collective, then one line (with --env or --tool at least --call-timeout x (--max-turns + 2) + --tool-timeout x --max-tool-calls + 60)
 
     # --- the loss (loss.py; docs/design.md "The loss")
-    loss: Literal["reinforce", "icepop", "ipo", "tis", "ppo", "cispo", "gspo"] = "icepop"
+    loss: Literal["reinforce", "icepop", "ipo", "tis", "ppo", "cispo", "gspo", "sapo", "topr"] = "icepop"
     icepop_alpha: float = 0.5  # icepop: keep tokens with alpha <= p/q <= beta
     icepop_beta: float = 5.0  # icepop: upper bound, the paper's value
     # ppo/cispo/gspo: also apply IcePop's mask M(k) on k = pi_old/q, bounds --icepop-alpha/--icepop-beta (the paper's
@@ -151,9 +151,18 @@ class Config:
     seq_mask: Literal["off", "geometric", "max"] = "off"  # zero sequences whose geometric-mean p/q (max: any token's) leaves [low, high]
     seq_mask_low: float = 0.5  # --seq-mask lower bound; 0: none (geometric wants tight bounds, e.g. 0.999)
     seq_mask_high: float = 2.0  # --seq-mask upper bound (geometric: e.g. 1.001)
-    kl_mask: Literal["off", "k1", "k3", "binary"] = "off"  # zero tokens (sequences with --seq-mask) whose KL(q||p) estimate > threshold
-    kl_mask_threshold: float = 0.5  # on |log r| (k1), r - 1 - log r (k3), KL(Bern(q(a))||Bern(p(a))) (binary)
+    kl_mask: Literal["off", "k1", "k3", "binary", "binary_tv"] = "off"  # zero tokens (sequences with --seq-mask) whose divergence estimate > threshold
+    kl_mask_threshold: float = 0.5  # on |log r| (k1), r - 1 - log r (k3), KL(Bern(q(a))||Bern(p(a))) (binary), |p(a) - q(a)| (binary_tv)
+    # DPPO (arXiv 2602.04879): --kl-mask zeroes a token only where the update would move it further from the
+    # sampler, A > 0 with p(a) > q(a) or A < 0 with p(a) < q(a) (p is pi_old for ppo/cispo/gspo/sapo)
+    kl_mask_directional: bool = False
+    # M2PO (arXiv 2510.01161): drop the step's loss tokens (every micro-batch, every rank) with the largest (log r)^2,
+    # r = pi_old/q, the trainer at the step's start over the sampler, until the mean over the rest is <= tau; 0: off
+    m2po_threshold: float = 0.0
     correction_metrics_only: bool = False  # train plain reinforce; log what each correction would mask
+    sapo_tau_pos: float = 1.0  # sapo: the soft gate's temperature where A > 0 (SAPO's paper: 1.0)
+    sapo_tau_neg: float = 1.05  # sapo: its temperature where A <= 0 (the paper's 1.05: a faster decay on negative tokens)
+    log_ratio_coeff: float = 0.0  # Kimi K2.5 (arXiv 2602.02276): add tau*(log r)^2 per loss token, r = p/q (p/pi_old clipped); 0: off
     clip_low: float = 0.2  # ppo/cispo/gspo: lower clip on p/pi_old (1 - clip_low; gspo's paper: 3e-4)
     clip_high: float = 0.28  # ppo/cispo/gspo: upper clip (1 + clip_high; gspo's paper: 4e-4)
     adv_tau: float = 1.0  # plain multiplier on the advantage
@@ -196,6 +205,8 @@ class Config:
                f"need 0 <= low < 1 < high, got low={self.seq_mask_low} high={self.seq_mask_high}")
         _check(self.kl_mask_threshold > 0, "--kl-mask-threshold", f"must be > 0, got {self.kl_mask_threshold}")
         _check(self.kl_coeff >= 0, "--kl-coeff", f"must be >= 0, got {self.kl_coeff}")
+        _check(self.log_ratio_coeff >= 0, "--log-ratio-coeff", f"must be >= 0 (0: off), got {self.log_ratio_coeff}")
+        _check(self.m2po_threshold >= 0, "--m2po-threshold", f"must be >= 0 (0: off), got {self.m2po_threshold}")
         self._check_combinations()
         # the task's files and rewards (the task's name and flags: tasks/task.py, at the start checks)
         _check(not self.eval_file or self.task.startswith("jsonl:"), "--eval-file", "is for --task jsonl:PATH")
@@ -224,6 +235,8 @@ class Config:
         _check(self.epochs == 1 or not reinforce, "--epochs",
                f"{self.epochs} with plain reinforce would retrain the batch off-policy with no correction; "
                "use --loss ppo, cispo or gspo (clipped against pi_old), or icepop/tis/ipo (weighted by p/q)")
+        _check(not self.kl_mask_directional or self.kl_mask != "off" or self.correction_metrics_only,
+               "--kl-mask-directional", "has no effect with --kl-mask off: add --kl-mask binary_tv or binary (DPPO's)")
         _check(not self.env or self.task.startswith("jsonl:"), "--env", "needs --task jsonl:FILE (the rows its episodes start from)")
         _check(not self.tool or self.task.startswith("jsonl:"), "--tool", "needs --task jsonl:FILE (the rows its episodes start from)")
         _check(self.tool_format != "llama3-json" or self.max_tool_calls_per_turn <= 1, "--max-tool-calls-per-turn",

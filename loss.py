@@ -1,4 +1,4 @@
-"""The RL loss: one policy-gradient estimator with seven weightings, sequence and KL masks, score
+"""The RL loss: one policy-gradient estimator with nine weightings, sequence and KL masks, score
 centering, a sampler KL, global normalization and metrics (the evidence it reads is checked
 first, in run/evidence.py).
 docs/design.md "The loss" writes it out in full, with the table of corrections;
@@ -10,23 +10,29 @@ A_t is the advantage times --adv-tau and w is detached: a weight of r = p/q for 
 icepop, ipo and tis, the four that get score centering (the sum over the support S_t: u_v = q_v
 on a replayed top-p/top-k row, 1/K on K draws); sg(clip(rho))*M(k) for cispo, rho = p/pi_old;
 ppo keeps its surrogate -M(k)*min(rho*A, clip(rho)*A), and gspo the same with rho replaced by
-its sequence's s = exp(mean of log rho). M(k) is IcePop's mask on k = pi_old/q (with --icepop).
---seq-mask and --kl-mask zero every w of a sequence or token, centering included.
+its sequence's s = exp(mean of log rho); sapo swaps the clip for SAPO's soft gate on rho. M(k) is
+IcePop's mask on k = pi_old/q (with --icepop). topr is uncentered: w = 1 where A >= 0, the
+sequence's p/q truncated to 1 where A < 0. --seq-mask and --kl-mask (DPPO's directional form
+too) and --m2po-threshold (M2PO: the step's largest (log pi_old/q)^2, its bound found before the
+first backward) zero every w of a sequence or token, centering included; --log-ratio-coeff adds
+tau*(log r)^2 (Kimi K2.5) on the ratio the loss reads.
 
 Simplifications and decisions:
 1. Everything is in log space. Masks are decided on log r = log p - log q and the weight
    is exp(log r) only where the mask keeps it (exp(-inf) = 0 elsewhere), so a ratio that
    overflows contributes exactly 0 to the loss and its gradient, never inf*0 = NaN. A
-   sequence's ratio is the geometric mean exp(mean log r); a raw product would overflow.
+   sequence's ratio is the geometric mean exp(mean log r); a raw product would overflow (topr's
+   product is capped at 1 in log space first).
 2. Positions outside the loss (prompt, padding, dropped samples) read the trainer's own log-prob
    as their evidence: ratio 1, weight finite, coefficient 0; garbage there cannot reach a gradient.
 3. Metrics and KL masks clamp log r to +-20 (e^20 ~ 5e8), so k3, chi^2 and mask_tv stay finite.
 4. KL exact falls back to k1 on a token whose support row is empty, and everywhere when
    the micro-batch has no support. Age is clamped at 0.
 5. A sequence is a document of the micro-batch (packing never splits a sample).
-6. Sequence and KL masks judge r = p/q, or k = pi_old/q for ppo/cispo, and leave the sampler
-   KL alone: beta*KL is a regularizer, not a correction. k1 is signed, so its mask reads
-   |log r|; binary is KL(Bernoulli(q(a)) || Bernoulli(p(a))).
+6. Sequence and KL masks judge r = p/q, or k = pi_old/q for ppo/cispo/gspo/sapo (the directional
+   form's "further" too), and leave the sampler KL and the (log r)^2 term alone: regularizers,
+   not corrections. k1 is signed, so its mask reads |log r|; binary is KL(Bernoulli(q(a)) ||
+   Bernoulli(p(a))), binary_tv their TV |p(a) - q(a)|.
 7. Denominators count the micro-batches they are given with one host sync, before the loop;
    under torchrun train.prepare gives them the whole gathered batch, so they are global with
    no collective. A zero count divides by 1 (loss 0).
@@ -82,6 +88,8 @@ class Loss:
     sides: bool = True  # its metric also reports the low and the high side
     sequence_ratio: bool = False  # clipped: one ratio per sequence, exp(mean of log rho) (gspo)
     weighted_log_p: bool = False  # clipped: sg(clip(rho)) * log p (cispo) instead of ppo's min(rho A, clip(rho) A)
+    soft_gate: bool = False  # clipped: SAPO's gate (4/tau)*sigmoid(tau*(rho - 1)) in place of the clip; reads its taus
+    tapered: bool = False  # neither: TOPR's -A*w*log p, w = 1 where A >= 0, sg(min(1, the sequence's p/q)) where A < 0
 
 
 def icepop_weight(logp: Tensor, logq: Tensor, alpha: float, beta: float):
@@ -133,6 +141,10 @@ LOSSES = {
                   weighted_log_p=True),
     "gspo": Loss(centered=False, sparse_draws=False, clipped=True, reads=CLIP, checks=CLIP_CHECKS,  # ppo's clip on the
                  sequence_ratio=True),  # sequence's mean ratio
+    "sapo": Loss(centered=False, sparse_draws=False, clipped=True, reads=("sapo_tau_pos", "sapo_tau_neg", "icepop_mask"),
+                 checks=(Check(("sapo_tau_pos", "sapo_tau_neg"), lambda pos, neg: pos > 0 and neg > 0,
+                               "need both > 0, got pos={sapo_tau_pos} neg={sapo_tau_neg}"),), soft_gate=True),
+    "topr": Loss(centered=False, sparse_draws=False, clipped=False, bound="clip", sides=False, tapered=True),
 }
 
 
@@ -216,6 +228,7 @@ def group_advantages(rewards: list[float], group_size: int, std_norm: bool = Fal
 class Denominators:
     tokens: int  # loss tokens in the global batch, masked-by-weight tokens included
     seqs: int  # sequences with >= 1 loss token in the global batch
+    m2_max: float = math.inf  # --m2po-threshold: the largest (log pi_old/q)^2 a loss token may keep (m2po_bound)
 
 
 def denominators(micro_batches: list[MicroBatch]) -> Denominators:
@@ -228,14 +241,33 @@ def denominators(micro_batches: list[MicroBatch]) -> Denominators:
     return Denominators(int(tokens), int(seqs))
 
 
-def _would_mask(lp: Tensor, logq: Tensor, doc_ids: Tensor, mask: Tensor, cfg: Config) -> Metrics:
+def m2po_bound(old: list[Tensor], micro_batches: list[MicroBatch], tau: float,
+               gather: Callable[[Tensor], Tensor] = lambda x: x) -> float:
+    """M2PO (arXiv 2510.01161): the largest (log r)^2, r = pi_old/q, a loss token may have so that the mean
+    over the tokens kept is <= tau, the largest dropped first, over the whole step: this rank's micro-batches
+    and, through `gather` (a concatenation in rank order), every other rank's. A bound on the value, so ties
+    go together and any split of the batch gives the same mask; -1 drops every token. Its host syncs come
+    before the first backward, with pi_old."""
+    x = torch.cat([torch.where(mb.loss_mask, (o - mb.logq.to(o.dtype)) ** 2, -1.0) for o, mb in zip(old, micro_batches)])
+    x = gather(x.detach().cpu())
+    xs = x[x >= 0].double().sort().values  # rl_loss compares in the dtype of log p: the bound is one of these values
+    if not len(xs):
+        return math.inf
+    means = xs.cumsum(0) / torch.arange(1, len(xs) + 1, dtype=xs.dtype)
+    ends = torch.cat([xs[1:] > xs[:-1], torch.ones(1, dtype=torch.bool)])  # the last of each run of equal values
+    fits = ends & (means <= tau)
+    return xs[fits].max().item() if fits.any() else -1.0
+
+
+def _would_mask(lp: Tensor, logq: Tensor, adv: Tensor, doc_ids: Tensor, mask: Tensor, cfg: Config) -> Metrics:
     """--correction-metrics-only: the share of loss tokens each bounded centered loss (LOSSES: icepop,
-    ipo; tis as a clip) and each mask would remove with the current bounds, the mean ratio,
+    ipo; tis and topr as a clip) and each mask would remove with the current bounds, the mean ratio,
     chi^2 = E[r^2] - 1 and ESS/n per sequence."""
     flags = {name + "_clip" * (loss.bound == "clip"): mask & torch.stack(loss.weight(lp, logq, *flag_values(loss, cfg))[1:]).any(0)
              for name, loss in LOSSES.items() if loss.centered and loss.bound}
+    flags["topr_clip"] = _topr_weight(lp, logq, adv, doc_ids, mask)[1]
     m = Masks.of(cfg)
-    flags |= seq_flags(lp, logq, doc_ids, mask, m) | kl_flags(lp, logq, doc_ids, mask, m)
+    flags |= seq_flags(lp, logq, doc_ids, mask, m) | kl_flags(lp, logq, adv, doc_ids, mask, m)
     out = {f"correction/would_mask/{k}": stat(v.to(lp.dtype), mask) for k, v in flags.items()}
     r = (lp - logq).clamp(-METRIC_CLAMP, METRIC_CLAMP).exp()
     x = torch.stack([torch.ones_like(r), r, r * r], 1) * mask[:, None]  # r is finite: a product is safe
@@ -334,9 +366,8 @@ def _centered_term(logp: Tensor, logq: Tensor, adv: Tensor, rows: _Rows | None, 
 def _clipped_term(logp: Tensor, logq: Tensor, adv: Tensor, old: Tensor, doc_ids: Tensor, loss: Loss, clip: tuple,
                   icepop: tuple | None, keep: Tensor, mask: Tensor, metrics: Metrics, turns: Tensor | None) -> Tensor:
     """ppo/cispo/gspo: the clip on rho = p/pi_old to [1 - clip[0], 1 + clip[1]], times M(k), k = pi_old/q,
-    when `icepop` gives its bounds (--icepop-mask); 0 off `keep`. A sequence ratio (gspo) is
-    exp(mean of log p/pi_old over the tokens M keeps), with grad."""
-    lo, hi = math.log1p(-clip[0]), math.log1p(clip[1])
+    when `icepop` gives its bounds (--icepop-mask); 0 off `keep`. sapo: SAPO's gate in place of the clip
+    (`clip` holds its taus). A sequence ratio (gspo) is exp(mean of log p/pi_old over the tokens M keeps), with grad."""
     # Which tokens M keeps is decided in log space, never from M > 0 after exp: with --icepop-alpha 0
     # a kept k = e^-200 underflows to 0 in fp32 but stays in gspo's mean and ppo's M*rho.
     on, log_m = keep, torch.zeros_like(logp)  # keep: False where a sequence or KL mask removes the token
@@ -347,6 +378,9 @@ def _clipped_term(logp: Tensor, logq: Tensor, adv: Tensor, old: Tensor, doc_ids:
     log_m = torch.where(on, log_m, -math.inf)
     m = log_m.exp()
     log_rho = logp - old
+    if loss.soft_gate:
+        return -adv * m * _sapo_gate(log_rho, adv, *clip, mask, metrics)
+    lo, hi = math.log1p(-clip[0]), math.log1p(clip[1])
     if loss.sequence_ratio:  # one ratio per sequence (a document of the micro-batch)
         mean_of = mask & on
         x = torch.stack([mean_of.to(logp.dtype), torch.where(mean_of, log_rho, 0.0)], 1)
@@ -366,6 +400,34 @@ def _clipped_term(logp: Tensor, logq: Tensor, adv: Tensor, old: Tensor, doc_ids:
         term = -adv * torch.where(clipped, m * clipped_rho, m_rho)
     metrics["ppo/clip_fraction"] = stat(clipped.to(logp.dtype), mask)
     return term
+
+
+def _sapo_gate(log_rho: Tensor, adv: Tensor, tau_pos: float, tau_neg: float, mask: Tensor, metrics: Metrics) -> Tensor:
+    """SAPO (arXiv 2511.20347): f(rho) = (4/tau)*sigmoid(tau*(rho - 1)), tau = tau_pos where A > 0, else tau_neg.
+    Its gradient 4*s*(1 - s)*rho*grad log p is the plain policy gradient at rho = 1 and fades smoothly off it
+    (logged: the mean of 4*s*(1 - s)). rho is capped at e^20, where s = 1 exactly: an overflowing ratio
+    gets gradient 0, never inf*0."""
+    tau = torch.full_like(adv, tau_neg).masked_fill(adv > 0, tau_pos)  # in adv's dtype: where() of two floats is fp32
+    x = tau * (log_rho.clamp(max=METRIC_CLAMP).exp() - 1)
+    s = torch.nn.functional.logsigmoid(x).exp()  # its backward reads sigmoid(-x) itself, never 1 - s: exact as s -> 1
+    metrics["sapo/gate_weight"] = stat(4 * s * torch.sigmoid(-x), mask)
+    return 4 / tau * s
+
+
+def _topr_weight(lp: Tensor, logq: Tensor, adv: Tensor, doc_ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """TOPR's detached weight (1, or min(1, prod of the sequence's p/q) where A < 0) and where that min truncates.
+    The product is a sum of log r capped at 0 before exp: it never overflows."""
+    log_seq = sum_by(doc_ids, torch.where(mask, lp - logq, 0.0), len(doc_ids))[doc_ids]
+    return torch.where(adv < 0, log_seq.clamp(max=0).exp(), 1.0), mask & (adv < 0) & (log_seq > 0)
+
+
+def _topr_term(logp: Tensor, logq: Tensor, adv: Tensor, doc_ids: Tensor, keep: Tensor, mask: Tensor,
+               metrics: Metrics, turns: Tensor | None) -> Tensor:
+    """TOPR (arXiv 2503.14286): -A*w*log p(a), w = 1 on a sequence with A >= 0 (its plain log-likelihood) and
+    sg(min(1, p(y)/q(y))) with A < 0, y the whole sequence; no centering, 0 off `keep`."""
+    w, clipped = _topr_weight(logp.detach(), logq, adv, doc_ids, mask)
+    metrics.update(_masked_stats("topr", clipped, torch.zeros_like(clipped), mask, logp.dtype, turns))
+    return -adv * torch.where(keep, w, 0.0) * logp
 
 
 def _kl_term(logp: Tensor, logq: Tensor, rows: _Rows | None, support_logp: Tensor, age: Tensor, coeff: float,
@@ -406,19 +468,31 @@ def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch,
                            cfg.kl_coeff > 0, cfg.max_staleness)
     name, masks = cfg.loss, Masks.of(cfg)
     if cfg.correction_metrics_only:  # plain reinforce; the corrections only say what they would mask
-        metrics.update(_would_mask(lp, logq, mb.doc_ids, mask, cfg))
+        metrics.update(_would_mask(lp, logq, adv, mb.doc_ids, mask, cfg))
         name, masks = "reinforce", Masks()
     loss = LOSSES[name]
-    old = lp if loss.centered or old_logp is None else torch.where(mask, old_logp.detach().to(lp.dtype), lp)
-    keep = keep_mask(old, logq, mb.doc_ids, mask, masks, metrics)  # judges p/q, or pi_old/q for ppo/cispo
+    start = lp if old_logp is None else torch.where(mask, old_logp.detach().to(lp.dtype), lp)  # p at the step's start
+    old = start if loss.clipped else lp
+    keep = keep_mask(old, logq, adv, mb.doc_ids, mask, masks, metrics)  # judges p/q, or pi_old/q for ppo/cispo
+    if cfg.m2po_threshold > 0:  # M2PO: the step's bound, found before the first backward (m2po_bound)
+        drop = mask & ((start - logq) ** 2 > denom.m2_max)
+        metrics["correction/would_mask/m2po" if cfg.correction_metrics_only else "m2po/masked_fraction"] = \
+            stat(drop.to(lp.dtype), mask)
+        keep = keep if cfg.correction_metrics_only else keep & ~drop
     exact = cfg.kl_estimator == "exact"
     rows = _rows(mb.support, support_logp, mask) if mb.support is not None and (loss.centered or cfg.kl_coeff > 0 and exact) else None
     if loss.centered:
         per_token = _centered_term(logp, logq, adv, rows, support_logp, name, flag_values(loss, cfg), keep, mask, metrics, turns)
-    else:
+    elif loss.tapered:
+        per_token = _topr_term(logp, logq, adv, mb.doc_ids, keep, mask, metrics, turns)
+    else:  # ppo/cispo/gspo read their clip, sapo its taus: the first two flags of `reads`
         icepop = (cfg.icepop_alpha, cfg.icepop_beta) if cfg.icepop_mask else None
-        per_token = _clipped_term(logp, logq, adv, old, mb.doc_ids, loss, (cfg.clip_low, cfg.clip_high), icepop, keep,
+        per_token = _clipped_term(logp, logq, adv, old, mb.doc_ids, loss, flag_values(loss, cfg)[:2], icepop, keep,
                                   mask, metrics, turns)
+    if cfg.log_ratio_coeff > 0:  # Kimi K2.5's tau*(log r)^2 on the ratio the loss reads; never masked, like the KL
+        log_r = logp - (old if loss.clipped else logq)
+        metrics["log_ratio_sq"] = stat(log_r * log_r, mask)
+        per_token = per_token + cfg.log_ratio_coeff * log_r * log_r
     if cfg.kl_coeff > 0:  # never masked: a regularizer, not a correction
         per_token = per_token + _kl_term(logp, logq, rows, support_logp, age, cfg.kl_coeff, exact,
                                          cfg.kl_staleness == "inv_sqrt", mask, metrics)

@@ -49,7 +49,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from config import Config, ConfigError, parse
 from data import RunError, my_share, pack
 from model import Transformer
-from loss import accumulate, denominators, reduce_metrics, rl_loss, sft_loss, sparse_ok, trained
+from loss import accumulate, denominators, m2po_bound, reduce_metrics, rl_loss, sft_loss, sparse_ok, trained
 from kernels import head
 from rollout import eval_line, evaluate, make_batch, rl_sampling
 from agents.episodes import Play
@@ -100,9 +100,17 @@ def _head(cfg, model, fwd, mb):
 
 
 @torch.no_grad()
-def old_logprobs(cfg, model, fwd, mbs):
-    """pi_old for a clipped loss (ppo, cispo, gspo) when --epochs > 1: the weights before the batch's first step."""
-    return [_head(cfg, model, fwd, mb)[0] for mb in mbs]
+def old_logprobs(cfg, model, fwd, mbs, denom):
+    """pi_old, the weights before the batch's first step, where a loss reads it: a clipped loss (ppo, cispo,
+    gspo, sapo) with --epochs > 1, and --m2po-threshold, whose bound on (log pi_old/q)^2 covers every rank's
+    micro-batches (one gather) and goes into `denom` before the first backward; else None."""
+    m2po = cfg.stage == "rl" and cfg.m2po_threshold > 0
+    if not (cfg.stage == "rl" and trained(cfg).clipped and cfg.epochs > 1 or m2po):
+        return None
+    old = [_head(cfg, model, fwd, mb)[0] for mb in mbs]
+    if m2po:
+        denom.m2_max = m2po_bound(old, mbs, cfg.m2po_threshold, lambda x: torch.cat(gather([x])))
+    return old
 
 
 def backward_pass(cfg, model, fwd, mbs, denom, step, old=None, scale: float = 1.0):
@@ -368,12 +376,12 @@ def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[di
     else:
         samples, stats, t_rollout = ahead.get(step)
     t1 = time.time()
-    # 4. gather, pack into micro-batches, check the sampler's evidence, count the loss's denominators
+    # 4. gather, pack into micro-batches, check the sampler's evidence, count the loss's denominators;
+    # pi_old where the loss reads it (and M2PO's bound, over the whole step)
     batch = gather(samples)  # every rank's samples: the global batch
     mbs, denom, checks = prepare(cfg, batch, model.args.vocab_size, cfg.device)
     accumulate(stats, checks)
-    clipped = cfg.stage == "rl" and trained(cfg).clipped
-    old = old_logprobs(cfg, model, run.fwd, mbs) if clipped and cfg.epochs > 1 else None
+    old = old_logprobs(cfg, model, run.fwd, mbs, denom)
     for epoch in range(cfg.epochs):
         # 5. per micro-batch: forward, fused head, loss, backward (gradients accumulate)
         metrics = backward_pass(cfg, model, run.fwd, mbs, denom, step - 1, old, run.scale.value)

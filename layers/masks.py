@@ -59,10 +59,12 @@ class Masks:
     seq_high: float = 2.0
     kl: str = "off"
     kl_threshold: float = 0.5
+    kl_directional: bool = False  # DPPO: a KL mask acts only where the update would move the token further
 
     @staticmethod
     def of(cfg: Config) -> Masks:
-        return Masks(cfg.seq_mask, cfg.seq_mask_low, cfg.seq_mask_high, cfg.kl_mask, cfg.kl_mask_threshold)
+        return Masks(cfg.seq_mask, cfg.seq_mask_low, cfg.seq_mask_high, cfg.kl_mask, cfg.kl_mask_threshold,
+                     cfg.kl_mask_directional)
 
 
 def seq_flags(logp: Tensor, logq: Tensor, doc_ids: Tensor, mask: Tensor, m: Masks) -> dict[str, Tensor]:
@@ -77,24 +79,29 @@ def seq_flags(logp: Tensor, logq: Tensor, doc_ids: Tensor, mask: Tensor, m: Mask
     return {"seq_geometric": mask & (geo[0] | geo[1]), "seq_max": mask & worst}
 
 
-def kl_flags(logp: Tensor, logq: Tensor, doc_ids: Tensor, mask: Tensor, m: Masks) -> dict[str, Tensor]:
+def kl_flags(logp: Tensor, logq: Tensor, adv: Tensor, doc_ids: Tensor, mask: Tensor, m: Masks) -> dict[str, Tensor]:
     """Loss tokens each --kl-mask removes (OR-ed per sequence under --seq-mask): an estimate
-    of KL(q||p) at the sampled token above the threshold; log r clamped to +-20."""
+    of KL(q||p) at the sampled token, or the TV of the two Bernoullis, above the threshold; log r
+    clamped to +-20. Directional (DPPO, arXiv 2602.04879): only where A pushes p(a) further from q(a)."""
     lr = (logp - logq).clamp(-METRIC_CLAMP, METRIC_CLAMP)
     l1q, l1p = ((-x.clamp(max=0).expm1()).log().clamp(min=-METRIC_CLAMP) for x in (logq, logp))  # log(1 - e^x)
-    est = {"k1": lr.abs(), "k3": k3(lr), "binary": logq.exp() * -lr + l1q.exp() * (l1q - l1p)}
-    flags = {f"kl_{k}": mask & (v > m.kl_threshold) for k, v in est.items()}
+    est = {"k1": lr.abs(), "k3": k3(lr), "binary": logq.exp() * -lr + l1q.exp() * (l1q - l1p),
+           "binary_tv": (logp.exp() - logq.exp()).abs()}  # TV(Bern(q(a)), Bern(p(a))) = |p(a) - q(a)|
+    on = mask & (((adv > 0) & (logp > logq)) | ((adv < 0) & (logp < logq))) if m.kl_directional else mask
+    flags = {f"kl_{k}": on & (v > m.kl_threshold) for k, v in est.items()}
     if m.seq == "off":
         return flags
     return {k: mask & any_by(doc_ids, v, mask.numel())[doc_ids] for k, v in flags.items()}
 
 
-def keep_mask(logp: Tensor, logq: Tensor, doc_ids: Tensor, mask: Tensor, m: Masks, metrics: Metrics) -> Tensor:
+def keep_mask(logp: Tensor, logq: Tensor, adv: Tensor, doc_ids: Tensor, mask: Tensor, m: Masks,
+              metrics: Metrics) -> Tensor:
     """False on the tokens that --seq-mask and --kl-mask take out of the policy term."""
     drop = torch.zeros_like(mask)
-    for kind, choice, flags in (("kl", m.kl, kl_flags), ("seq", m.seq, seq_flags)):
+    for kind, choice in (("kl", m.kl), ("seq", m.seq)):
         if choice != "off":
-            f = flags(logp, logq, doc_ids, mask, m)[f"{kind}_{choice}"]
+            flags = kl_flags(logp, logq, adv, doc_ids, mask, m) if kind == "kl" else seq_flags(logp, logq, doc_ids, mask, m)
+            f = flags[f"{kind}_{choice}"]
             metrics[f"{kind}_mask/masked_fraction"] = stat(f.to(logp.dtype), mask)
             drop = drop | f
     return ~drop

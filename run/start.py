@@ -274,7 +274,7 @@ TOOL_FLAGS = ("tool_format", "max_tool_calls", "max_tool_calls_per_turn", "tool_
 # reports both masks, so it reads theirs)
 SWITCHED = {"seq_mask_low": ("seq_mask", "--seq-mask geometric or max"),
             "seq_mask_high": ("seq_mask", "--seq-mask geometric or max"),
-            "kl_mask_threshold": ("kl_mask", "--kl-mask k1, k3 or binary"),
+            "kl_mask_threshold": ("kl_mask", "--kl-mask k1, k3, binary or binary_tv"),
             "kl_estimator": ("kl_coeff", "--kl-coeff > 0"), "kl_staleness": ("kl_coeff", "--kl-coeff > 0")}
 
 

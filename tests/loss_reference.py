@@ -30,7 +30,7 @@ def cfg_for(loss: str, **kw) -> Config:
     """Bounds tight enough that every mask triggers on the random data below."""
     clip = 0.05 if loss == "gspo" else 0.1  # a sequence's mean ratio spreads less than a token's
     base = dict(loss=loss, icepop_alpha=0.5, icepop_beta=2.0, ipo_eps=0.1, max_importance_ratio=1.5,
-                clip_low=clip, clip_high=1.5 * clip, adv_tau=1.3, score_centering_k=K)
+                clip_low=clip, clip_high=1.5 * clip, adv_tau=1.3, score_centering_k=K, sapo_tau_pos=0.8, sapo_tau_neg=2.0)
     return Config(**{**base, **kw})
 
 
@@ -147,6 +147,10 @@ def grads(loss: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
 def run_loss(mbs, logits_list, cfg, old_list=None, denom=None, step=STEP):
     """Sum rl_loss over micro-batches as train.py does; (loss, reduced metrics)."""
     denom = denom or L.denominators(mbs)
+    if cfg.m2po_threshold > 0:  # its bound over the whole step before the first backward, as train.py finds it
+        starts = [head(lg, mb)[0].detach() + (0.0 if old_list is None else old_list[i])
+                  for i, (mb, lg) in enumerate(zip(mbs, logits_list))]
+        denom = replace(denom, m2_max=L.m2po_bound(starts, mbs, cfg.m2po_threshold))
     total, metrics = 0.0, {}
     for i, (mb, logits) in enumerate(zip(mbs, logits_list)):
         logp, slogp, ent = head(logits, mb)
@@ -262,6 +266,31 @@ def ref_gspo(cfg: Config, toks: list, keep: list[bool], st: Stats) -> list[torch
     return [-m * torch.minimum(s * A, s.clamp(lo, hi) * A) for m in ms]
 
 
+def ref_sapo(cfg: Config, t: Tok, old_a: float, keep: bool, st: Stats) -> torch.Tensor:
+    """SAPO: -M*A*f(rho), f(x) = (4/tau)*sigmoid(tau*(x - 1)), tau_pos where A > 0, tau_neg otherwise; rho with grad."""
+    rho = torch.exp(t.lp(t.a) - old_a)
+    m, _ = ref_icepop_m(cfg, t, old_a, keep, st)
+    tau = cfg.sapo_tau_pos if t.A > 0 else cfg.sapo_tau_neg
+    x = tau * (rho - 1)
+    st.add("sapo/gate_weight", 4 / ((1 + math.exp(-x.item())) * (1 + math.exp(x.item()))))  # 4*s*(1 - s)
+    return -m * t.A * (4 / tau) * torch.exp(-torch.nn.functional.softplus(-x))  # sigmoid, its gradient exact near 1
+
+
+def ref_topr_weight(A: float, lps: list[float], lqs: list[float]) -> tuple[float, bool]:
+    """TOPR's weight of one sequence: 1 where A >= 0; the trajectory ratio prod p/q truncated to [0, 1] where A < 0."""
+    ratio = math.prod(math.exp(lp - lq) for lp, lq in zip(lps, lqs))
+    return (1.0, False) if A >= 0 else (min(ratio, 1.0), ratio > 1)
+
+
+def ref_topr(toks: list, keep: list[bool], st: Stats) -> list[torch.Tensor]:
+    """TOPR, one sequence: -A*w*log p(a) on each token, w detached (a plain float), no centering."""
+    A = toks[0][0].A
+    w, clipped = ref_topr_weight(A, [t.lp(t.a).item() for t, _, _ in toks], [t.lq_a for t, _, _ in toks])
+    for _ in toks:
+        st.add("topr/clip_fraction", float(clipped))
+    return [-A * w * k * t.lp(t.a) for (t, _, _), k in zip(toks, keep)]
+
+
 def ref_kl(cfg: Config, t: Tok, age: int, st: Stats) -> torch.Tensor:
     if cfg.kl_estimator == "exact" and t.ids:
         kl = sum(uv * (lq - t.lp(v)) for v, lq, uv in zip(t.ids, t.lqs, t.u))
@@ -288,19 +317,23 @@ def ref_kl_estimate(kind: str, lp: float, lq: float) -> float:
         return abs(lq - lp)
     if kind == "k3":
         return p / q - 1 - math.log(p / q)
+    if kind == "binary_tv":
+        return abs(p - q)  # TV(Bern(q), Bern(p)) = (|p - q| + |(1 - p) - (1 - q)|) / 2
     return q * math.log(q / p) + (1 - q) * math.log((1 - q) / (1 - p))  # binary
 
 
-def ref_kl_flags(cfg: Config, kind: str, lps: list[float], lqs: list[float]) -> list[bool]:
-    flags = [ref_kl_estimate(kind, lp, lq) > cfg.kl_mask_threshold for lp, lq in zip(lps, lqs)]
+def ref_kl_flags(cfg: Config, kind: str, lps: list[float], lqs: list[float], A: float) -> list[bool]:
+    """Directional (DPPO): flagged only when A > 0 and p > q, or A < 0 and p < q."""
+    further = [not cfg.kl_mask_directional or (A > 0 and lp > lq) or (A < 0 and lp < lq) for lp, lq in zip(lps, lqs)]
+    flags = [f and ref_kl_estimate(kind, lp, lq) > cfg.kl_mask_threshold for lp, lq, f in zip(lps, lqs, further)]
     return [any(flags)] * len(flags) if cfg.seq_mask != "off" else flags
 
 
-def ref_keep(cfg: Config, lps: list[float], lqs: list[float], st: Stats) -> list[bool]:
+def ref_keep(cfg: Config, lps: list[float], lqs: list[float], A: float, st: Stats) -> list[bool]:
     """Which tokens of one sequence --seq-mask and --kl-mask leave in the policy term."""
     drop = [False] * len(lps)
     if cfg.kl_mask != "off":
-        drop = ref_kl_flags(cfg, cfg.kl_mask, lps, lqs)
+        drop = ref_kl_flags(cfg, cfg.kl_mask, lps, lqs, A)
         for f in drop:
             st.add("kl_mask/masked_fraction", float(f))
     if cfg.seq_mask != "off":
@@ -310,7 +343,7 @@ def ref_keep(cfg: Config, lps: list[float], lqs: list[float], st: Stats) -> list
     return [not f for f in drop]
 
 
-def ref_would_mask(cfg: Config, lps: list[float], lqs: list[float], st: Stats) -> None:
+def ref_would_mask(cfg: Config, lps: list[float], lqs: list[float], A: float, st: Stats) -> None:
     """--correction-metrics-only's metrics for one sequence, from their definitions."""
     n = len(lps)
     rs = [math.exp(lp - lq) for lp, lq in zip(lps, lqs)]
@@ -320,13 +353,29 @@ def ref_would_mask(cfg: Config, lps: list[float], lqs: list[float], st: Stats) -
             st.add(f"correction/would_mask/{key}", float(ref_weight(c, math.exp(lp), math.exp(lq))[1] != ""))
     for mode in ("geometric", "max"):
         st.add(f"correction/would_mask/seq_{mode}", n * float(ref_seq_masked(cfg, mode, [math.log(r) for r in rs])), n)
-    for kind in ("k1", "k3", "binary"):
-        for f in ref_kl_flags(cfg, kind, lps, lqs):
+    for kind in ("k1", "k3", "binary", "binary_tv"):
+        for f in ref_kl_flags(cfg, kind, lps, lqs, A):
             st.add(f"correction/would_mask/kl_{kind}", float(f))
+    st.add("correction/would_mask/topr_clip", n * float(ref_topr_weight(A, lps, lqs)[1]), n)
     for r in rs:
         st.add("correction/ratio", r)
         st.add("correction/chi2", r * r - 1)
     st.add("correction/ess", sum(rs) ** 2 / (n * sum(r * r for r in rs)))
+
+
+def ref_m2po_dropped(cfg: Config, docs: list[Doc], old: bool) -> set:
+    """M2PO from its definition: the step's loss tokens by (log r)^2, r = pi_old/q (pi_old = p + the noise with
+    `old`), the largest dropped one at a time until the mean over the rest is <= tau; (doc, position) of each dropped."""
+    values = {}
+    for j, d in enumerate(docs):
+        for i in torch.nonzero(d.mask).flatten().tolist():
+            z = torch.log_softmax(d.logits[i].detach() / TEMP, -1)
+            lp = z[int(d.labels[i])] - (torch.logsumexp(z[d.rows[i][0]], 0) if d.replayed[i] else 0.0)
+            values[j, i] = (float(lp) + (float(d.old_noise[i]) if old else 0.0) - float(d.logq[i])) ** 2
+    kept = sorted(values, key=values.get)
+    while kept and sum(values[k] for k in kept) / len(kept) > cfg.m2po_threshold:
+        kept.pop()
+    return set(values) - set(kept)
 
 
 def reference(docs: list[Doc], cfg: Config, step: int, old: bool):
@@ -337,11 +386,15 @@ def reference(docs: list[Doc], cfg: Config, step: int, old: bool):
     total = torch.zeros((), dtype=F64)
     train = cfg
     if cfg.correction_metrics_only:
-        train = replace(cfg, loss="reinforce", seq_mask="off", kl_mask="off", correction_metrics_only=False)
+        train = replace(cfg, loss="reinforce", seq_mask="off", kl_mask="off", kl_mask_directional=False,
+                        correction_metrics_only=False)
     centered = train.loss in ("reinforce", "icepop", "ipo", "tis")
-    for d in docs:
+    clipped = train.loss in ("ppo", "cispo", "gspo", "sapo")
+    dropped = ref_m2po_dropped(cfg, docs, old) if cfg.m2po_threshold > 0 else set()
+    for j, d in enumerate(docs):
         n_doc, doc_sum, toks = int(d.mask.sum()), torch.zeros((), dtype=F64), []
-        for i in torch.nonzero(d.mask).flatten().tolist():
+        positions = torch.nonzero(d.mask).flatten().tolist()
+        for i in positions:
             z = torch.log_softmax(d.logits[i] / TEMP, -1)
             ids, lqs = d.rows[i]
             norm = torch.logsumexp(z[ids], 0) if d.replayed[i] else 0.0
@@ -352,20 +405,31 @@ def reference(docs: list[Doc], cfg: Config, step: int, old: bool):
             lr = clamp20(t.lp(t.a).item() - t.lq_a)
             st.add("mismatch/kl", math.exp(lr) - 1 - lr)
             st.add("mismatch/abs_logratio", abs(lr))
-            old_a = t.lp(t.a).item() + (float(d.old_noise[i]) if old and not centered else 0.0)
+            old_a = t.lp(t.a).item() + (float(d.old_noise[i]) if old and clipped else 0.0)
             toks.append((t, old_a, max(step - int(d.versions[i]), 0)))
         lqs = [t.lq_a for t, _, _ in toks]
         if cfg.correction_metrics_only and toks:
-            ref_would_mask(cfg, [t.lp(t.a).item() for t, _, _ in toks], lqs, st)
-        keep = ref_keep(train, [o for _, o, _ in toks], lqs, st) if toks else []
+            ref_would_mask(cfg, [t.lp(t.a).item() for t, _, _ in toks], lqs, cfg.adv_tau * d.adv, st)
+        keep = ref_keep(train, [o for _, o, _ in toks], lqs, cfg.adv_tau * d.adv, st) if toks else []
+        if cfg.m2po_threshold > 0:  # reported under --correction-metrics-only, applied otherwise
+            gone = [(j, i) in dropped for i in positions]
+            for g in gone:
+                st.add("correction/would_mask/m2po" if cfg.correction_metrics_only else "m2po/masked_fraction", float(g))
+            keep = keep if cfg.correction_metrics_only else [k and not g for k, g in zip(keep, gone)]
         if train.loss == "gspo" and toks:  # one ratio for the whole sequence
             terms = ref_gspo(train, toks, keep, st)
+        elif train.loss == "topr" and toks:
+            terms = ref_topr(toks, keep, st)
         else:
-            terms = [ref_centered(train, t, k, st) if centered else ref_clipped(train, t, old_a, k, st)
-                     for (t, old_a, _), k in zip(toks, keep)]
+            terms = [ref_centered(train, t, k, st) if centered else ref_sapo(train, t, old_a, k, st)
+                     if train.loss == "sapo" else ref_clipped(train, t, old_a, k, st) for (t, old_a, _), k in zip(toks, keep)]
         for (t, old_a, age), term in zip(toks, terms):
             if cfg.kl_coeff > 0:
                 term = term + ref_kl(cfg, t, age, st)
+            if cfg.log_ratio_coeff > 0:  # Kimi K2.5: tau*(log p(a) - log ref)^2, ref = pi_old (clipped) or q
+                sq = (t.lp(t.a) - (old_a if clipped else t.lq_a)) ** 2
+                st.add("log_ratio_sq", sq.item())
+                term = term + cfg.log_ratio_coeff * sq
             doc_sum = doc_sum + term
         if n_doc:
             total = total + (doc_sum / n_tok if cfg.loss_agg == "token" else doc_sum / (n_doc * n_seq))
@@ -381,7 +445,9 @@ VARIANTS = {  # name: (loss, --icepop, pi_old differs from p)
     "tis": ("tis", False, False),
     "ppo": ("ppo", False, True), "ppo+icepop": ("ppo", True, True), "ppo+icepop+sg": ("ppo", True, False),
     "cispo": ("cispo", False, True), "cispo+icepop": ("cispo", True, True), "cispo+icepop+sg": ("cispo", True, False),
-    "gspo": ("gspo", False, True), "gspo+icepop": ("gspo", True, True), "gspo+icepop+sg": ("gspo", True, False)}
+    "gspo": ("gspo", False, True), "gspo+icepop": ("gspo", True, True), "gspo+icepop+sg": ("gspo", True, False),
+    "sapo": ("sapo", False, True), "sapo+icepop": ("sapo", True, True), "sapo+icepop+sg": ("sapo", True, False),
+    "topr": ("topr", False, False)}
 KLS = {"no-kl": {}, "exact": dict(kl_coeff=0.3, kl_estimator="exact", kl_staleness="inv_sqrt"),
        "k1": dict(kl_coeff=0.3, kl_estimator="k1", kl_staleness="none")}
 

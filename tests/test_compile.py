@@ -313,3 +313,37 @@ def test_a_push_changes_the_next_draws_of_a_compiled_decode_step(device, dtype):
     for a, r in zip(after, ref):
         torch.testing.assert_close(torch.tensor(a.logq), torch.tensor(r.logq), atol=tol, rtol=0)
         assert a.versions == [1] * len(a.ids)
+
+
+NEW_LOSSES = {  # the 2026 corrections, each with DPPO's directional mask and Kimi K2.5's (log r)^2 term
+    "sapo+icepop": ("sapo", True, dict(kl_mask="binary_tv", kl_mask_threshold=0.1)),
+    "topr": ("topr", False, dict(kl_mask="binary", kl_mask_threshold=0.05)),
+    "tis+m2po": ("tis", False, dict(kl_mask="binary_tv", kl_mask_threshold=0.1, seq_mask="max", seq_mask_low=0.2,
+                                    seq_mask_high=4.0, m2po_threshold=0.5)),
+}
+
+
+@pytest.mark.parametrize("name", list(NEW_LOSSES))
+def test_the_new_losses_compile_whole_and_equal_eager(name):
+    """rl_loss under torch.compile (Inductor, one graph: fullgraph=True refuses a break) against eager, fp64:
+    loss, logit gradient and every metric within rtol 1e-10 / atol 1e-13 (only the summation order differs)."""
+    import loss as L
+    from loss_reference import STEP, assemble, cfg_for, head, make_docs
+
+    torch._dynamo.reset()
+    loss_type, icepop, extra = NEW_LOSSES[name]
+    cfg = cfg_for(loss_type, icepop_mask=icepop, kl_mask_directional=True, log_ratio_coeff=0.3, **extra)
+    mb, logits, noise = assemble(make_docs("replayed"), T=24)
+    denom = L.denominators([mb])
+    if cfg.m2po_threshold:  # the step's bound on (log pi_old/q)^2, found before the loss as train.py finds it
+        denom.m2_max = L.m2po_bound([head(logits, mb)[0].detach() + noise], [mb], cfg.m2po_threshold)
+    out = []
+    for fn in (L.rl_loss, torch.compile(L.rl_loss, fullgraph=True)):
+        logp, slogp, ent = head(logits, mb)
+        loss, m = fn(logp, slogp, ent, mb, cfg, denom, STEP, old_logp=logp.detach() + noise)
+        out.append((loss, torch.autograd.grad(loss, logits)[0], L.reduce_metrics(m)))
+    (l0, g0, m0), (l1, g1, m1) = out
+    assert torch.allclose(l0, l1, rtol=1e-10, atol=1e-13) and torch.allclose(g0, g1, rtol=1e-10, atol=1e-13)
+    assert set(m0) == set(m1) and all(m1[k] == pytest.approx(v, rel=1e-10, abs=1e-13) for k, v in m0.items())
+    assert m0["kl_mask/masked_fraction"] > 0 and m0["log_ratio_sq"] > 0
+    assert not cfg.m2po_threshold or 0 < m0["m2po/masked_fraction"] < 1

@@ -145,7 +145,7 @@ def test_help_still_prints(capsys):
     (["--icepop-beta", "2", "--loss", "reinforce"], "--icepop-beta 2 is not read by --loss reinforce (it is --loss icepop's)"),
     (["--tis-cap", "3"], "--tis-cap 3 is not read by --loss icepop (it is --loss tis's)"),
     (["--clip-low", "0.1"], "--clip-low 0.1 is not read by --loss icepop (it is --loss ppo, cispo, gspo's)"),
-    (["--icepop"], "--icepop-mask is not read by --loss icepop (it is --loss ppo, cispo, gspo's)"),
+    (["--icepop"], "--icepop-mask is not read by --loss icepop (it is --loss ppo, cispo, gspo, sapo's)"),
     (["--stage", "sft", "--async-level", "1"], "--async-level 1 is not read with --stage sft (it is for rl rollouts)"),
     (["--stage", "sft", "--engine-noise", "0.5"], "--engine-noise 0.5 is not read with --stage sft (it is for rl rollouts)"),
     (["--task", "arithmetic", "--min-words", "2"], "--min-words 2 is not read with --task arithmetic (it is --task reverse-text's)"),

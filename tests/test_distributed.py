@@ -71,12 +71,14 @@ def one_step(cfg, state, samples):
         scale = train.LossScale.for_dtype(cfg.train_dtype)  # fp16: 2^16, unscaled in optimizer_step
         if phase == "grads":
             mbs, denom, _ = train.prepare(cfg, batch, 32, "cpu")
-            train.backward_pass(cfg, model, model, mbs, denom, step=0, scale=scale.value)
+            old = train.old_logprobs(cfg, model, model, mbs, denom)  # --m2po-threshold: the bound over both ranks
+            train.backward_pass(cfg, model, model, mbs, denom, step=0, old=old, scale=scale.value)
             runs.append(({n: train.full(p.grad) / scale.value for n, p in model.named_parameters() if p.requires_grad},
                          len(mbs)))
         else:
             mbs, denom, total = train.prepare(cfg, batch, 32, "cpu")
-            L.accumulate(total, train.backward_pass(cfg, model, model, mbs, denom, step=0, scale=scale.value))
+            old = train.old_logprobs(cfg, model, model, mbs, denom)
+            L.accumulate(total, train.backward_pass(cfg, model, model, mbs, denom, step=0, old=old, scale=scale.value))
             L.accumulate(total, train.optimizer_step(cfg, model, opt, step=1, scale=scale, loss=total["loss"][0]))
             metrics = L.reduce_metrics(train.sum_over_ranks(total, "cpu"))
             weights = {n: train.full(p.detach()) for n, p in model.named_parameters()}
@@ -114,6 +116,7 @@ def _cases():
         cases.append((C.dataclasses.replace(cfg, micro_batch_tokens=budget).resolve(False), m.state_dict(), samples))
     cfg, state, samples = cases[0]  # --train-dtype bf16/fp16: autocast around FSDP2's fp32 weights, as in 1 process
     cases += [(C.dataclasses.replace(cfg, train_dtype=d), state, samples) for d in ("bf16", "fp16")]
+    cases.append((C.dataclasses.replace(cfg, m2po_threshold=0.02), state, samples))  # M2PO's bound: the step's, both ranks' tokens
     lcfg = C.dataclasses.replace(cfg, lora_rank=4, lora_alpha=8.0)  # LoRA: rank-4 adapters, B non-zero
     torch.manual_seed(0)
     lora.add(m, lora.spec_of(lcfg))
@@ -139,6 +142,8 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
         metrics, grads, weights, n_mb = one_step(C.dataclasses.replace(cfg, activation_checkpointing="off"), state, samples)
         assert n_mb == 3 and metrics["bad_evidence/dropped"] == pytest.approx(1 / 12)
         assert 0.02 < metrics["icepop/masked_fraction"] < 0.9 and metrics["grad_norm"] > cfg.grad_clip  # clipped
+        if cfg.m2po_threshold:  # the bound acts, and the ranks' masks agree with one process's (below)
+            assert 0 < metrics["m2po/masked_fraction"] < 1
         if cfg.lora_rank:  # the step moved the adapters alone
             assert grads.keys() == {k for k in weights if lora.is_adapter_key(k)}
             assert all(torch.equal(weights[k], state[k].to(weights[k].dtype)) for k in weights if not lora.is_adapter_key(k))

@@ -31,10 +31,12 @@ def test_matches_dense_reference(variant, kind, kl, agg):
     seed = 1 if loss_type == "gspo" else None
     want_m = compare_with_reference(cfg_for(loss_type, icepop_mask=icepop, loss_agg=agg, **KLS[kl]), kind, old, seed)
     # the masks must actually act, or this test could not catch a wrong one
-    for name in ("icepop/masked_fraction", "ipo/masked_fraction"):
+    for name in ("icepop/masked_fraction", "ipo/masked_fraction", "topr/clip_fraction"):
         if name in want_m:
             assert 0 < want_m[name] < 1, name
-    if old:
+    if loss_type == "sapo":  # no clip: its gate weights the gradient by 1 at rho = 1, less off it
+        assert want_m["sapo/gate_weight"] < 1 if old else want_m["sapo/gate_weight"] == pytest.approx(1, abs=1e-15)
+    elif old:
         assert want_m["ppo/clip_fraction"] > 0
 
 
@@ -53,7 +55,32 @@ CORRECTIONS = {  # name: (variant, extra flags); bounds chosen so every mask act
     "ppo+icepop+kl-k1": ("ppo+icepop", dict(kl_mask="k1", kl_mask_threshold=1.0)),
     "cispo+kl-binary+seq-geometric": ("cispo", dict(kl_mask="binary", kl_mask_threshold=0.5, seq_mask="geometric",
                                                     seq_mask_low=0.6, seq_mask_high=1.5)),
+    # DPPO's directional masks (arXiv 2602.04879): the one-update form and beside the clipped losses (pi_old/q)
+    "tis+tv-directional": ("tis", dict(kl_mask="binary_tv", kl_mask_threshold=0.1, kl_mask_directional=True)),
+    "reinforce+tv": ("reinforce", dict(kl_mask="binary_tv", kl_mask_threshold=0.1)),
+    "icepop+kl-binary-directional": ("icepop", dict(kl_mask="binary", kl_mask_threshold=0.05, kl_mask_directional=True)),
+    "ppo+tv-directional": ("ppo", dict(kl_mask="binary_tv", kl_mask_threshold=0.1, kl_mask_directional=True)),
+    "cispo+kl-binary-directional": ("cispo", dict(kl_mask="binary", kl_mask_threshold=0.05, kl_mask_directional=True)),
+    "sapo+icepop+tv-directional+seq-geometric": ("sapo+icepop", dict(kl_mask="binary_tv", kl_mask_threshold=0.1,
+                                                                     kl_mask_directional=True, seq_mask="geometric",
+                                                                     seq_mask_low=0.6, seq_mask_high=1.5)),
+    "topr+kl-binary-directional": ("topr", dict(kl_mask="binary", kl_mask_threshold=0.05, kl_mask_directional=True)),
+    # Kimi K2.5's tau*(log r)^2 (arXiv 2602.02276): r = p/q on the one-update form, p/pi_old on the clipped ones
+    "tis+log-ratio": ("tis", dict(log_ratio_coeff=0.3)),
+    "reinforce+log-ratio+seq-geometric": ("reinforce", dict(log_ratio_coeff=0.3, seq_mask="geometric",
+                                                            seq_mask_low=0.6, seq_mask_high=1.5)),
+    "ppo+icepop+log-ratio": ("ppo+icepop", dict(log_ratio_coeff=0.3)),
+    "sapo+log-ratio": ("sapo", dict(log_ratio_coeff=0.3)),
+    "topr+log-ratio": ("topr", dict(log_ratio_coeff=0.3)),
+    # M2PO (arXiv 2510.01161): the step's largest (log r)^2 dropped until the mean is <= tau; r = pi_old/q
+    "icepop+m2po": ("icepop", dict(m2po_threshold=0.5)),
+    "ppo+icepop+m2po": ("ppo+icepop", dict(m2po_threshold=0.5)),
+    "topr+m2po+tv-directional": ("topr", dict(m2po_threshold=0.5, kl_mask="binary_tv", kl_mask_threshold=0.1,
+                                              kl_mask_directional=True)),
+    "metrics-only+m2po": ("ppo+icepop", dict(correction_metrics_only=True, m2po_threshold=0.5)),
     "metrics-only": ("icepop", dict(correction_metrics_only=True, kl_mask_threshold=0.3)),
+    "metrics-only+directional": ("icepop", dict(correction_metrics_only=True, kl_mask_threshold=0.1,
+                                                kl_mask_directional=True)),
     "metrics-only+ppo+masks": ("ppo+icepop", dict(correction_metrics_only=True, seq_mask="max", kl_mask="k3",
                                                   seq_mask_low=0.2, seq_mask_high=4.0)),
 }
@@ -68,7 +95,8 @@ def test_corrections_match_dense_reference(name, kind, kl, agg):
     variant, extra = CORRECTIONS[name]
     loss_type, icepop, old = VARIANTS[variant]
     want_m = compare_with_reference(cfg_for(loss_type, icepop_mask=icepop, loss_agg=agg, **KLS[kl], **extra), kind, old)
-    for k in ("tis/clip_fraction", "kl_mask/masked_fraction", "seq_mask/masked_fraction"):
+    for k in ("tis/clip_fraction", "kl_mask/masked_fraction", "seq_mask/masked_fraction", "m2po/masked_fraction",
+              "correction/would_mask/m2po"):
         if k in want_m:  # the masks must act, and not on everything
             assert 0 < want_m[k] < 1, k
 
@@ -171,6 +199,8 @@ def test_monte_carlo_pure_importance_weights(kind):
 # ----------------------------------------------------------------------------- 3. micro-batch invariance
 
 SPLITS = {"icepop": ("icepop", {}), "ipo": ("ipo", {}), "cispo+icepop": ("cispo+icepop", {}), "gspo+icepop": ("gspo+icepop", {}),
+          "sapo+icepop+log-ratio": ("sapo+icepop", dict(log_ratio_coeff=0.3)),
+          "topr+tv-directional": ("topr", dict(kl_mask="binary_tv", kl_mask_threshold=0.1, kl_mask_directional=True)),
           "tis+masks": ("tis", dict(seq_mask="geometric", seq_mask_low=0.6, seq_mask_high=1.5, kl_mask="binary")),
           "metrics-only": ("ppo+icepop", dict(correction_metrics_only=True, seq_mask="max", kl_mask="k3"))}
 
@@ -196,12 +226,57 @@ def test_one_vs_four_micro_batches(name, agg):
     assert_metrics_close(m1, m4, tol=1e-12)
 
 
+def test_m2po_bound_is_the_steps_on_one_rank_or_two():
+    """--m2po-threshold's bound covers the optimizer step: 1 rank x 4 micro-batches and 2 ranks x 2 (the
+    same batch dealt as my_share deals it, each rank's values gathered) give one bound, one mask and one
+    gradient; a bound found per micro-batch would not."""
+    cfg = cfg_for("tis", m2po_threshold=0.5, **KLS["exact"])
+    docs = make_docs("replayed", seed=7, shapes=[(2, 4), (3, 3), (2, 0), (3, 5), (2, 2), (4, 3), (2, 6), (3, 1)])
+    leaves = [d.logits for d in docs]
+    mbs, logits, _ = map(list, zip(*[assemble(docs[i:i + 2], T=16) for i in range(0, 8, 2)]))
+    starts = [head(lg, mb)[0].detach() for mb, lg in zip(mbs, logits)]
+    one = L.m2po_bound(starts, mbs, cfg.m2po_threshold)
+    ranks = [[0, 2], [1, 3]]
+    seen = []  # each rank's own values, as the gather receives them
+    for r in ranks:
+        L.m2po_bound([starts[i] for i in r], [mbs[i] for i in r], cfg.m2po_threshold, lambda x: seen.append(x) or x)
+    two = [L.m2po_bound([starts[i] for i in r], [mbs[i] for i in r], cfg.m2po_threshold, lambda x: torch.cat(seen))
+           for r in ranks]
+    assert two == [one, one] and 0 <= one < math.inf
+    assert any(L.m2po_bound([s], [mb], cfg.m2po_threshold) != one for s, mb in zip(starts, mbs))
+    denom = replace(L.denominators(mbs), m2_max=one)  # train.prepare counts the whole batch on every rank
+    results = []
+    for parts in ([[0, 1, 2, 3]], ranks):
+        loss, total = 0.0, {}
+        for r in parts:
+            for i in r:
+                logp, slogp, ent = head(logits[i], mbs[i])
+                l, m = L.rl_loss(logp, slogp, ent, mbs[i], cfg, denom, STEP)
+                loss = loss + l
+                L.accumulate(total, m)
+        results.append((loss, grads(loss, leaves), L.reduce_metrics(total)))
+    (l1, g1, m1), (l2, g2, m2) = results
+    assert 0 < m1["m2po/masked_fraction"] < 1
+    assert torch.allclose(l1, l2, rtol=1e-12) and all(torch.allclose(a, b, rtol=1e-12, atol=1e-15) for a, b in zip(g1, g2))
+    assert_metrics_close(m1, m2, tol=1e-12)
+
+
+def test_m2po_drops_ties_together_and_keeps_the_mean_under_tau():
+    """Values by hand: (log r)^2 = 0.01, 0.04, 0.25, 0.25, 1.0 with tau 0.1: the mean of the three smallest,
+    0.17, passes tau, so both 0.25s go (a bound on the value); the rest's mean 0.025 is <= tau."""
+    lr = [0.1, -0.2, 0.5, -0.5, 1.0]
+    mb, lp = docs_batch([[-1.0 + x for x in lr]], [[-1.0] * 5], [1.0], dtype=F64)
+    assert L.m2po_bound([lp.detach()], [mb], 0.1) == pytest.approx(0.04)
+    assert L.m2po_bound([lp.detach()], [mb], 0.005) == -1.0  # not even the smallest fits: every token goes
+    assert L.m2po_bound([lp.detach()], [mb], 10.0) == pytest.approx(1.0)
+
+
 # ----------------------------------------------------------------------------- 4. overflowing ratios
 
 @pytest.mark.parametrize("masks", ["off", "seq+kl", "metrics-only"])
 @pytest.mark.parametrize("kl", ["no-kl", "exact"])
 @pytest.mark.parametrize("variant", ["reinforce", "icepop", "ipo", "tis", "ppo", "ppo+icepop+sg", "cispo",
-                                     "cispo+icepop+sg", "gspo", "gspo+icepop+sg"])
+                                     "cispo+icepop+sg", "gspo", "gspo+icepop+sg", "sapo", "sapo+icepop+sg", "topr"])
 def test_log_ratio_of_1000(variant, kl, masks):
     loss_type, icepop, _ = VARIANTS[variant]
     extra = {"off": {}, "seq+kl": dict(seq_mask="geometric", kl_mask="binary"),
@@ -228,7 +303,7 @@ def test_log_ratio_of_1000(variant, kl, masks):
         assert grad.abs().sum() > 0  # the other tokens still train
 
 
-@pytest.mark.parametrize("loss_type", ["ppo", "cispo", "gspo"])
+@pytest.mark.parametrize("loss_type", ["ppo", "cispo", "gspo", "sapo"])
 def test_masked_token_with_overflowing_rho(loss_type):
     """pi_old = p * e^-1000 on one token: rho overflows, M(k) masks it; it must add exactly 0."""
     cfg = cfg_for(loss_type, icepop_mask=True)
@@ -388,10 +463,83 @@ def test_correction_flags_are_checked():
                      (dict(icepop_alpha=float("nan")), "--icepop-alpha must be a finite number, got nan"),
                      (dict(tis_floor=1e39), "--tis-floor must be a finite number in float32"),
                      (dict(seq_mask_low=1.0), "--seq-mask-low"), (dict(seq_mask_high=0.9), "--seq-mask-high"),
-                     (dict(kl_mask_threshold=0.0), "--kl-mask-threshold")):
+                     (dict(kl_mask_threshold=0.0), "--kl-mask-threshold"),
+                     (dict(sapo_tau_neg=0.0), "--sapo-tau-pos/--sapo-tau-neg need both > 0"),
+                     (dict(sapo_tau_pos=float("inf")), "--sapo-tau-pos must be a finite number"),
+                     (dict(log_ratio_coeff=-0.1), "--log-ratio-coeff must be >= 0"),
+                     (dict(m2po_threshold=-0.1), "--m2po-threshold must be >= 0"),
+                     (dict(m2po_threshold=float("inf")), "--m2po-threshold must be a finite number"),
+                     (dict(log_ratio_coeff=float("nan")), "--log-ratio-coeff must be a finite number"),
+                     (dict(kl_mask_directional=True), "--kl-mask-directional has no effect with --kl-mask off")):
         with pytest.raises(ConfigError, match=flag):
             L.check_flags(Config(**kw))
     L.check_flags(Config(tis_cap=float("inf"), max_importance_ratio=float("inf")))  # inf: no cap
+
+
+@pytest.mark.parametrize("kind, threshold", [("binary_tv", 0.2), ("binary", 0.3)])
+def test_dppo_directional_mask_by_hand(kind, threshold):
+    """DPPO (arXiv 2602.04879): a token leaves only when its divergence passes delta AND A pushes p(a) further
+    from q(a). Five one-token sequences, (p, q, A) by hand; TV = |p - q| = 0.4, 0.4, 0.4, 0.4, 0.05 and binary
+    KL(Bern(q)||Bern(p)) = 0.51, 0.51, 0.38, 0.38, 0.005: the first four pass delta, two of them unsafely."""
+    pqa = [(0.9, 0.5, 1.0), (0.9, 0.5, -1.0), (0.2, 0.6, -1.0), (0.2, 0.6, 1.0), (0.55, 0.5, 1.0)]
+    mb, lp = docs_batch([[math.log(p)] for p, _, _ in pqa], [[math.log(q)] for _, q, _ in pqa],
+                        [a for _, _, a in pqa], pad=1, dtype=F64)
+    adv = torch.tensor([a for _, _, a in pqa], dtype=F64) * 1.3
+    for directional, masked in ((False, [1, 1, 1, 1, 0]), (True, [1, 0, 1, 0, 0])):
+        cfg = cfg_for("reinforce", kl_mask=kind, kl_mask_threshold=threshold, kl_mask_directional=directional)
+        loss, m = L.rl_loss(lp, lp.new_zeros(0), torch.zeros_like(lp), mb, cfg, L.denominators([mb]), STEP)
+        g = torch.autograd.grad(loss, lp)[0][:5]
+        kept = 1 - torch.tensor(masked, dtype=F64)
+        assert torch.allclose(g, -adv * kept / 5, rtol=1e-12, atol=0)  # plain reinforce on the kept tokens
+        assert L.reduce_metrics(m)["kl_mask/masked_fraction"] == pytest.approx(sum(masked) / 5, abs=1e-15)
+
+
+def test_sapo_gate_by_hand():
+    """SAPO's gradient on log p(a): -A*4*s*(1 - s)*rho per token, s = sigmoid(tau*(rho - 1)), tau by A's sign;
+    the plain policy gradient -A at rho = 1, and the same rho fades faster under the larger tau_neg."""
+    mb, lp = docs_batch([[-1.0], [-1.0], [-1.0], [-1.0]], [[-1.0]] * 4, [1.0, -1.0, 1.0, -1.0], dtype=F64)
+    old = lp.detach() - torch.tensor([0.5, 0.5, 0.0, 0.0], dtype=F64)  # rho = e^0.5 on the first two, 1 on the rest
+    cfg = Config(loss="sapo", sapo_tau_pos=1.0, sapo_tau_neg=3.0)
+    loss, m = L.rl_loss(lp, lp.new_zeros(0), torch.zeros_like(lp), mb, cfg, L.denominators([mb]), STEP, old_logp=old)
+    g = torch.autograd.grad(loss, lp)[0]
+    want = []
+    for A, log_rho in ((1.0, 0.5), (-1.0, 0.5), (1.0, 0.0), (-1.0, 0.0)):
+        tau, rho = (1.0 if A > 0 else 3.0), math.exp(log_rho)
+        s = 1 / (1 + math.exp(-tau * (rho - 1)))
+        want.append(-A * 4 * s * (1 - s) * rho / 4)
+    assert g.tolist() == pytest.approx(want, rel=1e-12)
+    assert want[2:] == [-0.25, 0.25] and abs(want[1]) < abs(want[0])
+
+
+def test_log_ratio_term_by_hand():
+    """Kimi K2.5's tau*(log r)^2 adds 2*tau*log r to dL/dlog p(a): r = p/q under tis, p/pi_old under ppo."""
+    mb, lp = docs_batch([[-1.0, -2.0]], [[-1.5, -1.0]], [1.0], dtype=F64)
+    old = lp.detach() + torch.tensor([0.2, -0.1], dtype=F64)
+    for loss_type, log_r in (("tis", [0.5, -1.0]), ("ppo", [-0.2, 0.1])):
+        out = []
+        for tau in (0.0, 0.7):
+            cfg = Config(loss=loss_type, tis_cap=10.0, clip_low=0.9, clip_high=10.0, log_ratio_coeff=tau)
+            loss, m = L.rl_loss(lp, lp.new_zeros(0), torch.zeros_like(lp), mb, cfg, L.denominators([mb]), STEP,
+                                old_logp=old)
+            out.append((loss, torch.autograd.grad(loss, lp)[0], L.reduce_metrics(m)))
+        (l0, g0, _), (l1, g1, m1) = out
+        assert (l1 - l0).item() == pytest.approx(0.7 * sum(x * x for x in log_r) / 2, rel=1e-12)
+        assert (g1 - g0).tolist() == pytest.approx([2 * 0.7 * x / 2 for x in log_r], rel=1e-12)
+        assert m1["log_ratio_sq"] == pytest.approx(sum(x * x for x in log_r) / 2, rel=1e-12)
+
+
+def test_topr_weights_by_hand():
+    """TOPR: w = 1 on a sequence with A >= 0 whatever its ratio; min(1, prod p/q) with A < 0."""
+    lq = [[-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0]]
+    lp = [[-0.8, -0.9], [-1.5, -1.2], [2.0 - 1.0, -1.0]]  # log prod r = 0.3 (truncated to 1), -0.7, 2 (A > 0)
+    mb, logp = docs_batch(lp, lq, [-1.0, -1.0, 1.0], dtype=F64)
+    loss, m = L.rl_loss(logp, logp.new_zeros(0), torch.zeros_like(logp), mb, Config(loss="topr"), L.denominators([mb]),
+                        STEP)
+    g = torch.autograd.grad(loss, logp)[0]
+    w = [1.0, 1.0, math.exp(-0.7), math.exp(-0.7), 1.0, 1.0]
+    A = [-1.0, -1.0, -1.0, -1.0, 1.0, 1.0]
+    assert g.tolist() == pytest.approx([-a * x / 6 for a, x in zip(A, w)], rel=1e-12)
+    assert L.reduce_metrics(m)["topr/clip_fraction"] == pytest.approx(2 / 6, abs=1e-15)
 
 
 def test_icepop_bounds_are_inclusive():
@@ -648,7 +796,9 @@ def test_host_syncs(monkeypatch):
         for mb, (logp, slogp, ent) in zip(mbs, heads):
             for c in (cfg, replace(cfg, loss="icepop", loss_agg="sequence"),
                       replace(cfg, loss="tis", seq_mask="geometric", kl_mask="binary"),
-                      replace(cfg, seq_mask="max", kl_mask="k1"), replace(cfg, correction_metrics_only=True)):
+                      replace(cfg, seq_mask="max", kl_mask="k1"), replace(cfg, correction_metrics_only=True),
+                      replace(cfg, loss="sapo", kl_mask="binary_tv", kl_mask_directional=True, log_ratio_coeff=0.1),
+                      replace(cfg, loss="topr", kl_mask="binary", kl_mask_directional=True, log_ratio_coeff=0.1)):
                 _, m = L.rl_loss(logp, slogp, ent, mb, c, denom, STEP, old_logp=logp.detach() - 0.1)
                 L.accumulate(total, m)
         assert w.events == []  # none inside the micro-batch loop
