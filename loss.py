@@ -182,7 +182,8 @@ def reads_support(cfg: Config) -> bool:
     it; truncated sampling always reports its kept set, whatever the loss, because the trainer's p
     is renormalized over it: otherwise log p - log q would be off by the log of the trainer's mass
     on the kept set, which is no mismatch."""
-    return truncated(cfg.top_p, cfg.top_k) or trained(cfg).centered or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")
+    return (truncated(cfg.top_p, cfg.top_k) or trained(cfg).centered or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")
+            or distills_exact(cfg))
 
 
 def sparse_ok(cfg: Config, support: TokenSupport | None) -> bool:
@@ -190,12 +191,12 @@ def sparse_ok(cfg: Config, support: TokenSupport | None) -> bool:
 
     Decided from the config alone (the replayed flags live on the device): truncated sampling
     gives replayed rows, where every loss and KL is exact; K draws are exact only for a loss
-    whose weights are 1 (`sparse_draws`) and no KL. --seq-mask/--kl-mask zero a token's whole
+    whose weights are 1 (`sparse_draws`) and no KL, to the sampler or to a teacher. --seq-mask/--kl-mask zero a token's whole
     policy term, centering included, so G_t stays 0 under them. Assumes every loss token carries
     its row (Sampling(support=True)): an empty draws row on a loss token needs the dense path."""
     if support is None:
         return False
-    return truncated(cfg.top_p, cfg.top_k) or (trained(cfg).sparse_draws and cfg.kl_coeff == 0)
+    return truncated(cfg.top_p, cfg.top_k) or (trained(cfg).sparse_draws and cfg.kl_coeff == 0 and cfg.distill_coeff == 0)
 
 
 def group_advantages(rewards: list[float], group_size: int, std_norm: bool = False) -> list[float]:
@@ -378,6 +379,42 @@ def _kl_term(logp: Tensor, logq: Tensor, rows: _Rows | None, support_logp: Tenso
     return beta * kl
 
 
+# ----------------------------------------------------------------------------- on-policy distillation
+
+def distills_exact(cfg: Config) -> bool:
+    """--distill-estimator exact is on: the teacher's KL reads every loss token's support row."""
+    return cfg.distill_coeff > 0 and cfg.distill_estimator == "exact"
+
+
+def _distill_term(logp: Tensor, teacher: tuple[Tensor, Tensor], rows: _Rows | None, support_logp: Tensor,
+                  sup: TokenSupport | None, adv: Tensor, coeff: float, exact: bool, mask: Tensor, metrics: Metrics) -> Tensor:
+    """lambda * KL(p || t) per loss token, p the student (the trainer), t the teacher, both at the sampling
+    temperature and renormalized alike over a replayed row (the same head):
+    k1:    lambda * sg[log p(a) - log t(a)] * log p(a), the sampled token's log-ratio as a negative advantage;
+    exact: lambda * sum_{v in S_t} omega_v * (log p(v) - log t(v)), differentiated as it stands (omega_v
+           carries grad): omega_v = p(v) on a replayed row, the exact KL over the kept set; p(v) / (K q(v))
+           on K draws from q, an unbiased estimate of the full KL and of its gradient. A token with an
+           empty row (or a micro-batch with no support) takes k1.
+    Logs distill/kl (the estimate per loss token) and distill/share, sum lambda*|KL| / sum (|A| + lambda*|KL|)
+    over loss tokens: the distillation's share of the signal on the scores, 1 with --adv-tau 0."""
+    t_logp, t_support_logp = teacher
+    t_logp = torch.where(mask, t_logp.to(logp.dtype), logp.detach())  # ratio 1 outside the loss
+    log_ratio = logp.detach() - t_logp
+    kl, term = log_ratio, log_ratio * logp
+    if exact and rows is not None:
+        live, k = mask[rows.row], rows.counts[rows.row].clamp(min=1).to(logp.dtype)
+        log_w = torch.where(sup.replayed[rows.row], support_logp, support_logp - rows.logq - k.log())
+        omega = torch.where(live, log_w, -math.inf).exp()
+        diff = torch.where(live, support_logp - t_support_logp.to(logp.dtype), 0.0)
+        exact_kl = rows.sum(omega * diff)
+        has_row = rows.counts > 0
+        kl, term = torch.where(has_row, exact_kl.detach(), kl), torch.where(has_row, exact_kl, term)
+    size = coeff * kl.abs()
+    metrics["distill/kl"] = stat(kl, mask)
+    metrics["distill/share"] = (torch.where(mask, size, 0.0).sum(), torch.where(mask, adv.abs() + size, 0.0).sum())
+    return coeff * term
+
+
 def _normalization(mb: MicroBatch, agg: str, denom: Denominators, dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
     """Per-token coefficient of the global loss (--loss-agg token or sequence); (coef, this micro-batch's
     count, global count)."""
@@ -389,12 +426,14 @@ def _normalization(mb: MicroBatch, agg: str, denom: Denominators, dtype: torch.d
 
 
 def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch, cfg: Config,
-            denom: Denominators, step: int | Tensor, old_logp: Tensor | None = None) -> tuple[Tensor, Metrics]:
+            denom: Denominators, step: int | Tensor, old_logp: Tensor | None = None,
+            teacher: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Metrics]:
     """This micro-batch's share of the global loss, and its (sum, count) metrics; no host sync. The flags
     are read here, once; the terms below get the values they use.
 
     logp [T] and support_logp [nnz] carry grad (renormalized over the row where replayed);
-    entropy [T] is a metric; old_logp [T] is pi_old for ppo/cispo (None: sg(logp))."""
+    entropy [T] is a metric; old_logp [T] is pi_old for ppo/cispo (None: sg(logp)); `teacher` (--teacher) is
+    the teacher's (logp [T], support_logp [nnz]) from the same head on the same micro-batch, no grad."""
     mask, lp = mb.loss_mask, logp.detach()
     adv = torch.where(mask, mb.advantages.to(lp.dtype), 0.0) * cfg.adv_tau
     logq = torch.where(mask, mb.logq.to(lp.dtype), lp)
@@ -409,7 +448,8 @@ def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch,
     old = lp if loss.centered or old_logp is None else torch.where(mask, old_logp.detach().to(lp.dtype), lp)
     keep = keep_mask(old, logq, mb.doc_ids, mask, masks, metrics)  # judges p/q, or pi_old/q for ppo/cispo
     exact = cfg.kl_estimator == "exact"
-    rows = _rows(mb.support, support_logp, mask) if mb.support is not None and (loss.centered or cfg.kl_coeff > 0 and exact) else None
+    reads_rows = loss.centered or cfg.kl_coeff > 0 and exact or distills_exact(cfg)
+    rows = _rows(mb.support, support_logp, mask) if mb.support is not None and reads_rows else None
     if loss.centered:
         per_token = _centered_term(logp, logq, adv, rows, support_logp, name, flag_values(loss, cfg), keep, mask, metrics, turns)
     else:
@@ -419,6 +459,9 @@ def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch,
     if cfg.kl_coeff > 0:  # never masked: a regularizer, not a correction
         per_token = per_token + _kl_term(logp, logq, rows, support_logp, age, cfg.kl_coeff, exact,
                                          cfg.kl_staleness == "inv_sqrt", mask, metrics)
+    if cfg.distill_coeff > 0:  # never masked: an objective of its own, on the student's own tokens
+        per_token = per_token + _distill_term(logp, teacher, rows, support_logp, mb.support, adv, cfg.distill_coeff,
+                                              distills_exact(cfg), mask, metrics)
     coef, count, d = _normalization(mb, cfg.loss_agg, denom, lp.dtype)
     loss_value = (coef * torch.where(mask, per_token, 0.0)).sum()
     metrics["loss"] = (loss_value.detach() * d, count)

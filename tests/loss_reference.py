@@ -50,6 +50,7 @@ class Doc:
     replayed: list  # per position
     sample: int
     old_noise: torch.Tensor  # fp64 [n]: pi_old = trainer log-prob + this
+    teacher: torch.Tensor | None = None  # fp64 [n, V]: a teacher's logits (--teacher), no grad
 
 
 def make_doc(g: torch.Generator, sample: int, P: int, C: int, kind: str, noise: float = 1.5) -> Doc:
@@ -144,14 +145,16 @@ def grads(loss: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.zeros_like(x) if g is None else g for g, x in zip(gs, leaves)]
 
 
-def run_loss(mbs, logits_list, cfg, old_list=None, denom=None, step=STEP):
-    """Sum rl_loss over micro-batches as train.py does; (loss, reduced metrics)."""
+def run_loss(mbs, logits_list, cfg, old_list=None, denom=None, step=STEP, teachers=None):
+    """Sum rl_loss over micro-batches as train.py does; (loss, reduced metrics). `teachers`: each
+    micro-batch's teacher logits, through the same head."""
     denom = denom or L.denominators(mbs)
     total, metrics = 0.0, {}
     for i, (mb, logits) in enumerate(zip(mbs, logits_list)):
         logp, slogp, ent = head(logits, mb)
         old = None if old_list is None else logp.detach() + old_list[i]
-        loss, m = L.rl_loss(logp, slogp, ent, mb, cfg, denom, step, old_logp=old)
+        teacher = None if teachers is None else tuple(x.detach() for x in head(teachers[i], mb)[:2])
+        loss, m = L.rl_loss(logp, slogp, ent, mb, cfg, denom, step, old_logp=old, teacher=teacher)
         total = total + loss
         L.accumulate(metrics, m)
     return total, L.reduce_metrics(metrics)
@@ -195,6 +198,8 @@ class Tok:
     ids: list
     lqs: list
     u: list
+    replayed: bool = False
+    lt: object = None  # v -> the teacher's log t(v) as a float, renormalized over a replayed row (--teacher)
 
 
 def ref_centered(cfg: Config, t: Tok, keep: bool, st: Stats) -> torch.Tensor:
@@ -275,6 +280,22 @@ def ref_kl(cfg: Config, t: Tok, age: int, st: Stats) -> torch.Tensor:
     return beta * kl
 
 
+def ref_distill(cfg: Config, t: Tok, st: Stats) -> torch.Tensor:
+    """lambda*KL(p||t) of docs/design.md "On-policy distillation": k1 is sg(log p(a) - log t(a))*log p(a); exact
+    sums p(v)*(log p(v) - log t(v)) over a replayed row, p(v)/(K*q(v))*(...) over K draws, with grad through
+    both p(v) and log p(v); exact with no row is k1."""
+    if cfg.distill_estimator == "exact" and t.ids:
+        kl = sum((torch.exp(t.lp(v)) if t.replayed else torch.exp(t.lp(v)) / (len(t.ids) * math.exp(lq)))
+                 * (t.lp(v) - t.lt(v)) for v, lq in zip(t.ids, t.lqs))
+        value, term = kl.item(), kl
+    else:
+        value = t.lp(t.a).item() - t.lt(t.a)
+        term = value * t.lp(t.a)
+    st.add("distill/kl", value)
+    st.add("distill/share", cfg.distill_coeff * abs(value), abs(t.A) + cfg.distill_coeff * abs(value))
+    return cfg.distill_coeff * term
+
+
 def ref_seq_masked(cfg: Config, mode: str, lks: list[float]) -> bool:
     """--seq-mask in plain floats: the geometric mean as a root of the product (short sequences)."""
     rs = [math.exp(x) for x in lks]
@@ -347,12 +368,15 @@ def reference(docs: list[Doc], cfg: Config, step: int, old: bool):
             norm = torch.logsumexp(z[ids], 0) if d.replayed[i] else 0.0
             u = [math.exp(x) if d.replayed[i] else 1 / len(ids) for x in lqs]
             t = Tok(lambda v, z=z, norm=norm: z[v] - norm, int(d.labels[i]), cfg.adv_tau * d.adv,
-                    float(d.logq[i]), ids, lqs, u)
+                    float(d.logq[i]), ids, lqs, u, d.replayed[i])
             st.add("entropy", -(z.exp() * z).sum().item())
             lr = clamp20(t.lp(t.a).item() - t.lq_a)
             st.add("mismatch/kl", math.exp(lr) - 1 - lr)
             st.add("mismatch/abs_logratio", abs(lr))
             old_a = t.lp(t.a).item() + (float(d.old_noise[i]) if old and not centered else 0.0)
+            if d.teacher is not None:
+                zt = torch.log_softmax(d.teacher[i] / TEMP, -1)
+                t.lt = lambda v, zt=zt, tn=(torch.logsumexp(zt[ids], 0) if d.replayed[i] else 0.0): float(zt[v] - tn)
             toks.append((t, old_a, max(step - int(d.versions[i]), 0)))
         lqs = [t.lq_a for t, _, _ in toks]
         if cfg.correction_metrics_only and toks:
@@ -366,6 +390,8 @@ def reference(docs: list[Doc], cfg: Config, step: int, old: bool):
         for (t, old_a, age), term in zip(toks, terms):
             if cfg.kl_coeff > 0:
                 term = term + ref_kl(cfg, t, age, st)
+            if cfg.distill_coeff > 0:
+                term = term + ref_distill(cfg, t, st)
             doc_sum = doc_sum + term
         if n_doc:
             total = total + (doc_sum / n_tok if cfg.loss_agg == "token" else doc_sum / (n_doc * n_seq))
