@@ -388,27 +388,27 @@ def distills_exact(cfg: Config) -> bool:
 
 def _distill_term(logp: Tensor, teacher: tuple[Tensor, Tensor], rows: _Rows | None, support_logp: Tensor,
                   sup: TokenSupport | None, adv: Tensor, coeff: float, exact: bool, mask: Tensor, metrics: Metrics) -> Tensor:
-    """lambda * KL(p || t) per loss token, p the student (the trainer), t the teacher, both at the sampling
-    temperature and renormalized alike over a replayed row (the same head):
-    k1:    lambda * sg[log p(a) - log t(a)] * log p(a), the sampled token's log-ratio as a negative advantage;
-    exact: lambda * sum_{v in S_t} omega_v * (log p(v) - log t(v)), differentiated as it stands (omega_v
-           carries grad): omega_v = p(v) on a replayed row, the exact KL over the kept set; p(v) / (K q(v))
-           on K draws from q, an unbiased estimate of the full KL and of its gradient. A token with an
-           empty row (or a micro-batch with no support) takes k1.
-    Logs distill/kl (the estimate per loss token) and distill/share, sum lambda*|KL| / sum (|A| + lambda*|KL|)
-    over loss tokens: the distillation's share of the signal on the scores, 1 with --adv-tau 0."""
+    """lambda * KL(p || t) per loss token as a score-function term, p the student (the trainer), t the teacher,
+    both at the sampling temperature and renormalized alike over a replayed row (the same head):
+
+        lambda * sum_{v in S} sg[omega_v * (log p(v) - log t(v))] * log p(v)
+
+    k1: S = {a}, omega = 1 (the sampled token's log-ratio as a negative advantage). exact: S = the token's
+    support row, omega_v = p(v) on a replayed row (the gradient of the exact KL over the kept set, since
+    sum_S p grad log p = 0 there), p(v) / (K q(v)) on K draws from q (an unbiased estimate of the full
+    KL's gradient). A token with an empty row, or a micro-batch with no support, takes k1.
+    Logs distill/kl (sum_S omega*(log p - log t) per loss token) and distill/share, sum lambda*|KL| /
+    sum (|A| + lambda*|KL|) over loss tokens: the distillation's share of the signal, 1 with --adv-tau 0."""
     t_logp, t_support_logp = teacher
     t_logp = torch.where(mask, t_logp.to(logp.dtype), logp.detach())  # ratio 1 outside the loss
-    log_ratio = logp.detach() - t_logp
-    kl, term = log_ratio, log_ratio * logp
+    kl = logp.detach() - t_logp
+    term = kl * logp
     if exact and rows is not None:
         live, k = mask[rows.row], rows.counts[rows.row].clamp(min=1).to(logp.dtype)
-        log_w = torch.where(sup.replayed[rows.row], support_logp, support_logp - rows.logq - k.log())
-        omega = torch.where(live, log_w, -math.inf).exp()
-        diff = torch.where(live, support_logp - t_support_logp.to(logp.dtype), 0.0)
-        exact_kl = rows.sum(omega * diff)
+        log_w = torch.where(sup.replayed[rows.row], rows.logp, rows.logp - rows.logq - k.log())
+        coef = torch.where(live, log_w, -math.inf).exp() * torch.where(live, rows.logp - t_support_logp.to(logp.dtype), 0.0)
         has_row = rows.counts > 0
-        kl, term = torch.where(has_row, exact_kl.detach(), kl), torch.where(has_row, exact_kl, term)
+        kl, term = torch.where(has_row, rows.sum(coef), kl), torch.where(has_row, rows.sum(coef * support_logp), term)
     size = coeff * kl.abs()
     metrics["distill/kl"] = stat(kl, mask)
     metrics["distill/share"] = (torch.where(mask, size, 0.0).sum(), torch.where(mask, adv.abs() + size, 0.0).sum())

@@ -281,13 +281,14 @@ def ref_kl(cfg: Config, t: Tok, age: int, st: Stats) -> torch.Tensor:
 
 
 def ref_distill(cfg: Config, t: Tok, st: Stats) -> torch.Tensor:
-    """lambda*KL(p||t) of docs/design.md "On-policy distillation": k1 is sg(log p(a) - log t(a))*log p(a); exact
-    sums p(v)*(log p(v) - log t(v)) over a replayed row, p(v)/(K*q(v))*(...) over K draws, with grad through
-    both p(v) and log p(v); exact with no row is k1."""
+    """lambda * sum_v sg[omega_v*(log p(v) - log t(v))] * log p(v) of docs/design.md "On-policy distillation":
+    k1 the sampled token alone with omega = 1; exact every entry of the row, omega_v = p(v) on a replayed
+    row, p(v)/(K*q(v)) on K draws; exact with no row is k1. distill/kl is the sum of the sg[...] factors."""
     if cfg.distill_estimator == "exact" and t.ids:
-        kl = sum((torch.exp(t.lp(v)) if t.replayed else torch.exp(t.lp(v)) / (len(t.ids) * math.exp(lq)))
-                 * (t.lp(v) - t.lt(v)) for v, lq in zip(t.ids, t.lqs))
-        value, term = kl.item(), kl
+        p = [math.exp(t.lp(v).item()) for v in t.ids]
+        omega = p if t.replayed else [pv / (len(t.ids) * math.exp(lq)) for pv, lq in zip(p, t.lqs)]
+        coefs = [w * (t.lp(v).item() - t.lt(v)) for w, v in zip(omega, t.ids)]
+        value, term = sum(coefs), sum(c * t.lp(v) for c, v in zip(coefs, t.ids))
     else:
         value = t.lp(t.a).item() - t.lt(t.a)
         term = value * t.lp(t.a)
