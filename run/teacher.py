@@ -69,8 +69,8 @@ def same_vocabulary(ours: TextCodec, theirs: TextCodec) -> None:
         raise ValueError(f"its tokenizer has {len(b)} tokens, the student's {len(a)}; distillation needs the same tokenizer")
     token = min((t for t in a if a[t] != b.get(t)), key=lambda t: a[t])
     where = f"id {b[token]}" if token in b else "no id"
-    raise ValueError(f"its tokenizer differs from the student's: {token!r} is id {a[token]} there, {where} in the "
-                     "teacher's; distillation needs the same tokenizer")
+    raise ValueError(f"its tokenizer differs from the student's: {token!r} is id {a[token]} in the student's, {where} in "
+                     "the teacher's; distillation needs the same tokenizer")
 
 
 def check_head(teacher: Transformer, student: Transformer) -> None:

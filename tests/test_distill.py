@@ -162,7 +162,7 @@ def corrupt(tmp_path: Path) -> Path:
     ("sft", ["--stage", "sft", "--teacher", "checkpoints/reverse-tiny", "--distill-coeff", "1"], "--teacher is for --stage rl"),
     ("another vocabulary", ["--teacher", "checkpoints/arith-tiny", "--distill-coeff", "1"],
      "--teacher checkpoints/arith-tiny: its tokenizer has 45 tokens, the student's 32"),
-    ("swapped ids", ["--teacher", "{swapped}", "--distill-coeff", "1"], "its tokenizer differs from the student's: 'a' is id"),
+    ("swapped ids", ["--teacher", "{swapped}", "--distill-coeff", "1"], "its tokenizer differs from the student's: 'a' is id 3 in the student's, id 4 in the teacher's"),
     ("missing", ["--teacher", "{tmp}/nowhere", "--distill-coeff", "1"], "no such directory"),
     ("corrupt", ["--teacher", "{corrupt}", "--distill-coeff", "1"], "unreadable safetensors file"),
 ])
@@ -174,6 +174,16 @@ def test_refusals_are_one_line_exit_2_nothing_written(case, args, words, tmp_pat
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0], r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_head_of_another_size_is_refused():
+    from model import ModelArgs, TINY, Transformer
+    from run.teacher import check_head
+    with torch.device("meta"):
+        student, teacher = Transformer(ModelArgs(32, **TINY)), Transformer(ModelArgs(64, **TINY))
+    with pytest.raises(ValueError, match="vocab_size is 64, the student's 32"):
+        check_head(teacher, student)
+    check_head(student, student)
 
 
 def test_the_shipped_checkpoints_really_differ_in_vocabulary():
