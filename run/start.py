@@ -162,7 +162,8 @@ def plan_setup(cfg: Config, device_bytes: int) -> memplan.Setup:
     return memplan.Setup(world, cfg.lora_rank, tuple(cfg.lora_targets), cfg.base_dtype, cfg.train_dtype, cfg.engine,
                          cfg.engine_dtype, cfg.vllm_memory, cfg.device, device_bytes, cfg.inference_gpus,
                          cfg.micro_batch_tokens, cfg.activation_checkpointing,
-                         ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 0)), lora_merged=cfg.lora_merged)
+                         ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 0)), lora_merged=cfg.lora_merged,
+                         teacher=memplan.Shape.from_dir(cfg.teacher) if cfg.teacher else None)
 
 
 def check_lora(shape: memplan.Shape, s: memplan.Setup) -> None:

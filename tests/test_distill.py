@@ -220,3 +220,15 @@ def test_pure_distillation_from_another_teacher_runs(tmp_path):
     assert r.returncode == 0, r.stderr
     got = [row for row in rows(tmp_path / "run") if "distill/kl" in row]
     assert len(got) == 2 and all(row["distill/kl"] > 0 and row["distill/share"] == 1.0 for row in got)
+
+
+def test_the_memory_plan_counts_the_teachers_weights():
+    """Its fp32 shard on each trainer rank, and under FSDP2 its root, which stays gathered after its forward."""
+    from run import memplan
+    shape = memplan.Shape.from_dir(ROOT / "checkpoints/reverse-tiny")
+    for world in (1, 4):
+        without = memplan.plan(shape, memplan.Setup(world=world))
+        with_it = memplan.plan(shape, memplan.Setup(world=world, teacher=shape))
+        extra = 4 * shape.params() // world + (4 * shape.root_params() if world > 1 else 0)
+        assert with_it.role("trainer rank").total - without.role("trainer rank").total == extra
+        assert "| teacher |" in memplan.table(with_it) and "| teacher |" not in memplan.table(without)
