@@ -232,3 +232,16 @@ def test_the_memory_plan_counts_the_teachers_weights():
         extra = 4 * shape.params() // world + (4 * shape.root_params() if world > 1 else 0)
         assert with_it.role("trainer rank").total - without.role("trainer rank").total == extra
         assert "| teacher |" in memplan.table(with_it) and "| teacher |" not in memplan.table(without)
+
+
+def test_torchrun_shards_the_teacher_like_the_student(tmp_path):
+    """Two gloo ranks: the teacher takes the sharded load and FSDP2 as the student does; at step 1 the two
+    score the same weights, so distill/kl is 0 exactly on the whole batch."""
+    from test_distributed import torchrun
+    r = torchrun(str(ROOT / "train.py"), "--teacher", "checkpoints/reverse-tiny", "--distill-coeff", "1",
+                 "--distill-estimator", "exact", "--steps", "2", "--prompts-per-step", "4", "--group-size", "4",
+                 "--eval-every", "0", "--out-dir", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = rows(tmp_path / "run")
+    assert [row["step"] for row in got] == [1, 2]
+    assert got[0]["distill/kl"] == 0.0 and got[1]["distill/kl"] > 0
