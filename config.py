@@ -163,7 +163,7 @@ class Config:
     loss_agg: Literal["token", "sequence"] = "token"  # normalization over the global batch
 
     # --- on-policy distillation (loss._distill_term, run/teacher.py; docs/design.md "The loss")
-    teacher: str = ""  # a model directory with the student's tokenizer (HF layout or a checkpoint dir); empty: no distillation
+    teacher: str = ""  # a model directory with the student's tokenizer (HF layout or a checkpoint dir); base: LoRA's frozen base; empty: no distillation
     distill_coeff: float = 0.0  # lambda on KL(student || teacher) per loss token of the student's samples; 0: off
     distill_estimator: Literal["exact", "k1"] = "k1"  # k1: the sampled token's log p - log t as a negative advantage; exact: over its support row
     bad_evidence: Literal["error", "drop"] = "error"  # sampler evidence that fails validation
@@ -245,6 +245,8 @@ class Config:
         did not ask for (a teacher loaded for nothing, or a coefficient with nothing to distill from)."""
         _check(not self.teacher or self.stage == "rl", "--teacher", "is for --stage rl (on-policy: the student's own samples)")
         _check(not self.teacher or self.distill_coeff > 0, "--teacher", f"{self.teacher} needs --distill-coeff > 0")
+        _check(self.teacher != "base" or bool(self.lora_rank or self.adapter), "--teacher",
+               "base is LoRA's frozen base (the student with its adapters off): add --lora-rank r or --adapter DIR")
         _check(self.distill_coeff == 0 or bool(self.teacher), "--distill-coeff",
                f"{self.distill_coeff:g} needs --teacher DIR (the model to distill from)")
 

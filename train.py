@@ -64,7 +64,7 @@ from run.checkpoint import NothingToDo, load_training_state, note_changed_reward
 from run.remote import RemoteEngine, dismiss, serve
 from run.rundir import check_shared, claimed, way_on, write_file
 from run.start import Start, build, check_start, close_compiler, plan_text, settled, write_scratch
-from run.teacher import Clock
+from run.teacher import Clock, Teacher
 from tasks import usercode
 from tasks.rewards import reward_hashes
 from tasks.task import Task
@@ -109,8 +109,8 @@ def old_logprobs(cfg, model, fwd, mbs):
 def teacher_logprobs(cfg, teacher, mb, clock):
     """--teacher: its (logp [T], support_logp [nnz]) on the student's own packed micro-batch (the same tokens,
     positions, documents and support rows, the same head and autocast), for loss._distill_term."""
-    with clock():
-        logp, _, support_logp = _head(cfg, teacher, teacher, mb)
+    with clock(), teacher.off():  # --teacher base: the student's adapters off
+        logp, _, support_logp = _head(cfg, teacher.model, teacher.model, mb)
     return logp, support_logp
 
 
@@ -313,7 +313,7 @@ class Run:
     play: Play | None = None  # --env: the environment, engine and limits episodes are played with
     stop: threading.Event | None = None  # set at shutdown (AsyncRollouts.close): user code is abandoned
     step: int = 0  # the step in progress (a Ctrl-C's line names it)
-    teacher: Transformer | None = None  # --teacher: frozen (run/teacher.py), scored on every micro-batch
+    teacher: Teacher | None = None  # --teacher: frozen (run/teacher.py), scored on every micro-batch
     clock: Clock | None = None  # times the teacher's forwards (time/teacher)
 
 

@@ -36,7 +36,7 @@ from layers.parallel import LAUNCHED, Link, RANK, first_other, print0, shard
 from run import hfdir, memplan
 from run.checkpoint import check_resumable, same_flags
 from run.remote import RemoteEngine
-from run.teacher import load_teacher
+from run.teacher import Teacher, load_teacher
 from run.rundir import check_fresh, floe_config, snapshot
 from tasks.task import Task, alphabet
 from tasks.textcodec import TextCodec, write_tokenizer
@@ -57,7 +57,7 @@ class Start:
     model: Transformer
     env: EnvSpec | None = None  # --env (or the built-in `tools` one, for --tool without it)
     tools: toolrun.Tools | None = None  # declared tools: --tool, an environment's tools()
-    teacher: Transformer | None = None  # --teacher: frozen, sharded like the model under torchrun (run/teacher.py)
+    teacher: Teacher | None = None  # --teacher: frozen, sharded like the model under torchrun (run/teacher.py)
 
 
 def check_start(cfg: Config) -> Start:
@@ -163,7 +163,7 @@ def plan_setup(cfg: Config, device_bytes: int) -> memplan.Setup:
                          cfg.engine_dtype, cfg.vllm_memory, cfg.device, device_bytes, cfg.inference_gpus,
                          cfg.micro_batch_tokens, cfg.activation_checkpointing,
                          ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 0)), lora_merged=cfg.lora_merged,
-                         teacher=memplan.Shape.from_dir(cfg.teacher) if cfg.teacher else None)
+                         teacher=memplan.Shape.from_dir(cfg.teacher) if cfg.teacher not in ("", "base") else None)
 
 
 def check_lora(shape: memplan.Shape, s: memplan.Setup) -> None:

@@ -7,7 +7,8 @@ loads (a missing or damaged one is one line naming --teacher), its tokenizer is 
 compares unrelated tokens), and its vocab_size is the student's (the head's rows). It is frozen:
 eval, requires_grad False, fp32 like the trainer's weights; under --train-dtype bf16/fp16 its
 matmuls run under the same autocast as the student's (train._head). Under torchrun it is
-sharded like the student (layers.parallel.shard), each rank reading its own rows.
+sharded like the student (layers.parallel.shard), each rank reading its own rows. `--teacher base`
+under LoRA is the student itself with its adapters off: the frozen base, no extra memory.
 
 Simplifications:
 1. The teacher scores at the sampling temperature, with the same head and support rows as the
@@ -16,6 +17,7 @@ Simplifications:
    by events, read after the step's one sync.
 
     python train.py --teacher checkpoints/guess-tiny --distill-coeff 1.0 --adv-tau 0   # pure distillation
+    python train.py --lora-rank 8 --teacher base --distill-coeff 0.1     # LoRA, kept near its frozen base
     python -m pytest -q tests/test_distill.py
 """
 
@@ -23,22 +25,37 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from config import Config, ConfigError
-from layers import parallel
+from layers import lora, parallel
 from layers.parallel import shard
 from model import Transformer
 from run import hfdir
 from tasks.textcodec import TextCodec
 
 
-def load_teacher(cfg: Config, codec: TextCodec, student: Transformer) -> Transformer | None:
+@dataclass
+class Teacher:
+    """What scores the student's samples: a frozen model of its own, or (--teacher base) LoRA's student
+    itself with its adapters off (layers.lora.adapters_off): the frozen base, no second copy."""
+
+    model: Transformer
+    base: bool = False
+
+    def off(self):
+        return lora.adapters_off(self.model) if self.base else contextlib.nullcontext()
+
+
+def load_teacher(cfg: Config, codec: TextCodec, student: Transformer) -> Teacher | None:
     """--teacher's model, checked against the student's tokenizer and vocabulary; None without it."""
     if not cfg.teacher:
         return None
+    if cfg.teacher == "base":  # the student's own base: its tokenizer and head, sharded with it
+        return Teacher(student, base=True)
     d = Path(cfg.teacher)
     if not d.is_dir():
         raise ConfigError(f"--teacher {cfg.teacher}: {'not a directory' if d.exists() else 'no such directory'}")
@@ -57,7 +74,7 @@ def load_teacher(cfg: Config, codec: TextCodec, student: Transformer) -> Transfo
         raise ConfigError(f"--teacher {cfg.teacher}: {e}") from None
     model.eval().requires_grad_(False)
     model.checkpointing = False  # no backward: nothing to recompute
-    return model
+    return Teacher(model)
 
 
 def same_vocabulary(ours: TextCodec, theirs: TextCodec) -> None:

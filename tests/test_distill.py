@@ -159,6 +159,7 @@ def corrupt(tmp_path: Path) -> Path:
     ("no teacher", ["--distill-coeff", "1"], "--distill-coeff 1 needs --teacher DIR"),
     ("adv-tau 0 alone", ["--adv-tau", "0"], "--adv-tau must be > 0 (0 only with --teacher"),
     ("estimator alone", ["--distill-estimator", "exact"], "--distill-estimator exact has no effect with --distill-coeff 0"),
+    ("base without LoRA", ["--teacher", "base", "--distill-coeff", "1"], "--teacher base is LoRA's frozen base"),
     ("sft", ["--stage", "sft", "--teacher", "checkpoints/reverse-tiny", "--distill-coeff", "1"], "--teacher is for --stage rl"),
     ("another vocabulary", ["--teacher", "checkpoints/arith-tiny", "--distill-coeff", "1"],
      "--teacher checkpoints/arith-tiny: its tokenizer has 45 tokens, the student's 32"),
@@ -245,3 +246,28 @@ def test_torchrun_shards_the_teacher_like_the_student(tmp_path):
     got = rows(tmp_path / "run")
     assert [row["step"] for row in got] == [1, 2]
     assert got[0]["distill/kl"] == 0.0 and got[1]["distill/kl"] > 0
+
+
+def test_lora_distills_from_its_own_base_with_no_second_copy(tmp_path):
+    """--teacher base: the student with its adapters off. B = 0 at the start, so step 1's KL is 0 exactly;
+    the plan adds no teacher; and with the adapters off the model is its base, bit for bit."""
+    from layers import lora
+    from run import hfdir, memplan
+    from run.start import plan_setup
+    base = hfdir.load(ROOT / "checkpoints/reverse-tiny")
+    student = hfdir.load(ROOT / "checkpoints/reverse-tiny")
+    lora.add(student, lora.spec_of(C.Config(lora_rank=4)), "fp32", "cpu")
+    for m in lora.adapted(student).values():
+        torch.nn.init.normal_(m.lora_B.weight)
+    x = torch.randint(32, (12,))
+    pos, docs = torch.arange(12), torch.zeros(12, dtype=torch.long)
+    with torch.no_grad(), lora.adapters_off(student):
+        assert torch.equal(student(x, pos, docs), base(x, pos, docs))
+    with torch.no_grad():
+        assert not torch.equal(student(x, pos, docs), base(x, pos, docs))  # on again after the block
+    cfg = C.Config(lora_rank=4, teacher="base", distill_coeff=1.0).resolve(cuda_available=False)
+    assert plan_setup(cfg, 0).teacher is None
+    r = train(["--lora-rank", "4", "--teacher", "base", "--distill-coeff", "1.0", *SMALL], tmp_path / "run")
+    assert r.returncode == 0, r.stderr
+    got = [row for row in rows(tmp_path / "run") if "distill/kl" in row]
+    assert got[0]["distill/kl"] == 0.0 and got[-1]["distill/kl"] != 0.0
