@@ -271,3 +271,14 @@ def test_lora_distills_from_its_own_base_with_no_second_copy(tmp_path):
     assert r.returncode == 0, r.stderr
     got = [row for row in rows(tmp_path / "run") if "distill/kl" in row]
     assert got[0]["distill/kl"] == 0.0 and got[-1]["distill/kl"] != 0.0
+
+
+def test_an_episode_run_distills(tmp_path):
+    """Multi-turn episodes: the teacher scores the same packed episode (the replies in it, untrained);
+    teacher = student gives 0 at step 1 over the model's own tokens."""
+    r = train(["--task", "jsonl:examples/guess.jsonl", "--env", "guess-letter", "--model", "checkpoints/guess-tiny",
+               "--teacher", "checkpoints/guess-tiny", "--distill-coeff", "1", "--distill-estimator", "exact",
+               "--steps", "2", "--prompts-per-step", "4", "--group-size", "4"], tmp_path / "run")
+    assert r.returncode == 0, r.stderr
+    got = [row for row in rows(tmp_path / "run") if "distill/kl" in row]
+    assert got[0]["distill/kl"] == 0.0 and got[1]["distill/kl"] != 0.0
