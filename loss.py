@@ -11,7 +11,8 @@ icepop, ipo and tis, the four that get score centering (the sum over the support
 on a replayed top-p/top-k row, 1/K on K draws); sg(clip(rho))*M(k) for cispo, rho = p/pi_old;
 ppo keeps its surrogate -M(k)*min(rho*A, clip(rho)*A), and gspo the same with rho replaced by
 its sequence's s = exp(mean of log rho). M(k) is IcePop's mask on k = pi_old/q (with --icepop).
---seq-mask and --kl-mask zero every w of a sequence or token, centering included.
+--seq-mask and --kl-mask zero every w of a sequence or token, centering included. --teacher adds
+lambda * sum_v sg[omega_v*(log p(v) - log t(v))] * log p(v), on-policy distillation (`_distill_term`).
 
 Simplifications and decisions:
 1. Everything is in log space. Masks are decided on log r = log p - log q and the weight
@@ -178,8 +179,8 @@ def reads(cfg: Config) -> set[str]:
 
 
 def reads_support(cfg: Config) -> bool:
-    """Whether the engine must report each token's support. Score centering and the exact KL read
-    it; truncated sampling always reports its kept set, whatever the loss, because the trainer's p
+    """Whether the engine must report each token's support. Score centering and the exact KLs (to the
+    sampler, to a --teacher) read it; truncated sampling always reports its kept set, whatever the loss, because the trainer's p
     is renormalized over it: otherwise log p - log q would be off by the log of the trainer's mass
     on the kept set, which is no mismatch."""
     return (truncated(cfg.top_p, cfg.top_k) or trained(cfg).centered or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")
@@ -191,8 +192,8 @@ def sparse_ok(cfg: Config, support: TokenSupport | None) -> bool:
 
     Decided from the config alone (the replayed flags live on the device): truncated sampling
     gives replayed rows, where every loss and KL is exact; K draws are exact only for a loss
-    whose weights are 1 (`sparse_draws`) and no KL, to the sampler or to a teacher. --seq-mask/--kl-mask zero a token's whole
-    policy term, centering included, so G_t stays 0 under them. Assumes every loss token carries
+    whose weights are 1 (`sparse_draws`) and no KL (to the sampler or to a --teacher). --seq-mask/--kl-mask
+    zero a token's whole policy term, centering included, so G_t stays 0 under them. Assumes every loss token carries
     its row (Sampling(support=True)): an empty draws row on a loss token needs the dense path."""
     if support is None:
         return False
@@ -399,6 +400,7 @@ def _distill_term(logp: Tensor, teacher: tuple[Tensor, Tensor], rows: _Rows | No
     KL's gradient). A token with an empty row, or a micro-batch with no support, takes k1.
     Logs distill/kl (sum_S omega*(log p - log t) per loss token) and distill/share, sum lambda*|KL| /
     sum (|A| + lambda*|KL|) over loss tokens: the distillation's share of the signal, 1 with --adv-tau 0."""
+    assert teacher is not None, "--distill-coeff > 0 needs the teacher's log-probs (train.teacher_logprobs)"
     t_logp, t_support_logp = teacher
     t_logp = torch.where(mask, t_logp.to(logp.dtype), logp.detach())  # ratio 1 outside the loss
     kl = logp.detach() - t_logp

@@ -119,7 +119,7 @@ def backward_pass(cfg, model, fwd, mbs, denom, step, old=None, scale: float = 1.
     loss scale); returns metrics. `teacher` (--teacher): its no-grad forward on each micro-batch first."""
     total: dict = {}
     for i, mb in enumerate(mbs):
-        taught = teacher_logprobs(cfg, teacher, mb, clock) if teacher is not None else None
+        taught = teacher_logprobs(cfg, teacher, mb, clock or Clock(cfg.device)) if teacher is not None else None
         logp, entropy, support_logp = _head(cfg, model, fwd, mb)
         if cfg.stage == "rl":
             loss, metrics = rl_loss(logp, support_logp, entropy, mb, cfg, denom, step, None if old is None else old[i],
