@@ -282,3 +282,65 @@ def test_an_episode_run_distills(tmp_path):
     assert r.returncode == 0, r.stderr
     got = [row for row in rows(tmp_path / "run") if "distill/kl" in row]
     assert got[0]["distill/kl"] == 0.0 and got[1]["distill/kl"] != 0.0
+
+
+# ----------------------------------------------------------------------------- Monte Carlo: what each estimator estimates
+
+T_LOGITS = torch.tensor([0.2, 1.1, -0.4, 0.3, -1.5], dtype=F64)
+
+
+def mc_distill(kind: str, estimator: str, q_logits, seed: int):
+    """N tokens at one context, labels and draws from q, pure distillation: each token's -d KL_t/d logits
+    and distill/kl, and the dense KL(p || t) with its gradient."""
+    from loss_reference import head
+    from test_loss import P_LOGITS, mc_batch
+    mb, logits = mc_batch(20000, P_LOGITS, q_logits, kind, k=8, seed=seed)
+    cfg = distill_cfg("reinforce", estimator, adv_tau=0.0)
+    logp, slogp, ent = head(logits, mb, temperature=1.0)
+    teacher = tuple(x.detach() for x in head(T_LOGITS.repeat(len(logits), 1), mb, temperature=1.0)[:2])
+    loss, m = L.rl_loss(logp, slogp, ent, mb, cfg, L.denominators([mb]), STEP, teacher=teacher)
+    ascent = -torch.autograd.grad(loss, logits)[0] * len(logits) / cfg.distill_coeff
+    z = P_LOGITS.clone().requires_grad_()
+    kl = (z.softmax(-1) * (z.log_softmax(-1) - T_LOGITS.log_softmax(-1))).sum()
+    return ascent, L.reduce_metrics({k: m[k] for k in ("distill/kl",)})["distill/kl"], kl.item(), torch.autograd.grad(kl, z)[0]
+
+
+def test_monte_carlo_exact_on_a_replayed_row_is_the_kl_itself():
+    """The whole vocabulary kept: every token's value and gradient are KL(p || t)'s, no estimate."""
+    from test_loss import Q_LOGITS
+    ascent, value, kl, grad = mc_distill("replayed", "exact", Q_LOGITS, seed=3)
+    assert value == pytest.approx(kl, rel=1e-9)
+    assert torch.allclose(ascent, -grad.expand_as(ascent), atol=1e-9)
+
+
+def test_monte_carlo_exact_on_draws_is_unbiased_whatever_the_sampler():
+    from test_loss import Q_LOGITS, within
+    ascent, value, kl, grad = mc_distill("draws", "exact", Q_LOGITS, seed=4)
+    assert within(ascent, -grad) and value == pytest.approx(kl, rel=0.05)
+
+
+def test_monte_carlo_k1_is_unbiased_on_policy_and_biased_off_it():
+    from test_loss import P_LOGITS, Q_LOGITS, within
+    ascent, value, kl, grad = mc_distill("draws", "k1", P_LOGITS, seed=5)  # q = p
+    assert within(ascent, -grad) and value == pytest.approx(kl, rel=0.05)
+    ascent, value, kl, grad = mc_distill("draws", "k1", Q_LOGITS, seed=6)  # a ~ q: no correction weighs it
+    assert not within(ascent, -grad)
+
+
+def test_monte_carlo_trls_k3_follows_the_forward_kl_not_the_reverse():
+    """docs/design.md's comparison: k3 = exp(t - s) - (t - s) - 1 on a ~ p, differentiated directly (TRL's beta
+    term), has E[k3] = KL(p || t) = E[k1] but an expected gradient of KL(t || p), not of KL(p || t)."""
+    from test_loss import P_LOGITS, within
+    g = torch.Generator().manual_seed(8)
+    z = P_LOGITS.repeat(20000, 1).requires_grad_()
+    lp, lt = z.log_softmax(-1), T_LOGITS.log_softmax(-1)
+    a = torch.multinomial(P_LOGITS.softmax(-1), 20000, replacement=True, generator=g)
+    d = lt[a] - lp.gather(1, a[:, None])[:, 0]
+    k3 = d.exp() - d - 1
+    ascent = -torch.autograd.grad(k3.sum(), z)[0]
+    p, t = P_LOGITS.softmax(-1), T_LOGITS.softmax(-1)
+    assert k3.mean().item() == pytest.approx((p * (p.log() - lt)).sum().item(), rel=0.05)
+    w = P_LOGITS.clone().requires_grad_()
+    forward = torch.autograd.grad((t * (lt - w.log_softmax(-1))).sum(), w)[0]
+    reverse = torch.autograd.grad((w.softmax(-1) * (w.log_softmax(-1) - lt)).sum(), w)[0]
+    assert within(ascent, -forward) and not within(ascent, -reverse)
