@@ -344,3 +344,21 @@ def test_monte_carlo_trls_k3_follows_the_forward_kl_not_the_reverse():
     forward = torch.autograd.grad((t * (lt - w.log_softmax(-1))).sum(), w)[0]
     reverse = torch.autograd.grad((w.softmax(-1) * (w.log_softmax(-1) - lt)).sum(), w)[0]
     assert within(ascent, -forward) and not within(ascent, -reverse)
+
+
+def test_a_distilled_run_resumes_exactly_and_keeps_its_teacher(tmp_path):
+    out = tmp_path / "run"
+    args = ["--teacher", "checkpoints/guess-tiny", "--distill-coeff", "1", "--steps", "2", "--save-every", "1",
+            "--prompts-per-step", "4", "--group-size", "4"]
+    assert train(args, out).returncode == 0
+    want = rows(out)
+    shutil.rmtree(out / "step_000002")  # step 2 again from step 1's checkpoint
+    r = train([*args, "--resume"], out)
+    assert r.returncode == 0, r.stderr
+
+    def untimed(rs):
+        return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rs]
+    assert untimed(rows(out)) == untimed(want) and want[1]["distill/kl"] > 0
+    other = [a if a != "checkpoints/guess-tiny" else "checkpoints/reverse-tiny" for a in args]
+    r = train([*other, "--resume"], out)
+    assert r.returncode == 2 and "--resume: --teacher is 'checkpoints/reverse-tiny'" in r.stderr, r.stderr
