@@ -13,8 +13,8 @@ under LoRA is the student itself with its adapters off: the frozen base, no extr
 Simplifications:
 1. The teacher scores at the sampling temperature, with the same head and support rows as the
    student: on a replayed top-p/top-k row both are renormalized over the kept set.
-2. Its forward is eager, also under --compile on (no second set of graphs to build and guard);
-   the head, the heavy part at a large vocabulary, is the same fused head as the student's.
+2. Its forward is eager, also under --compile on: no second set of graphs to build and guard.
+   Whether compiling it pays on a GPU is not measured yet.
 3. `Clock` times the teacher's forwards (time/teacher) without a host sync of its own: on CUDA
    by events, read after the step's one sync.
 
