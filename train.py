@@ -106,24 +106,23 @@ def old_logprobs(cfg, model, fwd, mbs):
 
 
 @torch.no_grad()
-def teacher_logprobs(cfg, teacher, mb, clock):
-    """--teacher: its (logp [T], support_logp [nnz]) on the student's own packed micro-batch (the same tokens,
-    positions, documents and support rows, the same head and autocast), for loss._distill_term."""
-    with clock(), teacher.off():  # --teacher base: the student's adapters off
-        logp, _, support_logp = _head(cfg, teacher.model, teacher.model, mb)
-    return logp, support_logp
+def teacher_logprobs(cfg, teacher, mbs):
+    """--teacher: its (logp [T], support_logp [nnz]) on each of the student's own packed micro-batches (the
+    same tokens, positions, documents and support rows, the same head and autocast), for loss._distill_term;
+    computed once a batch, like pi_old, and read by every --epochs pass."""
+    with teacher.off():  # --teacher base: the student's adapters off
+        return [_head(cfg, teacher.model, teacher.model, mb)[::2] for mb in mbs]
 
 
-def backward_pass(cfg, model, fwd, mbs, denom, step, old=None, scale: float = 1.0, teacher=None, clock=None):
+def backward_pass(cfg, model, fwd, mbs, denom, step, old=None, scale: float = 1.0, taught=None):
     """Forward, head, loss, backward per micro-batch; gradients accumulate (times `scale`, the fp16
-    loss scale); returns metrics. `teacher` (--teacher): its no-grad forward on each micro-batch first."""
+    loss scale); returns metrics. `taught`: the teacher's log-probs per micro-batch (--teacher)."""
     total: dict = {}
     for i, mb in enumerate(mbs):
-        taught = teacher_logprobs(cfg, teacher, mb, clock or Clock(cfg.device)) if teacher is not None else None
         logp, entropy, support_logp = _head(cfg, model, fwd, mb)
         if cfg.stage == "rl":
             loss, metrics = rl_loss(logp, support_logp, entropy, mb, cfg, denom, step, None if old is None else old[i],
-                                    taught)
+                                    None if taught is None else taught[i])
         else:
             loss, metrics = sft_loss(logp, mb, denom)
         (loss * scale if scale != 1.0 else loss).backward()
@@ -387,9 +386,13 @@ def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[di
     accumulate(stats, checks)
     clipped = cfg.stage == "rl" and trained(cfg).clipped
     old = old_logprobs(cfg, model, run.fwd, mbs) if clipped and cfg.epochs > 1 else None
+    taught = None
+    if run.teacher is not None:  # --teacher: its log-probs on the same micro-batches, timed (time/teacher)
+        with run.clock():
+            taught = teacher_logprobs(cfg, run.teacher, mbs)
     for epoch in range(cfg.epochs):
         # 5. per micro-batch: forward, fused head, loss, backward (gradients accumulate)
-        metrics = backward_pass(cfg, model, run.fwd, mbs, denom, step - 1, old, run.scale.value, run.teacher, run.clock)
+        metrics = backward_pass(cfg, model, run.fwd, mbs, denom, step - 1, old, run.scale.value, taught)
         # 6. unscale (fp16), clip the gradient and step AdamW, or skip a non-finite update
         metrics.update(optimizer_step(cfg, model, run.opt, step, run.scale, metrics.get("loss", (None,))[0]))
         if epoch == 0:  # the metrics of the sampled policy
