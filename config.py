@@ -41,8 +41,8 @@ SEED_MAX = 2**32  # torch and numpy seed from 64-bit integers; floe adds the ran
 SAMPLES_MAX = 2**20  # samples a step: --prompts-per-step x --group-size (rl), sequences (sft)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every linear of a block (lora.TARGETS)
 # floats that must be finite (a loss's own flags: loss.check_flags); a cap whose inf means "no cap" is not here
-FINITE = ("lr", "weight_decay", "temperature", "adv_tau", "kl_coeff", "log_ratio_coeff", "m2po_threshold", "seq_mask_low",
-          "top_p", "vllm_memory", "engine_noise", "dist_timeout", "lora_alpha", "tool_timeout")
+FINITE = ("lr", "weight_decay", "temperature", "adv_tau", "kl_coeff", "log_ratio_coeff", "m2po_threshold", "distill_coeff",
+          "seq_mask_low", "top_p", "vllm_memory", "engine_noise", "dist_timeout", "lora_alpha", "tool_timeout")
 AT_LEAST = {"steps": 1, "top_k": 0, "score_centering_k": 1, "prompts_per_step": 1, "group_size": 1, "max_new_tokens": 1,
             "micro_batch_tokens": 64, "epochs": 1, "save_every": 0, "eval_every": 0, "eval_prompts": 1,
             "async_level": 0, "max_staleness": 0, "inference_gpus": 0, "lora_rank": 0, "max_tool_calls": 1, "max_tool_calls_per_turn": 0,
@@ -165,12 +165,17 @@ class Config:
     log_ratio_coeff: float = 0.0  # Kimi K2.5 (arXiv 2602.02276): add tau*(log r)^2 per loss token, r = p/q (p/pi_old clipped); 0: off
     clip_low: float = 0.2  # ppo/cispo/gspo: lower clip on p/pi_old (1 - clip_low; gspo's paper: 3e-4)
     clip_high: float = 0.28  # ppo/cispo/gspo: upper clip (1 + clip_high; gspo's paper: 4e-4)
-    adv_tau: float = 1.0  # plain multiplier on the advantage
+    adv_tau: float = 1.0  # plain multiplier on the advantage; 0 (only with --teacher): pure distillation, the reward logged but not trained on
     score_centering_k: int = 16  # draws per token for centering under untruncated sampling
     kl_coeff: float = 0.0  # sampler KL coefficient beta; 0: off
     kl_estimator: Literal["exact", "k1"] = "exact"  # exact: sum over the support; k1: log q(a) - log p(a)
     kl_staleness: Literal["none", "inv_sqrt"] = "none"  # scale beta by 1/sqrt(1 + age) with inv_sqrt
     loss_agg: Literal["token", "sequence"] = "token"  # normalization over the global batch
+
+    # --- on-policy distillation (loss._distill_term, run/teacher.py; docs/design.md "The loss")
+    teacher: str = ""  # a model directory with the student's tokenizer (HF layout or a checkpoint dir); base: LoRA's frozen base; empty: no distillation
+    distill_coeff: float = 0.0  # lambda on KL(student || teacher) per loss token of the student's samples; 0: off
+    distill_estimator: Literal["exact", "k1"] = "k1"  # k1: the sampled token's log p - log t as a negative advantage; exact: over its support row
     bad_evidence: Literal["error", "drop"] = "error"  # sampler evidence that fails validation
 
     def __post_init__(self) -> None:
@@ -189,7 +194,9 @@ class Config:
         _check(self.lr >= 0, "--lr", f"must be >= 0 (0: the stage's default), got {self.lr}")
         _check(self.weight_decay >= 0, "--weight-decay", f"must be >= 0, got {self.weight_decay}")
         _check(self.grad_clip >= 0, "--grad-clip", f"must be >= 0 (0: off), got {self.grad_clip}")
-        _check(self.adv_tau > 0, "--adv-tau", f"must be > 0, got {self.adv_tau}")
+        distill = bool(self.teacher) or self.distill_coeff > 0
+        _check(self.adv_tau > 0 or (distill and self.adv_tau == 0), "--adv-tau",
+               f"must be > 0 (0 only with --teacher: pure distillation), got {self.adv_tau}")
         _check(self.dist_timeout > 0, "--dist-timeout", f"must be > 0 seconds, got {self.dist_timeout:g}")
         _check(math.isfinite(self.call_timeout) and self.call_timeout > 0, "--call-timeout",
                f"must be a finite number of seconds > 0, got {self.call_timeout}")
@@ -207,6 +214,7 @@ class Config:
         _check(self.kl_coeff >= 0, "--kl-coeff", f"must be >= 0, got {self.kl_coeff}")
         _check(self.log_ratio_coeff >= 0, "--log-ratio-coeff", f"must be >= 0 (0: off), got {self.log_ratio_coeff}")
         _check(self.m2po_threshold >= 0, "--m2po-threshold", f"must be >= 0 (0: off), got {self.m2po_threshold}")
+        _check(self.distill_coeff >= 0, "--distill-coeff", f"must be >= 0 (0: off), got {self.distill_coeff}")
         self._check_combinations()
         # the task's files and rewards (the task's name and flags: tasks/task.py, at the start checks)
         _check(not self.eval_file or self.task.startswith("jsonl:"), "--eval-file", "is for --task jsonl:PATH")
@@ -245,9 +253,20 @@ class Config:
                f"give one: --async-level {self.async_level} is a fixed lag, --max-staleness {self.max_staleness} a bound")
         _check(not (self.max_staleness and self.inference_gpus), "--max-staleness",
                "serves the colocated built-in engine for now, not --inference-gpus (use --async-level there)")
-        _check(self.stage == "sft" or self.group_size >= 2, "--group-size",
+        _check(self.stage == "sft" or self.group_size >= 2 or (self.teacher and self.adv_tau == 0), "--group-size",
                "1 trains nothing: every loss centers the advantages within a prompt's group (A = r - the group's "
-               "mean reward), and a group of one is its own mean; use 2 or more")
+               "mean reward), and a group of one is its own mean; use 2 or more (or pure distillation: --adv-tau 0)")
+        self._check_distill()
+
+    def _check_distill(self) -> None:
+        """--teacher and --distill-coeff come together: either alone would run a plain RL job the user
+        did not ask for (a teacher loaded for nothing, or a coefficient with nothing to distill from)."""
+        _check(not self.teacher or self.stage == "rl", "--teacher", "is for --stage rl (on-policy: the student's own samples)")
+        _check(not self.teacher or self.distill_coeff > 0, "--teacher", f"{self.teacher} needs --distill-coeff > 0")
+        _check(self.teacher != "base" or bool(self.lora_rank or self.adapter), "--teacher",
+               "base is LoRA's frozen base (the student with its adapters off): add --lora-rank r or --adapter DIR")
+        _check(self.distill_coeff == 0 or bool(self.teacher), "--distill-coeff",
+               f"{self.distill_coeff:g} needs --teacher DIR (the model to distill from)")
 
     def _check_bounds(self) -> None:
         """The integer flags that size a step or a loop, bounded before anything is built."""

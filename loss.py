@@ -15,7 +15,8 @@ IcePop's mask on k = pi_old/q (with --icepop). topr is uncentered: w = 1 where A
 sequence's p/q truncated to 1 where A < 0. --seq-mask and --kl-mask (DPPO's directional form
 too) and --m2po-threshold (M2PO: the step's largest (log pi_old/q)^2, its bound found before the
 first backward) zero every w of a sequence or token, centering included; --log-ratio-coeff adds
-tau*(log r)^2 (Kimi K2.5) on the ratio the loss reads.
+tau*(log r)^2 (Kimi K2.5) on the ratio the loss reads. --teacher adds
+lambda * sum_v sg[omega_v*(log p(v) - log t(v))] * log p(v), on-policy distillation (`_distill_term`).
 
 Simplifications and decisions:
 1. Everything is in log space. Masks are decided on log r = log p - log q and the weight
@@ -190,11 +191,12 @@ def reads(cfg: Config) -> set[str]:
 
 
 def reads_support(cfg: Config) -> bool:
-    """Whether the engine must report each token's support. Score centering and the exact KL read
-    it; truncated sampling always reports its kept set, whatever the loss, because the trainer's p
+    """Whether the engine must report each token's support. Score centering and the exact KLs (to the
+    sampler, to a --teacher) read it; truncated sampling always reports its kept set, whatever the loss, because the trainer's p
     is renormalized over it: otherwise log p - log q would be off by the log of the trainer's mass
     on the kept set, which is no mismatch."""
-    return truncated(cfg.top_p, cfg.top_k) or trained(cfg).centered or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")
+    return (truncated(cfg.top_p, cfg.top_k) or trained(cfg).centered or (cfg.kl_coeff > 0 and cfg.kl_estimator == "exact")
+            or distills_exact(cfg))
 
 
 def sparse_ok(cfg: Config, support: TokenSupport | None) -> bool:
@@ -202,12 +204,12 @@ def sparse_ok(cfg: Config, support: TokenSupport | None) -> bool:
 
     Decided from the config alone (the replayed flags live on the device): truncated sampling
     gives replayed rows, where every loss and KL is exact; K draws are exact only for a loss
-    whose weights are 1 (`sparse_draws`) and no KL. --seq-mask/--kl-mask zero a token's whole
-    policy term, centering included, so G_t stays 0 under them. Assumes every loss token carries
+    whose weights are 1 (`sparse_draws`) and no KL (to the sampler or to a --teacher). --seq-mask/--kl-mask
+    zero a token's whole policy term, centering included, so G_t stays 0 under them. Assumes every loss token carries
     its row (Sampling(support=True)): an empty draws row on a loss token needs the dense path."""
     if support is None:
         return False
-    return truncated(cfg.top_p, cfg.top_k) or (trained(cfg).sparse_draws and cfg.kl_coeff == 0)
+    return truncated(cfg.top_p, cfg.top_k) or (trained(cfg).sparse_draws and cfg.kl_coeff == 0 and cfg.distill_coeff == 0)
 
 
 def group_advantages(rewards: list[float], group_size: int, std_norm: bool = False) -> list[float]:
@@ -442,6 +444,43 @@ def _kl_term(logp: Tensor, logq: Tensor, rows: _Rows | None, support_logp: Tenso
     return beta * kl
 
 
+# ----------------------------------------------------------------------------- on-policy distillation
+
+def distills_exact(cfg: Config) -> bool:
+    """--distill-estimator exact is on: the teacher's KL reads every loss token's support row."""
+    return cfg.distill_coeff > 0 and cfg.distill_estimator == "exact"
+
+
+def _distill_term(logp: Tensor, teacher: tuple[Tensor, Tensor], rows: _Rows | None, support_logp: Tensor,
+                  sup: TokenSupport | None, adv: Tensor, coeff: float, exact: bool, mask: Tensor, metrics: Metrics) -> Tensor:
+    """lambda * KL(p || t) per loss token as a score-function term, p the student (the trainer), t the teacher,
+    both at the sampling temperature and renormalized alike over a replayed row (the same head):
+
+        lambda * sum_{v in S} sg[omega_v * (log p(v) - log t(v))] * log p(v)
+
+    k1: S = {a}, omega = 1 (the sampled token's log-ratio as a negative advantage). exact: S = the token's
+    support row, omega_v = p(v) on a replayed row (the gradient of the exact KL over the kept set, since
+    sum_S p grad log p = 0 there), p(v) / (K q(v)) on K draws from q (an unbiased estimate of the full
+    KL's gradient). A token with an empty row, or a micro-batch with no support, takes k1.
+    Logs distill/kl (sum_S omega*(log p - log t) per loss token) and distill/share, sum lambda*|KL| /
+    sum (|A| + lambda*|KL|) over loss tokens: the distillation's share of the signal, 1 with --adv-tau 0."""
+    assert teacher is not None, "--distill-coeff > 0 needs the teacher's log-probs (train.teacher_logprobs)"
+    t_logp, t_support_logp = teacher
+    t_logp = torch.where(mask, t_logp.to(logp.dtype), logp.detach())  # ratio 1 outside the loss
+    kl = logp.detach() - t_logp
+    term = kl * logp
+    if exact and rows is not None:
+        live, k = mask[rows.row], rows.counts[rows.row].clamp(min=1).to(logp.dtype)
+        log_w = torch.where(sup.replayed[rows.row], rows.logp, rows.logp - rows.logq - k.log())
+        coef = torch.where(live, log_w, -math.inf).exp() * torch.where(live, rows.logp - t_support_logp.to(logp.dtype), 0.0)
+        has_row = rows.counts > 0
+        kl, term = torch.where(has_row, rows.sum(coef), kl), torch.where(has_row, rows.sum(coef * support_logp), term)
+    size = coeff * kl.abs()
+    metrics["distill/kl"] = stat(kl, mask)
+    metrics["distill/share"] = (torch.where(mask, size, 0.0).sum(), torch.where(mask, adv.abs() + size, 0.0).sum())
+    return coeff * term
+
+
 def _normalization(mb: MicroBatch, agg: str, denom: Denominators, dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
     """Per-token coefficient of the global loss (--loss-agg token or sequence); (coef, this micro-batch's
     count, global count)."""
@@ -453,12 +492,14 @@ def _normalization(mb: MicroBatch, agg: str, denom: Denominators, dtype: torch.d
 
 
 def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch, cfg: Config,
-            denom: Denominators, step: int | Tensor, old_logp: Tensor | None = None) -> tuple[Tensor, Metrics]:
+            denom: Denominators, step: int | Tensor, old_logp: Tensor | None = None,
+            teacher: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Metrics]:
     """This micro-batch's share of the global loss, and its (sum, count) metrics; no host sync. The flags
     are read here, once; the terms below get the values they use.
 
     logp [T] and support_logp [nnz] carry grad (renormalized over the row where replayed);
-    entropy [T] is a metric; old_logp [T] is pi_old for ppo/cispo (None: sg(logp))."""
+    entropy [T] is a metric; old_logp [T] is pi_old for ppo/cispo (None: sg(logp)); `teacher` (--teacher) is
+    the teacher's (logp [T], support_logp [nnz]) from the same head on the same micro-batch, no grad."""
     mask, lp = mb.loss_mask, logp.detach()
     adv = torch.where(mask, mb.advantages.to(lp.dtype), 0.0) * cfg.adv_tau
     logq = torch.where(mask, mb.logq.to(lp.dtype), lp)
@@ -480,7 +521,8 @@ def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch,
             stat(drop.to(lp.dtype), mask)
         keep = keep if cfg.correction_metrics_only else keep & ~drop
     exact = cfg.kl_estimator == "exact"
-    rows = _rows(mb.support, support_logp, mask) if mb.support is not None and (loss.centered or cfg.kl_coeff > 0 and exact) else None
+    reads_rows = loss.centered or cfg.kl_coeff > 0 and exact or distills_exact(cfg)
+    rows = _rows(mb.support, support_logp, mask) if mb.support is not None and reads_rows else None
     if loss.centered:
         per_token = _centered_term(logp, logq, adv, rows, support_logp, name, flag_values(loss, cfg), keep, mask, metrics, turns)
     elif loss.tapered:
@@ -496,6 +538,9 @@ def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch,
     if cfg.kl_coeff > 0:  # never masked: a regularizer, not a correction
         per_token = per_token + _kl_term(logp, logq, rows, support_logp, age, cfg.kl_coeff, exact,
                                          cfg.kl_staleness == "inv_sqrt", mask, metrics)
+    if cfg.distill_coeff > 0:  # never masked: an objective of its own, on the student's own tokens
+        per_token = per_token + _distill_term(logp, teacher, rows, support_logp, mb.support, adv, cfg.distill_coeff,
+                                              distills_exact(cfg), mask, metrics)
     coef, count, d = _normalization(mb, cfg.loss_agg, denom, lp.dtype)
     loss_value = (coef * torch.where(mask, per_token, 0.0)).sum()
     metrics["loss"] = (loss_value.detach() * d, count)

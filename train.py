@@ -64,6 +64,7 @@ from run.checkpoint import NothingToDo, load_training_state, note_changed_reward
 from run.remote import RemoteEngine, dismiss, serve
 from run.rundir import check_shared, claimed, way_on, write_file
 from run.start import Start, build, check_start, close_compiler, plan_text, settled, write_scratch
+from run.teacher import Clock, Teacher
 from tasks import usercode
 from tasks.rewards import reward_hashes
 from tasks.task import Task
@@ -113,14 +114,24 @@ def old_logprobs(cfg, model, fwd, mbs, denom):
     return old
 
 
-def backward_pass(cfg, model, fwd, mbs, denom, step, old=None, scale: float = 1.0):
+@torch.no_grad()
+def teacher_logprobs(cfg, teacher, mbs):
+    """--teacher: its (logp [T], support_logp [nnz]) on each of the student's own packed micro-batches (the
+    same tokens, positions, documents and support rows, the same head and autocast), for loss._distill_term;
+    computed once a batch, like pi_old, and read by every --epochs pass."""
+    with teacher.off():  # --teacher base: the student's adapters off
+        return [_head(cfg, teacher.model, teacher.model, mb)[::2] for mb in mbs]
+
+
+def backward_pass(cfg, model, fwd, mbs, denom, step, old=None, scale: float = 1.0, taught=None):
     """Forward, head, loss, backward per micro-batch; gradients accumulate (times `scale`, the fp16
-    loss scale); returns metrics."""
+    loss scale); returns metrics. `taught`: the teacher's log-probs per micro-batch (--teacher)."""
     total: dict = {}
     for i, mb in enumerate(mbs):
         logp, entropy, support_logp = _head(cfg, model, fwd, mb)
         if cfg.stage == "rl":
-            loss, metrics = rl_loss(logp, support_logp, entropy, mb, cfg, denom, step, None if old is None else old[i])
+            loss, metrics = rl_loss(logp, support_logp, entropy, mb, cfg, denom, step, None if old is None else old[i],
+                                    None if taught is None else taught[i])
         else:
             loss, metrics = sft_loss(logp, mb, denom)
         (loss * scale if scale != 1.0 else loss).backward()
@@ -265,7 +276,8 @@ def launch(cfg: Config, s: Start, link: Link | None = None) -> dict:
             cfg.max_turns, cfg.call_timeout, s.task.template_kwargs, stop=stop, tools=s.tools)
         graphs = runlog.Graphs(cfg, {"trainer forward": Transformer.forward, "engine decode step": TorchEngine._step,
                                      "flex attention": flex_attention})  # the regions --compile on compiles
-        run = Run(cfg, s.task, s.model, fwd, opt, engine, rng, log, s.out, src, scale, graphs, play, stop)
+        run = Run(cfg, s.task, s.model, fwd, opt, engine, rng, log, s.out, src, scale, graphs, play, stop,
+                  teacher=s.teacher, clock=Clock(cfg.device))
         # start-up's objects (torch, the tokenizer, the model: hundreds of thousands) leave the cyclic
         # collector's reach, so a full collection during a step scans only what the steps made
         gc.freeze()
@@ -310,6 +322,8 @@ class Run:
     play: Play | None = None  # --env: the environment, engine and limits episodes are played with
     stop: threading.Event | None = None  # set at shutdown (AsyncRollouts.close): user code is abandoned
     step: int = 0  # the step in progress (a Ctrl-C's line names it)
+    teacher: Teacher | None = None  # --teacher: frozen (run/teacher.py), scored on every micro-batch
+    clock: Clock | None = None  # times the teacher's forwards (time/teacher)
 
 
 def next_batch(run: Run, step: int):
@@ -382,9 +396,13 @@ def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[di
     mbs, denom, checks = prepare(cfg, batch, model.args.vocab_size, cfg.device)
     accumulate(stats, checks)
     old = old_logprobs(cfg, model, run.fwd, mbs, denom)
+    taught = None
+    if run.teacher is not None:  # --teacher: its log-probs on the same micro-batches, timed (time/teacher)
+        with run.clock():
+            taught = teacher_logprobs(cfg, run.teacher, mbs)
     for epoch in range(cfg.epochs):
         # 5. per micro-batch: forward, fused head, loss, backward (gradients accumulate)
-        metrics = backward_pass(cfg, model, run.fwd, mbs, denom, step - 1, old, run.scale.value)
+        metrics = backward_pass(cfg, model, run.fwd, mbs, denom, step - 1, old, run.scale.value, taught)
         # 6. unscale (fp16), clip the gradient and step AdamW, or skip a non-finite update
         metrics.update(optimizer_step(cfg, model, run.opt, step, run.scale, metrics.get("loss", (None,))[0]))
         if epoch == 0:  # the metrics of the sampled policy
@@ -405,6 +423,8 @@ def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[di
     t2 = time.time()
     m.update({"time/rollout": t_rollout, "time/train": t_train, "time/step": t2 - t0,
               "tokens/train": denom.tokens, "tokens/packed": n_tok})
+    if run.teacher is not None:
+        m["time/teacher"] = run.clock.seconds()  # read after the step's sync (reduce_metrics)
     if due:
         m.update(evaluate(cfg, run.task, run.engine, run.play))  # this step's weights
         if ahead is not None:

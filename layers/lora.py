@@ -28,6 +28,7 @@ Simplifications:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -193,13 +194,14 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.Linear(rank, out_features, bias=False, device=dev, dtype=torch.float32)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's init_lora_weights=True
         nn.init.zeros_(self.lora_B.weight)
+        self.off = False  # the adapter left out: the frozen base alone (`adapters_off`, --teacher base)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.float32:
             base = F.linear(x, self.weight, self.bias)
         else:
             base = FrozenLinear.apply(x, self.weight, self.bias)
-        return base + self.lora_B(self.lora_A(x)) * self.scale
+        return base if self.off else base + self.lora_B(self.lora_A(x)) * self.scale
 
 
 def linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -239,6 +241,20 @@ def add(model: nn.Module, spec: LoRASpec, base_dtype: str = "fp32", device=None)
 
 def adapted(model: nn.Module) -> dict[str, LoRALinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """The model as its frozen base, every adapter left out, for the duration (--teacher base: the base
+    scores the student's samples with no second copy of the weights)."""
+    layers = adapted(model).values()
+    for m in layers:
+        m.off = True
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.off = False
 
 
 def is_adapter_key(name: str) -> bool:

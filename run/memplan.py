@@ -4,7 +4,7 @@ A run that does not fit should say so before minutes of loading, and a user sizi
 should be able to do it from a laptop. `plan(shape, setup)` counts, for each role of a run,
 bytes by component:
 - trainer rank: its FSDP2 shard of the weights (LoRA: the frozen base in --base-dtype, the
-  adapters in fp32), gradients and AdamW state of what it trains (fp32, 4 and 8 bytes a parameter,
+  adapters in fp32), --teacher's fp32 shard (and its root under FSDP2), gradients and AdamW state of what it trains (fp32, 4 and 8 bytes a parameter,
   divided by the trainer ranks), what FSDP2 holds gathered during a step, the colocated engine's
   copy, the activations of one --micro-batch-tokens micro-batch, the LM head's chunk, and the
   process's baseline (the interpreter and torch: a measured empty start on a CPU);
@@ -172,6 +172,7 @@ class Setup:
     document_tokens: int = 0  # the longest document (the CPU's attention mask grows with it); 0: a whole micro-batch
     ranks_per_node: int = 0  # processes on one node; 0: every rank on one
     lora_merged: bool = False  # --lora-merged: vLLM takes merged weights (the built-in engine always does)
+    teacher: Shape | None = None  # --teacher's config.json: its frozen fp32 weights, sharded like the trainer's
 
     def __post_init__(self):
         checks = [(self.world >= 1, f"--plan-world must be >= 1 trainer rank, got {self.world}"),
@@ -317,9 +318,12 @@ def trainer_role(shape: Shape, s: Setup) -> Role:
              "FSDP2 gathered": gathered_bytes(shape, s), "engine copy": engine,
              "activations": activation_bytes(shape, s)[s.activation_checkpointing], "LM head chunk": head_bytes(shape, s),
              "baseline": baseline}
+    if s.teacher is not None:  # its shard, and under FSDP2 its root, left gathered after its no-grad forward
+        parts["teacher"] = 4 * s.teacher.params() // w + (4 * s.teacher.root_params() if w > 1 else 0)
     computed = {"activations"} - ({"activations"} if token_bytes(shape, s)[2] else set())
     computed |= {"baseline"} if s.device == "cuda" else set()
     startup = parts["weights"] + engine + 4 * max(shape.largest_tensor(), shape.block_params()) + baseline
+    startup += 4 * s.teacher.params() // w if s.teacher is not None else 0
     return Role("trainer rank", parts, startup, computed)
 
 

@@ -36,6 +36,7 @@ from layers.parallel import LAUNCHED, Link, RANK, first_other, print0, shard
 from run import hfdir, memplan
 from run.checkpoint import check_resumable, same_flags
 from run.remote import RemoteEngine
+from run.teacher import Teacher, load_teacher
 from run.rundir import check_fresh, floe_config, snapshot
 from tasks.task import Task, alphabet
 from tasks.textcodec import TextCodec, write_tokenizer
@@ -56,6 +57,7 @@ class Start:
     model: Transformer
     env: EnvSpec | None = None  # --env (or the built-in `tools` one, for --tool without it)
     tools: toolrun.Tools | None = None  # declared tools: --tool, an environment's tools()
+    teacher: Teacher | None = None  # --teacher: frozen, sharded like the model under torchrun (run/teacher.py)
 
 
 def check_start(cfg: Config) -> Start:
@@ -109,10 +111,11 @@ def check_start(cfg: Config) -> Start:
                             "of config.json: generation would never stop")
     if src is not None:
         check_copied(src)
+    teacher = load_teacher(cfg, codec, model)  # its tokenizer must be the student's
     if cfg.epochs > 1 and not trained(cfg).clipped:  # (plain reinforce: refused by Config)
         print0(f"note: --epochs {cfg.epochs} with --loss {cfg.loss}: the later passes reweight by p/q against the "
                "sampler; nothing clips them against pi_old (ppo, cispo and gspo do)")
-    return Start(out, src, resume_from, kept, seen, codec, task, model, env, tools)
+    return Start(out, src, resume_from, kept, seen, codec, task, model, env, tools, teacher)
 
 
 def settled(cfg: Config) -> Config:
@@ -159,7 +162,8 @@ def plan_setup(cfg: Config, device_bytes: int) -> memplan.Setup:
     return memplan.Setup(world, cfg.lora_rank, tuple(cfg.lora_targets), cfg.base_dtype, cfg.train_dtype, cfg.engine,
                          cfg.engine_dtype, cfg.vllm_memory, cfg.device, device_bytes, cfg.inference_gpus,
                          cfg.micro_batch_tokens, cfg.activation_checkpointing,
-                         ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 0)), lora_merged=cfg.lora_merged)
+                         ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 0)), lora_merged=cfg.lora_merged,
+                         teacher=memplan.Shape.from_dir(cfg.teacher) if cfg.teacher not in ("", "base") else None)
 
 
 def check_lora(shape: memplan.Shape, s: memplan.Setup) -> None:
@@ -275,7 +279,8 @@ TOOL_FLAGS = ("tool_format", "max_tool_calls", "max_tool_calls_per_turn", "tool_
 SWITCHED = {"seq_mask_low": ("seq_mask", "--seq-mask geometric or max"),
             "seq_mask_high": ("seq_mask", "--seq-mask geometric or max"),
             "kl_mask_threshold": ("kl_mask", "--kl-mask k1, k3, binary or binary_tv"),
-            "kl_estimator": ("kl_coeff", "--kl-coeff > 0"), "kl_staleness": ("kl_coeff", "--kl-coeff > 0")}
+            "kl_estimator": ("kl_coeff", "--kl-coeff > 0"), "kl_staleness": ("kl_coeff", "--kl-coeff > 0"),
+            "distill_estimator": ("distill_coeff", "--teacher DIR --distill-coeff > 0")}
 
 
 def unread(cfg: Config) -> list[tuple[str, str, bool]]:
@@ -290,7 +295,7 @@ def unread(cfg: Config) -> list[tuple[str, str, bool]]:
            for f in _loss_flags() if f not in read]
     for f, (switch, fix) in SWITCHED.items():
         value = getattr(cfg, switch)
-        if value in ("off", 0) and not (audit and switch != "kl_coeff"):
+        if value in ("off", 0) and not (audit and switch in ("seq_mask", "kl_mask")):
             out.append((f, f"has no effect with --{switch.replace('_', '-')} {value}: add {fix}", True))
     return out
 

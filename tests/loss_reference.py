@@ -50,6 +50,7 @@ class Doc:
     replayed: list  # per position
     sample: int
     old_noise: torch.Tensor  # fp64 [n]: pi_old = trainer log-prob + this
+    teacher: torch.Tensor | None = None  # fp64 [n, V]: a teacher's logits (--teacher), no grad
 
 
 def make_doc(g: torch.Generator, sample: int, P: int, C: int, kind: str, noise: float = 1.5) -> Doc:
@@ -144,8 +145,9 @@ def grads(loss: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.zeros_like(x) if g is None else g for g, x in zip(gs, leaves)]
 
 
-def run_loss(mbs, logits_list, cfg, old_list=None, denom=None, step=STEP):
-    """Sum rl_loss over micro-batches as train.py does; (loss, reduced metrics)."""
+def run_loss(mbs, logits_list, cfg, old_list=None, denom=None, step=STEP, teachers=None):
+    """Sum rl_loss over micro-batches as train.py does; (loss, reduced metrics). `teachers`: each
+    micro-batch's teacher logits, through the same head."""
     denom = denom or L.denominators(mbs)
     if cfg.m2po_threshold > 0:  # its bound over the whole step before the first backward, as train.py finds it
         starts = [head(lg, mb)[0].detach() + (0.0 if old_list is None else old_list[i])
@@ -155,7 +157,8 @@ def run_loss(mbs, logits_list, cfg, old_list=None, denom=None, step=STEP):
     for i, (mb, logits) in enumerate(zip(mbs, logits_list)):
         logp, slogp, ent = head(logits, mb)
         old = None if old_list is None else logp.detach() + old_list[i]
-        loss, m = L.rl_loss(logp, slogp, ent, mb, cfg, denom, step, old_logp=old)
+        teacher = None if teachers is None else tuple(x.detach() for x in head(teachers[i], mb)[:2])
+        loss, m = L.rl_loss(logp, slogp, ent, mb, cfg, denom, step, old_logp=old, teacher=teacher)
         total = total + loss
         L.accumulate(metrics, m)
     return total, L.reduce_metrics(metrics)
@@ -199,6 +202,8 @@ class Tok:
     ids: list
     lqs: list
     u: list
+    replayed: bool = False
+    lt: object = None  # v -> the teacher's log t(v) as a float, renormalized over a replayed row (--teacher)
 
 
 def ref_centered(cfg: Config, t: Tok, keep: bool, st: Stats) -> torch.Tensor:
@@ -304,6 +309,23 @@ def ref_kl(cfg: Config, t: Tok, age: int, st: Stats) -> torch.Tensor:
     return beta * kl
 
 
+def ref_distill(cfg: Config, t: Tok, st: Stats) -> torch.Tensor:
+    """lambda * sum_v sg[omega_v*(log p(v) - log t(v))] * log p(v) of docs/design.md "On-policy distillation":
+    k1 the sampled token alone with omega = 1; exact every entry of the row, omega_v = p(v) on a replayed
+    row, p(v)/(K*q(v)) on K draws; exact with no row is k1. distill/kl is the sum of the sg[...] factors."""
+    if cfg.distill_estimator == "exact" and t.ids:
+        p = [math.exp(t.lp(v).item()) for v in t.ids]
+        omega = p if t.replayed else [pv / (len(t.ids) * math.exp(lq)) for pv, lq in zip(p, t.lqs)]
+        coefs = [w * (t.lp(v).item() - t.lt(v)) for w, v in zip(omega, t.ids)]
+        value, term = sum(coefs), sum(c * t.lp(v) for c, v in zip(coefs, t.ids))
+    else:
+        value = t.lp(t.a).item() - t.lt(t.a)
+        term = value * t.lp(t.a)
+    st.add("distill/kl", value)
+    st.add("distill/share", cfg.distill_coeff * abs(value), abs(t.A) + cfg.distill_coeff * abs(value))
+    return cfg.distill_coeff * term
+
+
 def ref_seq_masked(cfg: Config, mode: str, lks: list[float]) -> bool:
     """--seq-mask in plain floats: the geometric mean as a root of the product (short sequences)."""
     rs = [math.exp(x) for x in lks]
@@ -400,12 +422,15 @@ def reference(docs: list[Doc], cfg: Config, step: int, old: bool):
             norm = torch.logsumexp(z[ids], 0) if d.replayed[i] else 0.0
             u = [math.exp(x) if d.replayed[i] else 1 / len(ids) for x in lqs]
             t = Tok(lambda v, z=z, norm=norm: z[v] - norm, int(d.labels[i]), cfg.adv_tau * d.adv,
-                    float(d.logq[i]), ids, lqs, u)
+                    float(d.logq[i]), ids, lqs, u, d.replayed[i])
             st.add("entropy", -(z.exp() * z).sum().item())
             lr = clamp20(t.lp(t.a).item() - t.lq_a)
             st.add("mismatch/kl", math.exp(lr) - 1 - lr)
             st.add("mismatch/abs_logratio", abs(lr))
             old_a = t.lp(t.a).item() + (float(d.old_noise[i]) if old and clipped else 0.0)
+            if d.teacher is not None:
+                zt = torch.log_softmax(d.teacher[i] / TEMP, -1)
+                t.lt = lambda v, zt=zt, tn=(torch.logsumexp(zt[ids], 0) if d.replayed[i] else 0.0): float(zt[v] - tn)
             toks.append((t, old_a, max(step - int(d.versions[i]), 0)))
         lqs = [t.lq_a for t, _, _ in toks]
         if cfg.correction_metrics_only and toks:
@@ -430,6 +455,8 @@ def reference(docs: list[Doc], cfg: Config, step: int, old: bool):
                 sq = (t.lp(t.a) - (old_a if clipped else t.lq_a)) ** 2
                 st.add("log_ratio_sq", sq.item())
                 term = term + cfg.log_ratio_coeff * sq
+            if cfg.distill_coeff > 0:
+                term = term + ref_distill(cfg, t, st)
             doc_sum = doc_sum + term
         if n_doc:
             total = total + (doc_sum / n_tok if cfg.loss_agg == "token" else doc_sum / (n_doc * n_seq))
