@@ -172,7 +172,7 @@ class Config:
     kl_staleness: Literal["none", "inv_sqrt"] = "none"  # scale beta by 1/sqrt(1 + age) with inv_sqrt
     loss_agg: Literal["token", "sequence"] = "token"  # normalization over the global batch
 
-    # --- on-policy distillation (loss._distill_term, run/teacher.py; docs/design.md "The loss")
+    # --- on-policy distillation (terms.distill_term, run/teacher.py; docs/design.md "The loss")
     teacher: str = ""  # a model directory with the student's tokenizer (HF layout or a checkpoint dir); base: LoRA's frozen base; empty: no distillation
     distill_coeff: float = 0.0  # lambda on KL(student || teacher) per loss token of the student's samples; 0: off
     distill_estimator: Literal["exact", "k1"] = "k1"  # k1: the sampled token's log p - log t as a negative advantage; exact: over its support row

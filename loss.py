@@ -16,7 +16,7 @@ sequence's p/q truncated to 1 where A < 0. --seq-mask and --kl-mask (DPPO's dire
 too) and --m2po-threshold (M2PO: the step's largest (log pi_old/q)^2, its bound found before the
 first backward) zero every w of a sequence or token, centering included; --log-ratio-coeff adds
 tau*(log r)^2 (Kimi K2.5) on the ratio the loss reads. --teacher adds
-lambda * sum_v sg[omega_v*(log p(v) - log t(v))] * log p(v), on-policy distillation (`_distill_term`).
+lambda * sum_v sg[omega_v*(log p(v) - log t(v))] * log p(v), on-policy distillation (`terms.distill_term`).
 
 Simplifications and decisions:
 1. Everything is in log space. Masks are decided on log r = log p - log q and the weight
@@ -54,12 +54,12 @@ import torch
 from torch import Tensor
 
 from config import Config, ConfigError, FP32_MAX
-from data import MicroBatch, TokenSupport, entry_rows, truncated
-from layers.masks import (METRIC_CLAMP, Masks, Metrics, any_by, k3, keep_mask, kl_flags, outside, seq_flags, stat,
+from data import MicroBatch, TokenSupport, truncated
+from layers import terms
+from layers.masks import (METRIC_CLAMP, Masks, Metrics, any_by, keep_mask, kl_flags, outside, seq_flags, stat,
     sum_by)
 
 
-MAX_TURN_METRICS = 8  # episodes' by-turn metrics cover the first 8 model turns (a turn's count 0: not logged)
 
 
 @dataclass(frozen=True)
@@ -267,7 +267,7 @@ def _would_mask(lp: Tensor, logq: Tensor, adv: Tensor, doc_ids: Tensor, mask: Te
     chi^2 = E[r^2] - 1 and ESS/n per sequence."""
     flags = {name + "_clip" * (loss.bound == "clip"): mask & torch.stack(loss.weight(lp, logq, *flag_values(loss, cfg))[1:]).any(0)
              for name, loss in LOSSES.items() if loss.centered and loss.bound}
-    flags["topr_clip"] = _topr_weight(lp, logq, adv, doc_ids, mask)[1]
+    flags["topr_clip"] = terms.topr_weight(lp, logq, adv, doc_ids, mask)[1]
     m = Masks.of(cfg)
     flags |= seq_flags(lp, logq, doc_ids, mask, m) | kl_flags(lp, logq, adv, doc_ids, mask, m)
     out = {f"correction/would_mask/{k}": stat(v.to(lp.dtype), mask) for k, v in flags.items()}
@@ -277,33 +277,6 @@ def _would_mask(lp: Tensor, logq: Tensor, adv: Tensor, doc_ids: Tensor, mask: Te
     out["correction/ratio"], out["correction/chi2"] = stat(r, mask), stat(r * r - 1, mask)
     out["correction/ess"] = stat(s1 * s1 / (n * s2), n > 0)  # (sum r)^2 / (n sum r^2), per sequence
     return out
-
-
-# ----------------------------------------------------------------------------- support rows
-
-@dataclass
-class _Rows:
-    """The support entries of one micro-batch, each tied to its token."""
-
-    row: Tensor  # int64 [nnz] token of each entry
-    counts: Tensor  # int64 [T] entries per row
-    u: Tensor  # [nnz] q_v (replayed) or 1/K (draws); 0 on rows outside the loss
-    logp: Tensor  # [nnz] trainer log-prob, detached
-    logq: Tensor  # [nnz] sampler log-prob; the trainer's own outside the loss
-
-    def sum(self, x: Tensor) -> Tensor:
-        """[T]: x summed over each row's entries."""
-        return sum_by(self.row, x, self.counts.numel())
-
-
-def _rows(sup: TokenSupport, support_logp: Tensor, mask: Tensor) -> _Rows:
-    row = entry_rows(sup.offsets, support_logp.numel())
-    counts = sup.offsets[1:] - sup.offsets[:-1]
-    live = mask[row]
-    logp = support_logp.detach()
-    logq = torch.where(live, sup.logq.to(logp.dtype), logp)
-    u = torch.where(sup.replayed[row], logq.exp(), 1.0 / counts[row].clamp(min=1).to(logp.dtype))
-    return _Rows(row, counts, torch.where(live, u, 0.0), logp, logq)
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -316,37 +289,13 @@ def _masked_stats(name: str, low: Tensor, high: Tensor, mask: Tensor, dtype: tor
     out = {key: stat((low | high).to(dtype), mask)}
     if LOSSES[name].sides:
         out[f"{key}/low"], out[f"{key}/high"] = stat(low.to(dtype), mask), stat(high.to(dtype), mask)
-    out.update(_by_turn(f"by_turn/{key.replace('/', '_')}", (low | high).to(dtype), mask, turns))
-    return out
-
-
-def _by_turn(name: str, values: Tensor, mask: Tensor, turns: Tensor | None) -> Metrics:
-    """`name/k`: the mean of `values` over the loss tokens of each model turn k (0-based) of an episode."""
-    if turns is None:
-        return {}
-    return {f"{name}/{k}": stat(values, mask & (turns == k)) for k in range(MAX_TURN_METRICS)}
-
-
-def _token_stats(log_r: Tensor, entropy: Tensor, age: Tensor, mask: Tensor, turns: Tensor | None,
-                 stale: bool, kl_on: bool, bound: int = 0) -> Metrics:
-    """Entropy and the sampler mismatch; with --async-level also the mean age and KL(q||p) on age-0 tokens
-    (k3; with --kl-coeff _kl_term logs its estimator), telling engine mismatch from staleness. The
-    synchronous loop leaves them out: every age is 0 there and kl/age0 would repeat mismatch/kl.
-    --max-staleness S (`bound`): also the share of each age 0..S (train.bounded_ages reads them)."""
-    out = {"entropy": stat(entropy.to(log_r.dtype), mask), "mismatch/kl": stat(k3(log_r), mask),
-           "mismatch/abs_logratio": stat(log_r.clamp(-METRIC_CLAMP, METRIC_CLAMP).abs(), mask)}
-    out.update(_by_turn("by_turn/mismatch_kl", k3(log_r), mask, turns))
-    if stale:  # --async-level > 0
-        out["staleness/mean"] = stat(age, mask)
-        if not kl_on:
-            out["kl/age0"] = stat(k3(log_r), mask & (age == 0))
-    out.update({f"staleness/frac/{k}": stat((age == k).to(log_r.dtype), mask) for k in range(bound + 1 if bound else 0)})
+    out.update(terms.by_turn(f"by_turn/{key.replace('/', '_')}", (low | high).to(dtype), mask, turns))
     return out
 
 
 # ----------------------------------------------------------------------------- the loss terms
 
-def _centered_term(logp: Tensor, logq: Tensor, adv: Tensor, rows: _Rows | None, support_logp: Tensor, name: str,
+def _centered_term(logp: Tensor, logq: Tensor, adv: Tensor, rows: terms.Rows | None, support_logp: Tensor, name: str,
                    bounds: tuple, keep: Tensor, mask: Tensor, metrics: Metrics, turns: Tensor | None = None) -> Tensor:
     """reinforce/icepop/ipo/tis: -A*(w(a)*log p(a) - sum_v sg[u_v*w(v)]*log p(v)), w = 0 off `keep`;
     `bounds`: the flags LOSSES[name].weight reads."""
@@ -381,7 +330,7 @@ def _clipped_term(logp: Tensor, logq: Tensor, adv: Tensor, old: Tensor, doc_ids:
     m = log_m.exp()
     log_rho = logp - old
     if loss.soft_gate:
-        return -adv * m * _sapo_gate(log_rho, adv, *clip, mask, metrics)
+        return -adv * m * terms.sapo_gate(log_rho, adv, *clip, mask, metrics)
     lo, hi = math.log1p(-clip[0]), math.log1p(clip[1])
     if loss.sequence_ratio:  # one ratio per sequence (a document of the micro-batch)
         mean_of = mask & on
@@ -404,81 +353,18 @@ def _clipped_term(logp: Tensor, logq: Tensor, adv: Tensor, old: Tensor, doc_ids:
     return term
 
 
-def _sapo_gate(log_rho: Tensor, adv: Tensor, tau_pos: float, tau_neg: float, mask: Tensor, metrics: Metrics) -> Tensor:
-    """SAPO (arXiv 2511.20347): f(rho) = (4/tau)*sigmoid(tau*(rho - 1)), tau = tau_pos where A > 0, else tau_neg.
-    Its gradient 4*s*(1 - s)*rho*grad log p is the plain policy gradient at rho = 1 and fades smoothly off it
-    (logged: the mean of 4*s*(1 - s)). rho is capped at e^20, where s = 1 exactly: an overflowing ratio
-    gets gradient 0, never inf*0."""
-    tau = torch.full_like(adv, tau_neg).masked_fill(adv > 0, tau_pos)  # in adv's dtype: where() of two floats is fp32
-    x = tau * (log_rho.clamp(max=METRIC_CLAMP).exp() - 1)
-    s = torch.nn.functional.logsigmoid(x).exp()  # its backward reads sigmoid(-x) itself, never 1 - s: exact as s -> 1
-    metrics["sapo/gate_weight"] = stat(4 * s * torch.sigmoid(-x), mask)
-    return 4 / tau * s
-
-
-def _topr_weight(lp: Tensor, logq: Tensor, adv: Tensor, doc_ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """TOPR's detached weight (1, or min(1, prod of the sequence's p/q) where A < 0) and where that min truncates.
-    The product is a sum of log r capped at 0 before exp: it never overflows."""
-    log_seq = sum_by(doc_ids, torch.where(mask, lp - logq, 0.0), len(doc_ids))[doc_ids]
-    return torch.where(adv < 0, log_seq.clamp(max=0).exp(), 1.0), mask & (adv < 0) & (log_seq > 0)
-
-
 def _topr_term(logp: Tensor, logq: Tensor, adv: Tensor, doc_ids: Tensor, keep: Tensor, mask: Tensor,
                metrics: Metrics, turns: Tensor | None) -> Tensor:
     """TOPR (arXiv 2503.14286): -A*w*log p(a), w = 1 on a sequence with A >= 0 (its plain log-likelihood) and
     sg(min(1, p(y)/q(y))) with A < 0, y the whole sequence; no centering, 0 off `keep`."""
-    w, clipped = _topr_weight(logp.detach(), logq, adv, doc_ids, mask)
+    w, clipped = terms.topr_weight(logp.detach(), logq, adv, doc_ids, mask)
     metrics.update(_masked_stats("topr", clipped, torch.zeros_like(clipped), mask, logp.dtype, turns))
     return -adv * torch.where(keep, w, 0.0) * logp
 
 
-def _kl_term(logp: Tensor, logq: Tensor, rows: _Rows | None, support_logp: Tensor, age: Tensor, coeff: float,
-             exact: bool, inv_sqrt: bool, mask: Tensor, metrics: Metrics) -> Tensor:
-    """beta_t * KL_t(q||p): exact over the support row, or k1 on the sampled token; beta_t = coeff, or
-    coeff / sqrt(1 + age) with `inv_sqrt` (--kl-staleness)."""
-    kl = logq - logp
-    if exact and rows is not None:
-        kl = torch.where(rows.counts > 0, rows.sum(rows.u * (rows.logq - support_logp)), kl)
-    beta = coeff * ((1 + age).rsqrt() if inv_sqrt else torch.ones_like(age))
-    metrics.update({"kl": stat(kl, mask), "kl/beta": stat(beta, mask), "kl/age0": stat(kl, mask & (age == 0))})
-    return beta * kl
-
-
-# ----------------------------------------------------------------------------- on-policy distillation
-
 def distills_exact(cfg: Config) -> bool:
     """--distill-estimator exact is on: the teacher's KL reads every loss token's support row."""
     return cfg.distill_coeff > 0 and cfg.distill_estimator == "exact"
-
-
-def _distill_term(logp: Tensor, teacher: tuple[Tensor, Tensor], rows: _Rows | None, support_logp: Tensor,
-                  sup: TokenSupport | None, adv: Tensor, coeff: float, exact: bool, mask: Tensor, metrics: Metrics) -> Tensor:
-    """lambda * KL(p || t) per loss token as a score-function term, p the student (the trainer), t the teacher,
-    both at the sampling temperature and renormalized alike over a replayed row (the same head):
-
-        lambda * sum_{v in S} sg[omega_v * (log p(v) - log t(v))] * log p(v)
-
-    k1: S = {a}, omega = 1 (the sampled token's log-ratio as a negative advantage). exact: S = the token's
-    support row, omega_v = p(v) on a replayed row (the gradient of the exact KL over the kept set, since
-    sum_S p grad log p = 0 there), p(v) / (K q(v)) on K draws from q (an unbiased estimate of the full
-    KL's gradient). A token with an empty row, or a micro-batch with no support, takes k1.
-    Logs distill/kl (sum_S omega*(log p - log t) per loss token) and distill/share, sum lambda*|KL| /
-    sum (|A| + lambda*|KL|) over loss tokens: the distillation's share of the signal, 1 with --adv-tau 0."""
-    assert teacher is not None, "--distill-coeff > 0 needs the teacher's log-probs (train.teacher_logprobs)"
-    t_logp, t_support_logp = teacher
-    t_logp = torch.where(mask, t_logp.to(logp.dtype), logp.detach())  # ratio 1 outside the loss
-    kl = logp.detach() - t_logp
-    term = kl * logp
-    if exact and rows is not None:
-        live, k = mask[rows.row], rows.counts[rows.row].clamp(min=1).to(logp.dtype)
-        log_w = torch.where(sup.replayed[rows.row], rows.logp, rows.logp - rows.logq - k.log())
-        coef = torch.where(live, log_w, -math.inf).exp() * torch.where(live, rows.logp - t_support_logp.to(logp.dtype), 0.0)
-        has_row = rows.counts > 0
-        kl, term = torch.where(has_row, rows.sum(coef), kl), torch.where(has_row, rows.sum(coef * support_logp), term)
-    size = coeff * kl.abs()
-    metrics["distill/kl"] = stat(kl, mask)
-    metrics["distill/share"] = (torch.where(mask, size, 0.0).sum(), torch.where(mask, adv.abs() + size, 0.0).sum())
-    return coeff * term
 
 
 def _normalization(mb: MicroBatch, agg: str, denom: Denominators, dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
@@ -505,7 +391,7 @@ def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch,
     logq = torch.where(mask, mb.logq.to(lp.dtype), lp)
     age = (step - mb.versions).clamp(min=0).to(lp.dtype)  # a token carries the version that drew it (engines/torch_engine.py); step may be 0-d
     turns = mb.turns if cfg.env else None  # episodes: the mismatch and the masks by model turn too
-    metrics = _token_stats(lp - logq, entropy, age, mask, turns, cfg.async_level > 0 or cfg.max_staleness > 0,
+    metrics = terms.token_stats(lp - logq, entropy, age, mask, turns, cfg.async_level > 0 or cfg.max_staleness > 0,
                            cfg.kl_coeff > 0, cfg.max_staleness)
     name, masks = cfg.loss, Masks.of(cfg)
     if cfg.correction_metrics_only:  # plain reinforce; the corrections only say what they would mask
@@ -522,7 +408,7 @@ def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch,
         keep = keep if cfg.correction_metrics_only else keep & ~drop
     exact = cfg.kl_estimator == "exact"
     reads_rows = loss.centered or cfg.kl_coeff > 0 and exact or distills_exact(cfg)
-    rows = _rows(mb.support, support_logp, mask) if mb.support is not None and reads_rows else None
+    rows = terms.rows(mb.support, support_logp, mask) if mb.support is not None and reads_rows else None
     if loss.centered:
         per_token = _centered_term(logp, logq, adv, rows, support_logp, name, flag_values(loss, cfg), keep, mask, metrics, turns)
     elif loss.tapered:
@@ -536,10 +422,10 @@ def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch,
         metrics["log_ratio_sq"] = stat(log_r * log_r, mask)
         per_token = per_token + cfg.log_ratio_coeff * log_r * log_r
     if cfg.kl_coeff > 0:  # never masked: a regularizer, not a correction
-        per_token = per_token + _kl_term(logp, logq, rows, support_logp, age, cfg.kl_coeff, exact,
+        per_token = per_token + terms.kl_term(logp, logq, rows, support_logp, age, cfg.kl_coeff, exact,
                                          cfg.kl_staleness == "inv_sqrt", mask, metrics)
     if cfg.distill_coeff > 0:  # never masked: an objective of its own, on the student's own tokens
-        per_token = per_token + _distill_term(logp, teacher, rows, support_logp, mb.support, adv, cfg.distill_coeff,
+        per_token = per_token + terms.distill_term(logp, teacher, rows, support_logp, mb.support, adv, cfg.distill_coeff,
                                               distills_exact(cfg), mask, metrics)
     coef, count, d = _normalization(mb, cfg.loss_agg, denom, lp.dtype)
     loss_value = (coef * torch.where(mask, per_token, 0.0)).sum()

@@ -117,7 +117,7 @@ def old_logprobs(cfg, model, fwd, mbs, denom):
 @torch.no_grad()
 def teacher_logprobs(cfg, teacher, mbs):
     """--teacher: its (logp [T], support_logp [nnz]) on each of the student's own packed micro-batches (the
-    same tokens, positions, documents and support rows, the same head and autocast), for loss._distill_term;
+    same tokens, positions, documents and support rows, the same head and autocast), for terms.distill_term;
     computed once a batch, like pi_old, and read by every --epochs pass."""
     with teacher.off():  # --teacher base: the student's adapters off
         return [_head(cfg, teacher.model, teacher.model, mb)[::2] for mb in mbs]
@@ -431,23 +431,11 @@ def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[di
             ahead.release()
         print0(eval_line(step, m))
     if ahead is not None and ahead.bounded:
-        m.update({**bounded_ages(m, cfg.max_staleness), **ahead.idle()})
+        m.update({**ahead.ages(m), **ahead.idle()})
     m.update(run.graphs.row())  # the step's graphs, its eval's included
     run.log.row(step, m)
     run.log.line(step, m, n_tok, t2 - t0)
     return m, batch
-
-
-def bounded_ages(m: dict, bound: int) -> dict:
-    """--max-staleness: staleness/max, read off the shares of each age 0..S (loss._token_stats). Shares
-    that do not cover every token mean one older than S trained: the sampler broke its bound, and
-    the run stops rather than train on."""
-    fracs = [m[f"staleness/frac/{k}"] for k in range(bound + 1) if f"staleness/frac/{k}" in m]
-    if not fracs:  # nothing trained
-        return {}
-    if abs(sum(fracs) - 1) > 1e-6:
-        raise RuntimeError(f"--max-staleness {bound}: {1 - sum(fracs):.3%} of the tokens trained are older than the bound")
-    return {"staleness/max": float(max(k for k, f in enumerate(fracs) if f > 0))}
 
 
 if __name__ == "__main__":

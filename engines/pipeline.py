@@ -163,6 +163,18 @@ class AsyncRollouts:
             self.waited = dict.fromkeys(self.waited, 0.0)
         return out
 
+    def ages(self, m: dict) -> dict[str, float]:
+        """staleness/max, read off the step's shares of each age 0..S (layers/terms.token_stats). Shares
+        that do not cover every token mean one older than S trained: the sampler broke its bound, and
+        the run stops rather than train on."""
+        fracs = [m[f"staleness/frac/{k}"] for k in range(self.level + 1) if f"staleness/frac/{k}" in m]
+        if not fracs:  # nothing trained
+            return {}
+        if abs(sum(fracs) - 1) > 1e-6:
+            raise RuntimeError(f"--max-staleness {self.level}: {1 - sum(fracs):.3%} of the tokens trained are older "
+                               "than the bound")
+        return {"staleness/max": float(max(k for k, f in enumerate(fracs) if f > 0))}
+
     def rng_after(self, step: int) -> RolloutRNG:
         """Copies of the prompt and sampling RNGs as they were right after the batch of `step`."""
         with self.cv:

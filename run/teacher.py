@@ -1,5 +1,5 @@
 """The teacher of on-policy distillation (--teacher DIR --distill-coeff λ): a frozen model the
-student's own samples are scored by, its log-probs read by loss._distill_term.
+student's own samples are scored by, its log-probs read by terms.distill_term.
 
 `load_teacher` runs at the start checks, before the run writes its first byte: the directory
 loads (a missing or damaged one is one line naming --teacher), its tokenizer is the student's

@@ -1,4 +1,4 @@
-"""On-policy distillation (--teacher, --distill-coeff, --distill-estimator): loss._distill_term against
+"""On-policy distillation (--teacher, --distill-coeff, --distill-estimator): terms.distill_term against
 the dense fp64 reference of tests/loss_reference.py (forward, metrics and gradient, both estimators,
 with and without support rows), the model's own tokens alone, a teacher equal to the student, the
 refusals (one line, exit 2, nothing written) and short runs of train.py. CPU, tiny shapes."""
