@@ -41,3 +41,16 @@ def test_one_setting_runs_and_its_row_holds_the_runs_numbers(tmp_path):
         assert r["kl"] == pytest.approx(rows[-1]["mismatch/kl"]) and r["kl"] < 1e-6  # fp32 engine: rounding only
     assert "| fp32-a0 | reinforce | 2 |" in (out / "results.md").read_text()
     assert (tmp_path / "exp.png").stat().st_size > 10_000
+
+
+def test_the_distillation_demo_cuts_each_run_at_equal_train_time(tmp_path):
+    """bench/distill.py: an eval's time is the sum of time/step up to its step (eval rows carry none), and
+    a budget takes the run's last eval within it."""
+    D = bench_module("distill")
+    rows = [{"step": 0, "eval/reward": 0.5}, {"step": 1, "loss": 0.1, "time/step": 2.0},
+            {"step": 2, "loss": 0.1, "time/step": 3.0, "eval/reward": 0.6}, {"step": 3, "loss": 0.1, "time/step": 4.0},
+            {"step": 4, "loss": 0.1, "time/step": 1.0, "eval/reward": 0.7}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    c = D.curve(tmp_path)
+    assert c == [(0, 0.0, 0.5), (2, 5.0, 0.6), (4, 10.0, 0.7)]
+    assert [D.at_time(c, t) for t in (0.0, 4.9, 5.0, 9.9, 10.0)] == [0.5, 0.5, 0.6, 0.6, 0.7]
