@@ -1,8 +1,8 @@
 """On-policy distillation on the CPU: does a teacher's per-token signal teach the student faster
 than the task's reward alone?
 
-    python bench/distill.py                 # teacher, then 3 arms x 3 seeds: ~25 min on 2 cores, alone
-    python bench/distill.py --steps 2 --teacher-steps 2 --seeds 1 --out runs/distill-smoke --md "" --png "" \\
+    python bench/distill.py                 # teacher, then 5 arms x 3 seeds: ~20 min on 2 cores, alone
+    python bench/distill.py --steps 2 --teacher-steps 2 --seeds 1 --estimators k1 --out runs/distill-smoke --md "" --png "" \\
         --extra "--prompts-per-step 2 --group-size 2 --eval-prompts 4"   # smoke test
 
 1. The teacher is trained here, by floe, from the shipped reverse-tiny: the README's main job for
@@ -14,12 +14,14 @@ than the task's reward alone?
    - distill: pure distillation, `--teacher T --distill-coeff λ --adv-tau 0` (the reward is
      logged, not trained on: its advantage is multiplied by 0);
    - rl+distill: the main job plus `--teacher T --distill-coeff λ`.
-   The distillation arms use the k1 estimator (the sampled token's log p - log t as a negative
-   advantage, the default) unless --estimator says otherwise.
+   Both distillation arms run with each of --estimators: k1 (the sampled token's log p - log t as
+   a negative advantage) and exact (over each token's support row, the main job's K draws; those
+   arms are named `distill-exact`, `rl+distill-exact`).
 3. The table: held-out reward (train.py's eval, the same prompts for every run) at each eval step,
    mean over seeds, the final reward mean ± std, and the reward at equal wall time: each run's
    cumulative time/step (train steps only; the evals, the same for every arm, are left out) is
-   cut at the shortest arm's total, and the run's last eval within it is taken.
+   cut at the shortest run's total, and the run's last eval within it is taken; time/teacher is the
+   median of the teacher's forwards a step.
 4. The figure: held-out reward against step and against that cumulative time, one line per arm
    (the mean over seeds), the teacher's reward dashed.
 
@@ -50,9 +52,14 @@ MAIN = ["--loss", "icepop", "--icepop-beta", "2.0"]  # the README's main job
 TEACHER_SEED = 100  # no student seed: the teacher's rollouts are not any student's
 
 
-def arms(teacher: Path, coeff: float, estimator: str) -> dict[str, list[str]]:
-    distill = ["--teacher", str(teacher), "--distill-coeff", f"{coeff:g}", "--distill-estimator", estimator]
-    return {"rl": MAIN, "distill": [*MAIN, *distill, "--adv-tau", "0"], "rl+distill": [*MAIN, *distill]}
+def arms(teacher: Path, coeff: float, estimators: list[str]) -> dict[str, list[str]]:
+    """Each arm's flags, by the name its runs' directories take (k1's plain, exact's marked)."""
+    out = {"rl": MAIN}
+    for est in estimators:
+        distill = ["--teacher", str(teacher), "--distill-coeff", f"{coeff:g}", "--distill-estimator", est]
+        mark = "" if est == "k1" else f"-{est}"
+        out |= {f"distill{mark}": [*MAIN, *distill, "--adv-tau", "0"], f"rl+distill{mark}": [*MAIN, *distill]}
+    return out
 
 
 def curve(run_dir: Path) -> list[tuple[int, float, float]]:
@@ -76,14 +83,16 @@ def table(runs: dict[str, list[Path]], teacher_reward: float) -> str:
     steps = [s for s, _, _ in next(iter(curves.values()))[0]]
     budget = min(c[-1][1] for cs in curves.values() for c in cs)
     lines = [f"| arm | held-out reward at steps {', '.join(map(str, steps))} (mean) | final | "
-             f"at {budget:.0f} s of steps | s per step | distill/kl, last step |", "| --- " * 6 + "|"]
+             f"at {budget:.0f} s of steps | s per step | time/teacher | distill/kl, last step |", "| --- " * 7 + "|"]
     for arm, cs in curves.items():
         by_step = " ".join(f"{statistics.fmean(c[i][2] for c in cs):.3f}" for i in range(len(steps)))
-        kl = [r["distill/kl"] for d in runs[arm] for r in plot.load(d)[-1:] if "distill/kl" in r]
+        rows = [plot.load(d) for d in runs[arm]]
+        kl = [r[-1]["distill/kl"] for r in rows if "distill/kl" in r[-1]]
+        teach = [x["time/teacher"] for r in rows for x in r if "time/teacher" in x]
         lines.append(f"| {arm} | {by_step} | {_ms([c[-1][2] for c in cs])} | {_ms([at_time(c, budget) for c in cs])} "
                      f"| {statistics.fmean(c[-1][1] / c[-1][0] for c in cs):.2f} "
-                     f"| {f'{statistics.fmean(kl):.3f}' if kl else '-'} |")
-    lines.append(f"| teacher | | {teacher_reward:.3f} | | | |")
+                     f"| {f'{statistics.median(teach):.3f} s' if teach else '-'} | {f'{statistics.fmean(kl):.3f}' if kl else '-'} |")
+    lines.append(f"| teacher | | {teacher_reward:.3f} | | | | |")
     return "\n".join(lines)
 
 
@@ -112,12 +121,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--teacher-steps", type=int, default=240, help="steps of the teacher's own RL run")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--coeff", type=float, default=1.0, help="--distill-coeff of both distillation arms")
-    ap.add_argument("--estimator", choices=("k1", "exact"), default="k1")
+    ap.add_argument("--estimators", default="k1,exact", help="--distill-estimator of the distillation arms, comma-separated")
     ap.add_argument("--out", default="runs/distill")
     ap.add_argument("--md", default="runs/distill/results.md", help="where the table goes ('' for none)")
     ap.add_argument("--png", default="docs/distill.png", help="the figure ('' for none)")
     ap.add_argument("--extra", default="", help="more train.py flags for every run, the teacher's included")
     a = ap.parse_args(argv)
+    estimators = a.estimators.split(",")
+    if not set(estimators) <= {"k1", "exact"} or not estimators:
+        ap.error(f"--estimators takes k1 and/or exact, got {a.estimators!r}")
     if min(a.steps, a.teacher_steps, a.seeds) < 1:
         ap.error(f"--steps, --teacher-steps and --seeds must be >= 1, got {a.steps}, {a.teacher_steps}, {a.seeds}")
     out, extra, t0 = Path(a.out), shlex.split(a.extra), time.perf_counter()
@@ -128,8 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     teacher_reward = curve(out / "teacher")[-1][2]
     print(f"teacher: {a.teacher_steps} steps, held-out reward {teacher_reward:.3f}", flush=True)
     runs: dict[str, list[Path]] = {}
-    for arm, flags in arms(out / "teacher" / "final", a.coeff, a.estimator).items():
-        for seed in range(a.seeds):
+    # seed by seed, every arm in turn: a drift in the machine's speed falls on every arm alike
+    for seed in range(a.seeds):
+        for arm, flags in arms(out / "teacher" / "final", a.coeff, estimators).items():
             run_dir = out / f"{arm}-s{seed}"
             result = run_one([*flags, "--steps", str(a.steps), "--seed", str(seed), *every,
                               "--out-dir", str(run_dir), *extra], run_dir)
