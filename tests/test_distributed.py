@@ -41,7 +41,7 @@ def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
 
 
 WORKER = """
-import pickle, sys
+import os, pickle, sys
 sys.path[:0] = [{root!r}, {tests!r}]
 import torch, train
 from layers import parallel
@@ -52,6 +52,7 @@ n = len(cases[0][2]) // parallel.world()  # each rank gets its contiguous share 
 out = [one_step(cfg, state, samples[train.RANK * n:(train.RANK + 1) * n]) for cfg, state, samples in cases]
 torch.save({{"steps": out, "names": only_on_rank1()}}, f"{{sys.argv[1]}}/rank{{train.RANK}}.pt")
 torch.distributed.destroy_process_group()
+os._exit(0)  # as parallel.leave ends a run: FSDP2's caches keep gloo threads that can abort finalization
 """
 
 
@@ -318,6 +319,7 @@ except OSError as e:
 dist.barrier()
 say(f"rank {{rank}} left: {{sorted(p.name for p in out.iterdir())}}")
 dist.destroy_process_group()
+os._exit(0)  # as parallel.leave ends a run (its docstring): no finalization for FSDP2's gloo threads to abort
 """
 
 
