@@ -134,6 +134,7 @@ class Config:
     top_k: int = 0  # top-k sampling; 0: off
     async_level: int = 0  # a: step s trains on rollouts sampled, on a thread, by the weights after step s-1-a; 0: synchronous
     max_staleness: int = 0  # S: a thread samples ahead with the newest weights, pausing so that no token trains more than S steps after the weights that drew it (not bit-repeatable); 0: synchronous
+    partial_rollouts: bool = True  # --max-staleness: a weight push lands between two decode steps and in-flight rows go on under the new weights (--no-partial-rollouts: it waits for the batch being sampled)
     inference_gpus: int = 0  # under torchrun: the last k processes only sample (run/remote.py); 0: every rank samples its share
     dist_timeout: float = 300.0  # torchrun on a CPU (gloo): seconds a rank waits for the others at a collective, then one line (with --env or --tool at least --call-timeout x (--max-turns + 2) + --tool-timeout x --max-tool-calls + 60)
 

@@ -53,7 +53,7 @@ from loss import accumulate, denominators, m2po_bound, reduce_metrics, rl_loss, 
 from kernels import head
 from rollout import eval_line, evaluate, make_batch, rl_sampling
 from agents.episodes import Play
-from engines.pipeline import AsyncRollouts, RolloutRNG
+from engines.pipeline import AsyncRollouts, RolloutRNG, spanning
 from engines.torch_engine import TorchEngine
 from engines.precision import DTYPES, LossScale
 from layers import lora
@@ -342,7 +342,8 @@ def loop(run: Run, start: int) -> None:
     if (cfg.async_level > 0 or cfg.max_staleness > 0) and cfg.stage == "rl":
         threads = max(1, torch.get_num_threads() // 2) if cfg.device == "cpu" else 0  # half the cores each
         ahead = AsyncRollouts(lambda step: next_batch(run, step), run.engine, run.rng, cfg.max_staleness or cfg.async_level,
-                              start, cfg.steps, threads, run.stop, bounded=cfg.max_staleness > 0)
+                              start, cfg.steps, threads, run.stop, bounded=cfg.max_staleness > 0,
+                              partial=cfg.partial_rollouts)
     skipped = empty = failed = 0  # non-finite steps in a row, empty ones, ones whose episodes all failed
     stepped = False  # whether a step of this run took an optimizer step
     stalls = runlog.Stalls(cfg)  # the warnings of a run that cannot learn
@@ -431,7 +432,7 @@ def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[di
             ahead.release()
         print0(eval_line(step, m))
     if ahead is not None and ahead.bounded:
-        m.update({**ahead.ages(m), **ahead.idle()})
+        m.update({**ahead.ages(m), **ahead.idle(), "async/spanning_push": spanning(batch)})
     m.update(run.graphs.row())  # the step's graphs, its eval's included
     run.log.row(step, m)
     run.log.line(step, m, n_tok, t2 - t0)

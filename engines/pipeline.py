@@ -23,6 +23,18 @@ from model import Transformer
 from engines.torch_engine import Engine
 
 
+def spanning(batch: list) -> float:
+    """async/spanning_push: the share of the trained samples whose own tokens (an episode's model turns)
+    two or more versions drew: a push landed while they were decoded."""
+    def versions(s):
+        return {v for v, own in zip(s.versions, s.mask or [True] * len(s.versions)) if own}
+    return sum(len(versions(s)) > 1 for s in batch) / max(len(batch), 1)
+
+
+class _Closed(Exception):
+    """close() during a partial rollout's push: the thread leaves the batch it was sampling."""
+
+
 @dataclass
 class RolloutRNG:
     """The rollout side's random state right after one step's batch: what save_checkpoint saves (rng, gen)."""
@@ -79,10 +91,20 @@ class AsyncRollouts:
         sampled ends, so the push lands between batches and the next one samples with it. Which
         version a batch gets depends on the threads' timing: the run is valid, not bit-repeatable.
     11. `idle()`: the fractions of the wall time since its last call each side spent waiting (the
-        thread: at the bound, on the lock or done; the trainer: in `get` and `publish`)."""
+        thread: at the bound, on the lock, at a push or done; the trainer: in `get` and `publish`).
+    12. Partial rollouts (`partial`, --max-staleness with --partial-rollouts, the default): the push
+        does not wait for the batch either. The engine calls `between` before each decode step;
+        there, when a push is waiting, the thread lets the lock go, waits until the push (and an eval
+        held on it) is over, takes the lock back and decodes on under the new weights, keeping the
+        rows' KV cache (PipelineRL's choice; the keys the old weights wrote are a mismatch the
+        per-token ratios see). Every token carries the version whose logits drew it, so a sequence
+        may hold two or more (async/spanning_push); admission still counts from the version a batch
+        starts with, the oldest of its tokens, so the bound holds. A push that raises part way
+        leaves the engine torn, and it refuses to sample (TorchEngine._whole): a half-pushed model
+        never draws a token."""
 
     def __init__(self, produce, engine: Engine, rng, level: int, start: int, steps: int, threads: int = 0,
-                 stop: threading.Event | None = None, bounded: bool = False):
+                 stop: threading.Event | None = None, bounded: bool = False, partial: bool = False):
         self.produce, self.engine, self.rng = produce, engine, rng  # produce(step) -> (samples, stats)
         self.stop = stop  # set by close: user code the thread waits on (a reward, an environment) is abandoned at once
         self.level, self.start, self.steps, self.bounded = level, start, steps, bounded
@@ -91,6 +113,7 @@ class AsyncRollouts:
         self.pushed = self.made = start  # the engine's version; the newest batch made
         self.ready, self.after = {}, {}  # step -> (samples, stats, seconds); step -> RNG states after its batch
         self.error, self.closed, self.thread, self.held = None, False, None, False
+        self.pushing = False  # a push waits for the lock (partial: the thread lets it go between decode steps)
         self.waited = {"sampler": 0.0, "trainer": 0.0}  # seconds each side waited since the last idle()
         self.clock = self.waiting = time.perf_counter()  # idle()'s window start; since when the thread waits (None: busy)
         self.threads = None  # torch's intra-op thread count, while the pipeline sets its own
@@ -100,6 +123,8 @@ class AsyncRollouts:
                 self.threads = torch.get_num_threads()
                 torch.set_num_threads(threads)
             self.thread = threading.Thread(target=self._loop, name="floe-rollouts", daemon=True)
+            if bounded and partial:
+                engine.between = self._between
             self.thread.start()
 
     def __enter__(self) -> AsyncRollouts:
@@ -129,6 +154,8 @@ class AsyncRollouts:
         t = time.perf_counter()
         if not self.bounded:
             self._wait(lambda: self.made >= min(step + self.level, self.steps))
+        with self.cv:
+            self.pushing = True
         self.lock.acquire()
         self.held = True
         with self.cv:
@@ -144,7 +171,7 @@ class AsyncRollouts:
     def release(self) -> None:
         """Let the thread sample with the version just published."""
         with self.cv:
-            self.pushed = self.engine.version
+            self.pushed, self.pushing = self.engine.version, False
             self.cv.notify_all()
         if self.held:
             self.held = False
@@ -196,6 +223,7 @@ class AsyncRollouts:
             self.stop.set()
         if self.thread is not None:
             self.thread.join()
+            self.engine.between = None
         if self.threads is not None:
             torch.set_num_threads(self.threads)
 
@@ -218,6 +246,20 @@ class AsyncRollouts:
             self.waiting = time.perf_counter()
             self.cv.notify_all()
 
+    def _between(self) -> None:
+        """The engine between two decode steps on the thread (partial rollouts): a waiting push lands here."""
+        if not self.pushing or threading.current_thread() is not self.thread:  # an eval's generate: the push's own
+            return
+        with self.cv:
+            self.waiting = time.perf_counter()
+        self.lock.release()
+        with self.cv:
+            self.cv.wait_for(lambda: not self.pushing or self.closed)
+        self.lock.acquire()
+        self._busy()
+        if self.closed:
+            raise _Closed  # the batch is abandoned: the run is over
+
     def _busy(self) -> None:
         """The thread's wait (at the bound, or for the lock) ends here."""
         with self.cv:
@@ -236,6 +278,8 @@ class AsyncRollouts:
                         return
                 with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                     self._make(step, side)
+        except _Closed:
+            return
         except BaseException as e:  # handed to the trainer
             with self.cv:
                 self.error = e

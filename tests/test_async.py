@@ -2,6 +2,7 @@
 --max-staleness: the bound held (pipeline and whole runs, one process and gloo), a resume, the refusals."""
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from run import start
 import rollout
 import train
 from engines.pipeline import AsyncRollouts
-from engines.torch_engine import TorchEngine
+from engines.torch_engine import Sampling, TorchEngine
 from test_distributed import _rows
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -271,6 +272,7 @@ def _ages_hold(rows, bound):
         assert r["staleness/max"] == max(k for k, f in enumerate(frac) if f > 0) <= bound
         assert r["staleness/mean"] == pytest.approx(sum(k * f for k, f in enumerate(frac)))
         assert 0 <= r["async/sampler_idle"] <= 1 and 0 <= r["async/trainer_idle"] <= 1
+        assert 0 <= r["async/spanning_push"] <= 1
 
 
 @pytest.mark.parametrize("bound", [1, 2])
@@ -333,3 +335,184 @@ def test_two_gloo_ranks_each_with_a_bounded_sampler(tmp_path):
     rows = _rows(tmp_path)
     _ages_hold(rows[1:], 1)  # the shares sum over both ranks' tokens
     assert max(r["staleness/max"] for r in rows[1:]) == 1
+
+
+# ----------------------------------------------------------------------------- partial rollouts: a push between decode steps
+
+def _pushing_at(engine, call: int, push):
+    """engine.between that runs `push()` at its `call`-th call (before that decode step's logits)."""
+    calls = [0]
+
+    def between():
+        calls[0] += 1
+        if calls[0] == call:
+            push()
+    engine.between = between
+
+
+@pytest.mark.parametrize("dtype,compiled", [("fp32", False), ("bf16", False), ("fp8", False), ("fp32", True)])
+def test_a_push_between_decode_steps_samples_the_rest_from_the_new_weights(dtype, compiled):
+    """Tokens before the push carry version 0 and the old weights' log q (their full forward); from the
+    push on, version 1 and the pushed weights': a zero tied embedding makes every logit 0, so log q and
+    every support row's log q are -log V exactly, compiled decode step included (it holds the very
+    tensors a push overwrites)."""
+    from test_engines import PROMPTS, STOPS, _model, _probs
+
+    torch._dynamo.reset()
+    old, zero = _model(), _model()
+    with torch.no_grad():
+        zero.model.embed_tokens.weight.zero_()
+    s = Sampling(max_new_tokens=8, seed=3, support=True, draws=8)
+    plain = TorchEngine(old, dtype, STOPS).generate(PROMPTS, 4, s)
+    engine = TorchEngine(old, dtype, STOPS, compile_step=compiled)
+    _pushing_at(engine, 3, lambda: engine.load_weights(zero, version=1))
+    out = engine.generate(PROMPTS, 4, s)
+    assert any(len(c.ids) > 3 for c in out)  # rows decoded on past the push
+    for i, (c, p) in enumerate(zip(out, plain)):
+        assert c.versions == [0, 0, 0, 1, 1, 1, 1, 1][: len(c.ids)]
+        assert c.ids[:3] == p.ids[:3]  # the same draws as without the push, up to it
+        torch.testing.assert_close(torch.tensor(c.logq[:3]), torch.tensor(p.logq[:3]), atol=1e-4 if compiled else 0, rtol=0)
+        ref = _probs(old, PROMPTS[i // 4], c.ids, 1.0, dtype == "fp8")
+        for t, (v, lq) in enumerate(zip(c.ids, c.logq)):
+            a, b = int(c.support.host_offsets[t]), int(c.support.host_offsets[t + 1])
+            if t < 3:  # and the old weights' full forward (bf16's in another rounding: held to the run without a push)
+                assert dtype == "bf16" or abs(lq - math.log(ref[t, v].item())) < 1e-5
+            else:
+                assert lq == pytest.approx(-math.log(32), abs=1e-6)
+                assert torch.allclose(c.support.logq[a:b].double(), torch.full((b - a,), -math.log(32), dtype=torch.float64), atol=1e-6)
+    assert engine.kept is None  # rows that spanned a push are not kept for a next call
+    torch._dynamo.reset()
+
+
+def test_a_push_of_the_same_weights_mid_decode_changes_versions_and_nothing_else():
+    """The rows go on from the same KV cache and the same random stream: a push of unchanged
+    weights at decode step 4 gives the very completions of a run without one, bit for bit."""
+    from test_engines import PROMPTS, STOPS, _model
+
+    model = _model()
+    s = Sampling(temperature=1.3, max_new_tokens=8, seed=11)
+    plain = TorchEngine(model, "bf16", STOPS).generate(PROMPTS, 3, s)
+    engine = TorchEngine(model, "bf16", STOPS)
+    _pushing_at(engine, 4, lambda: engine.load_weights(model, version=5))
+    pushed = engine.generate(PROMPTS, 3, s)
+    assert [(c.ids, c.logq) for c in pushed] == [(c.ids, c.logq) for c in plain]
+    assert all(c.versions == ([0] * 4 + [5] * 4)[: len(c.ids)] for c in pushed)
+    assert any(len(c.ids) > 4 for c in pushed)
+
+
+def test_a_push_that_fails_between_two_tensors_never_yields_a_draw():
+    from test_engines import PROMPTS, STOPS, _model
+
+    model = _model()
+    engine = TorchEngine(model, "bf16", STOPS)
+
+    def torn():  # the first tensor lands, then the sender dies
+        for i, (k, w) in enumerate(model.state_dict().items()):
+            if i == 1:
+                raise ConnectionError("the trainer died mid-push")
+            yield k, w
+
+    def push():
+        with pytest.raises(ConnectionError):
+            engine.load_tensors(torn(), 1)
+    _pushing_at(engine, 2, push)
+    with pytest.raises(RuntimeError, match="half pushed .* nothing samples from them"):
+        engine.generate(PROMPTS, 2, Sampling(max_new_tokens=8))
+    engine.between = None
+    with pytest.raises(RuntimeError, match="half pushed"):  # nor does the next call
+        engine.generate(PROMPTS, 2, Sampling(max_new_tokens=8))
+    engine.load_weights(model, 2)  # a whole push makes it whole
+    assert all(c.versions == [2] * len(c.ids) for c in engine.generate(PROMPTS, 2, Sampling(max_new_tokens=4)))
+
+
+class SteppedEngine(FakeEngine):
+    """A FakeEngine whose generate is `steps` decode steps, calling `between` before each after the
+    first, as TorchEngine does; a push may land there and nowhere else. Records each step's version."""
+
+    def __init__(self, steps=10):
+        super().__init__()
+        self.between, self.steps = None, steps
+
+    def generate(self, seconds):
+        assert not self.busy
+        self.busy, drawn = True, []
+        for t in range(self.steps):
+            if t and self.between is not None:
+                self.busy = False
+                self.between()
+                self.busy = True
+            drawn.append(self.version)
+            time.sleep(seconds / self.steps)
+        self.busy = False
+        return drawn
+
+
+def _partial(bound, sample, trains, partial=True, steps=6):
+    engine, drawn = SteppedEngine(), {}
+
+    def produce(step):
+        drawn[step] = engine.generate(sample)
+        return [step], {}
+
+    with AsyncRollouts(produce, engine, random.Random(0), bound, 0, steps, bounded=True, partial=partial) as pipe:
+        for step in range(1, steps + 1):
+            assert pipe.get(step)[0] == [step]
+            time.sleep(trains)
+            pipe.publish(None, step, hold=step == 2)
+            if step == 2:  # an eval on the trainer's thread, the sampler parked mid-batch: SteppedEngine fails if both run
+                engine.generate(trains)
+                pipe.release()
+    assert engine.between is None  # close() takes the hook back
+    return drawn
+
+
+@pytest.mark.parametrize("bound", [1, 2])
+def test_a_slow_sampler_takes_each_push_mid_batch_within_the_bound(bound):
+    drawn = _partial(bound, sample=0.3, trains=0.02)
+    for step, versions in drawn.items():
+        assert versions == sorted(versions) and step - 1 - versions[0] <= bound  # admission: by the first version
+    assert sum(len(set(v)) > 1 for v in drawn.values()) >= 3  # most batches spanned a push
+    whole = _partial(bound, sample=0.3, trains=0.02, partial=False)
+    assert all(len(set(v)) == 1 for v in whole.values())  # --no-partial-rollouts: pushes wait for the batch
+
+
+def test_closing_mid_push_leaves_the_batch_at_once():
+    engine = SteppedEngine(steps=1000)
+
+    def produce(step):  # a batch of 100 s
+        return engine.generate(100.0), {}
+    pipe = AsyncRollouts(produce, engine, random.Random(0), 1, 0, 4, bounded=True, partial=True)
+    time.sleep(0.2)  # the thread is in its first batch's decode
+    with pipe.cv:
+        pipe.pushing = True  # a push waits: the thread parks at its next decode step
+    time.sleep(0.3)
+    t0 = time.perf_counter()
+    pipe.close()
+    assert time.perf_counter() - t0 < 5 and not pipe.thread.is_alive() and pipe.error is None
+
+
+def test_spanning_counts_the_models_own_tokens():
+    from engines.pipeline import spanning
+
+    def s(versions, mask=None):
+        return D.Sample(None, [0] * len(versions), [0.0] * len(versions), versions, "stop", mask=mask)
+    # an episode's reply tokens carry a placeholder 0: not a second version
+    batch = [s([3, 3, 4]), s([3, 3]), s([5, 0, 0, 5], mask=[True, False, False, True]), s([2, 0, 3], [True, False, True])]
+    assert spanning(batch) == 0.5 and spanning([]) == 0
+
+
+SLOW_SAMPLER = [*SMALL[:2], "--prompts-per-step", "4", "--group-size", "2", "--max-new-tokens", "64", "--temperature", "3",
+                "--eval-prompts", "4"]  # few rows, long rambling ones: the sampler is the slower side
+
+
+def test_pushes_land_mid_rollout_in_a_whole_run_and_wait_for_it_without_partial(tmp_path):
+    args = [*SLOW_SAMPLER, "--steps", "8", "--eval-every", "4", "--max-staleness", "1"]
+    _main(*args, "--out-dir", str(tmp_path / "partial"))
+    _main(*args, "--no-partial-rollouts", "--out-dir", str(tmp_path / "whole"))
+    partial, whole = _rows(tmp_path / "partial")[1:], _rows(tmp_path / "whole")[1:]
+    _ages_hold(partial, 1)
+    _ages_hold(whole, 1)
+    # a sampler slower than the trainer is mid-batch at nearly every push (seen: 6 of 7 steps)
+    assert sum(r["async/spanning_push"] > 0 for r in partial) >= 2
+    assert all(r["async/spanning_push"] == 0 for r in whole)
+    assert json.loads((tmp_path / "partial" / "config.json").read_text())["partial_rollouts"] is True
