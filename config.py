@@ -86,7 +86,7 @@ class Config:
     env: str = ""  # an environment: a built-in (guess-letter), path/to/file.py:Class or module:Class; the rows come from --task jsonl:FILE
     max_turns: int = 4  # --env: model turns per episode, at most (each up to --max-new-tokens)
 
-    # --- tools (agents/toolcalls.py, agents/toolrun.py; docs/agents.md "Tools")
+    # --- tools (agents/toolschema.py, agents/toolcalls.py, agents/toolrun.py; docs/agents.md "Tools")
     tool: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()  # repeatable: path/to/file.py:fn or module:fn, a typed function the model may call; without --env the episodes start from the rows of --task jsonl:FILE and end at the first answer
     tool_format: Literal["auto", "hermes", "llama3-json"] = "auto"  # the family's call format; auto: read from the chat template
     max_tool_calls: int = 8  # tool calls per episode; each further one is answered with an error

@@ -18,7 +18,7 @@ from typing import Callable
 
 from config import Config, ConfigError
 from data import Prompt
-from agents import envs, toolcalls, toolrun
+from agents import envs, toolcalls, toolrun, toolschema
 from agents.episodes import EnvSpec, end_of_turn, reply_ids
 from tasks import usercode
 from tasks.task import Task
@@ -73,10 +73,10 @@ def check_columns(name: str, cls: type, rows: list) -> None:
 
 
 def load_tools(cfg: Config) -> dict:
-    """--tool's functions with their schemas (toolcalls.toolset), or one line: a tool that does not
+    """--tool's functions with their schemas (toolschema.toolset), or one line: a tool that does not
     import, is not a function, has a parameter JSON cannot describe, or shares a name."""
     try:
-        return toolcalls.toolset(toolcalls.load(cfg.tool, cfg.call_timeout), [f"--tool {spec}" for spec in cfg.tool])
+        return toolschema.toolset(toolschema.load(cfg.tool, cfg.call_timeout), [f"--tool {spec}" for spec in cfg.tool])
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -147,7 +147,7 @@ def eval_prompt_length(cfg: Config, codec: TextCodec, task: Task, env: EnvSpec |
     def first_prompt(p: Prompt, seed: int) -> int:
         e = env.cls()
         first = e.reset(copy.deepcopy({"prompt": p.prompt, **p.columns}), seed) if hasattr(e, "reset") else None
-        fns = toolcalls.toolset([t.fn for t in tools.fns.values()] + list(e.tools()))
+        fns = toolschema.toolset([t.fn for t in tools.fns.values()] + list(e.tools()))
         raw = p.prompt if first is None else first
         return len(codec.render(raw, **{**task.template_kwargs, "tools": [t.schema for t in fns.values()]}))
 

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data import Prompt, RunError, Sample, TokenSupport, is_messages
-from agents import toolcalls, toolrun
+from agents import toolcalls, toolrun, toolschema
 from engines.torch_engine import Completion, Sampling
 from tasks import usercode
 from tasks.textcodec import TextCodec
@@ -175,7 +175,7 @@ class Episode:
     why: str = ""  # the environment's error, for the line that stops a run
     reward: float = math.nan
     kwargs: dict = field(default_factory=dict)  # the template's keywords, its tools' schemas among them
-    tools: dict = field(default_factory=dict)  # the tools it may call (toolcalls.Tool by name)
+    tools: dict = field(default_factory=dict)  # the tools it may call (toolschema.Tool by name)
     calls: list = field(default_factory=list)  # its call attempts (toolcalls.Call), results filled in
     call_turns: int = 0  # model turns that were calls
     result_tokens: int = 0  # tokens of its tool replies
@@ -274,7 +274,7 @@ def _start_all(pl: Play, rows: list[Prompt], group: int, seeds: list[int]) -> li
         try:
             first = _first(first)
             if env_tools:  # this episode's own tools: their schemas join the first prompt, read now
-                e.tools = toolcalls.toolset([t.fn for t in e.tools.values()] + env_tools)
+                e.tools = toolschema.toolset([t.fn for t in e.tools.values()] + env_tools)
                 e.kwargs = {**pl.template_kwargs, "tools": [t.schema for t in e.tools.values()]}
             raw = row.prompt if first is None else first
             if pl.tools and isinstance(raw, str):

@@ -14,7 +14,7 @@ agents/toolcalls.py turns a model turn into calls; this module runs them for the
    runner); envcheck.check_tools builds it after the start checks.
 3. `metrics`: a step's (sum, count) tool metrics, as the episodes' other statistics.
 
-This module is layer 2: tasks/usercode.py, data.py (RunError) and agents/toolcalls.py.
+This module is layer 3: tasks/usercode.py, data.py (RunError), agents/toolcalls.py and agents/toolschema.py (Tool).
 
     python -m pytest -q tests/test_toolcalls.py tests/test_tools.py
 """
@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from data import RunError
-from agents.toolcalls import Call, KINDS, PER_TURN, Tool, error_line, render_result, truncate
+from agents.toolcalls import Call, KINDS, PER_TURN, error_line, render_result, truncate
+from agents.toolschema import Tool
 from tasks import usercode
 
 MAX_ABANDONED = 256  # hung calls alive at once before the run stops: each holds a thread for good

@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from data import Prompt  # noqa: E402
 from agents import envs, toolrun  # noqa: E402
 from agents.episodes import EnvSpec, Play, play  # noqa: E402
-from agents.toolcalls import toolset, write_calls  # noqa: E402
+from agents.toolcalls import write_calls  # noqa: E402
+from agents.toolschema import toolset  # noqa: E402
 from engines.torch_engine import Completion, Sampling  # noqa: E402
 from tasks.task import PRINTABLE  # noqa: E402
 from tasks.textcodec import TextCodec  # noqa: E402

@@ -1,6 +1,6 @@
-"""agents/toolcalls.py: schemas against transformers' get_json_schema, both call formats parsed (each
-malformed kind with its error line), written calls read back, results rendered by Qwen3- and
-Llama-3.1-behaving templates as transformers renders them, and the runner's faults injected.
+"""agents/toolschema.py's schemas against transformers' get_json_schema; agents/toolcalls.py: both call
+formats parsed (each malformed kind with its error line), written calls read back, results rendered
+by Qwen3- and Llama-3.1-behaving templates as transformers renders them; and the runner's faults injected.
 
 The two templates below are written here from the formats' public descriptions, not copied from
 either project: Qwen3 puts a `# Tools` block in the system turn with one `tojson` schema a line
@@ -23,6 +23,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from tasks import textcodec as D
 from tasks import task
 from agents import toolcalls as T
+from agents import toolschema as S
 from agents import toolrun as R
 
 QWEN3_TOOLS = r"""
@@ -247,7 +248,7 @@ SIGNATURES = [add, lookup, s_any, s_nested, s_union, s_bare, s_kwonly, s_none, s
 def test_the_schema_equals_get_json_schema_key_for_key_and_in_order(fn):
     from transformers.utils import get_json_schema
 
-    assert json.dumps(T.schema(fn)) == json.dumps(get_json_schema(fn))
+    assert json.dumps(S.schema(fn)) == json.dumps(get_json_schema(fn))
 
 
 def _no_hint(a, b: int):
@@ -363,7 +364,7 @@ def _neither(a, b: int):
 ])
 def test_what_a_schema_cannot_describe_is_refused_in_one_line_naming_the_parameter(fn, line):
     with pytest.raises(ValueError) as e:
-        T.schema(fn)
+        S.schema(fn)
     assert str(e.value) == line
 
 
@@ -372,15 +373,15 @@ def test_two_tools_of_one_name_are_refused():
         """Another."""
 
     other.__name__ = "add"
-    assert list(T.toolset([add, lookup])) == ["add", "lookup"]
+    assert list(S.toolset([add, lookup])) == ["add", "lookup"]
     with pytest.raises(ValueError) as e:  # named where each is defined, never by a memory address
-        T.toolset([add, other])
+        S.toolset([add, other])
     assert str(e.value) == (f"tests/test_toolcalls.py:add and tests/test_toolcalls.py:{other.__qualname__} are both "
                             "named 'add': a call names a tool by its function's name, so each needs its own")
     with pytest.raises(ValueError) as e:
-        T.toolset([add, lookup, add], ["--tool a.py:add", "--tool a.py:lookup", "--tool a.py:add"])
+        S.toolset([add, lookup, add], ["--tool a.py:add", "--tool a.py:lookup", "--tool a.py:add"])
     assert str(e.value) == "--tool a.py:add is given twice; give each tool once"
-    assert T.origin(add) == "tests/test_toolcalls.py:add" and T.origin(json.dumps).endswith("json/__init__.py:dumps")
+    assert S.origin(add) == "tests/test_toolcalls.py:add" and S.origin(json.dumps).endswith("json/__init__.py:dumps")
 
 
 def test_the_format_comes_from_the_template():
@@ -390,7 +391,7 @@ def test_the_format_comes_from_the_template():
 
 # ----------------------------------------------------------------------------- parsing
 
-TOOLS = T.toolset([add, lookup, s_none])
+TOOLS = S.toolset([add, lookup, s_none])
 
 
 def _calls(fmt, text, **kw):
@@ -525,7 +526,7 @@ def test_floe_renders_tools_calls_and_results_as_transformers_does(tmp_path, fam
     d = _model_dir(tmp_path, family)
     ours, hf = D.TextCodec.load(d), _hf(d)
     fmt, fns = FORMAT[family], [add, lookup]
-    schemas = [T.schema(f) for f in fns]
+    schemas = [S.schema(f) for f in fns]
     prompt = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "What is 1 + 2?"}]
     calls = CALLS if fmt == "hermes" else CALLS[:1]
     results = T.tool_messages([T.Call("add", {}, content="3"), T.Call("lookup", {}, content='{"t": 21}')][:len(calls)])
@@ -543,7 +544,7 @@ def test_floe_renders_tools_calls_and_results_as_transformers_does(tmp_path, fam
     rendered = ours.render_text(history, False, tools=schemas)
     written = T.write_calls(fmt, calls)
     assert head + written + ("<|im_end|>" if fmt == "hermes" else "<|eot_id|>") in rendered
-    assert [(c.name, c.arguments, c.kind) for c in T.parse(fmt, written, T.toolset(fns))] == [
+    assert [(c.name, c.arguments, c.kind) for c in T.parse(fmt, written, S.toolset(fns))] == [
         (c["function"]["name"], c["function"]["arguments"] if isinstance(c["function"]["arguments"], dict)
          else json.loads(c["function"]["arguments"]), "") for c in calls]
 
@@ -661,7 +662,7 @@ class Faults:
 
 def _runner(f: Faults, **kw) -> R.Runner:
     r = R.Runner(**kw)
-    r.tools = T.toolset([f.div, f.hang, f.leave, f.odd, f.log, f.together, f.shout])
+    r.tools = S.toolset([f.div, f.hang, f.leave, f.odd, f.log, f.together, f.shout])
     return r
 
 

@@ -24,6 +24,7 @@ import model as M
 import rollout
 from run import start
 from agents import toolcalls as T
+from agents import toolschema as S
 from agents import toolrun
 import train
 from engines.torch_engine import Sampling
@@ -52,7 +53,7 @@ def tools_model(tmp_path: Path, family: str = "qwen3", template: str | None = No
 
 
 def _play(codec, fmt, fns, turns, rows=1, per_turn=0, max_calls=8, timeout=5.0, env=envs.ToolsOnly):
-    tools = T.toolset(fns)
+    tools = S.toolset(fns)
     kwargs = {"tools": [t.schema for t in tools.values()]}
     row = D.Prompt(codec.render(PROMPT, **kwargs), PROMPT, {"answer": "3"})
     runner = toolrun.Runner(timeout, 40, codec.encode)
@@ -182,7 +183,7 @@ def _sly(a: int) -> str:
 def test_a_result_that_fails_to_render_in_any_way_is_the_calls_error_not_the_runs(fn, why):
     """json.dumps of a deeply nested list raised RecursionError past the runner: a traceback, the run over."""
     codec = TextCodec.load(ROOT / "checkpoints" / "calc-tiny")
-    call, tool = T.Call(fn.__name__, {"a": 1}), T.Tool(fn.__name__, fn, {})
+    call, tool = T.Call(fn.__name__, {"a": 1}), S.Tool(fn.__name__, fn, {})
     toolrun.Runner(5.0, 40, codec.encode).run([[call]], [{fn.__name__: tool}])
     assert call.kind == "result" and call.truncated == 0, (call.kind, call.content)
     assert call.content.startswith(f"error: {fn.__name__} returned what cannot be its result: ")
@@ -204,7 +205,7 @@ def test_the_call_limits_answer_the_extra_calls_inside_an_episode(tmp_path):
 @pytest.mark.parametrize("family", ["qwen3", "llama31"])
 def test_an_sft_reference_call_is_the_text_the_parser_reads_back_trained_as_model_tokens(tmp_path, family):
     codec = TextCodec.load(_model_dir(tmp_path, family))
-    fmt, kwargs = FORMAT[family], {"tools": [T.schema(add)]}
+    fmt, kwargs = FORMAT[family], {"tools": [S.schema(add)]}
     p = D.Prompt(codec.render(PROMPT, **kwargs), PROMPT, {})
     turns = [{"role": "assistant", "content": "", "tool_calls": CALLS[:1]}, {"role": "tool", "name": "add", "content": "3"},
              {"role": "assistant", "content": "3"}]
@@ -214,7 +215,7 @@ def test_an_sft_reference_call_is_the_text_the_parser_reads_back_trained_as_mode
     trained = [i for i, m in zip(s.completion, s.mask) if m]
     first = trained[:trained.index(end) + 1]
     text, stop = codec.decode_turn(first)
-    assert [(c.name, c.arguments, c.kind) for c in T.parse(fmt, text, T.toolset([add]), stop)] == [("add", {"a": 1, "b": 2}, "")]
+    assert [(c.name, c.arguments, c.kind) for c in T.parse(fmt, text, S.toolset([add]), stop)] == [("add", {"a": 1, "b": 2}, "")]
     assert s.completion == first + E.reply_ids(codec, turns[1:2], end, kwargs) + codec.encode("3") + [end]
     with pytest.raises(ValueError, match="needs tools"):
         E.reference(codec, p, turns, kwargs)
@@ -346,7 +347,7 @@ def test_the_tools_environment_and_the_calculator_train_with_their_metrics(tmp_p
         for k in keys + (("eval/tool_calls", "eval/tool_errors") if name == "calculator" else ()):
             assert k in last, (name, k)
     assert envs.CalculatorOff().add(1, 2) == "error: the calculator is off" and envs.Calculator().add(1, 2) == 3
-    assert T.schema(envs.CalculatorOff().add) == T.schema(T.load(("examples/calculator.py:add",))[0])
+    assert S.schema(envs.CalculatorOff().add) == S.schema(S.load(("examples/calculator.py:add",))[0])
 
 
 # ----------------------------------------------------------------------------- whole runs that stop
@@ -487,7 +488,7 @@ def test_the_eval_set_fit_sees_an_environments_tool_schemas(tmp_path, capsys):
     f.write_text(WIDE)
     codec, rows, held = TextCodec.load(model), tmp_path / "rows.jsonl", tmp_path / "held.jsonl"
     one = [{"role": "user", "content": "0+1="}]
-    narrow, wide = (len(codec.render(one, tools=[T.schema(add)] * k)) for k in (1, 8))  # the schemas' text, as the template puts it
+    narrow, wide = (len(codec.render(one, tools=[S.schema(add)] * k)) for k in (1, 8))  # the schemas' text, as the template puts it
     assert narrow + 4 <= 1024 < wide + 4
 
     def write(path, flags):
@@ -544,12 +545,12 @@ def test_the_calculator_starting_directory_renders_tools_as_transformers_does(tm
     system = [{"role": "system", "content": "Be exact."}]
     for messages, fns in [(row["prompt"], None), (row["prompt"], [add]), (row["prompt"] + row["episode"], [add]),
                           (system + row["prompt"] + two, [add, lookup]), (system + row["prompt"], None)]:
-        kwargs = {"tools": [T.schema(f) for f in fns]} if fns else {}
+        kwargs = {"tools": [S.schema(f) for f in fns]} if fns else {}
         text = hf.apply_chat_template(messages, tools=fns, tokenize=False, add_generation_prompt=True)
         assert codec.render_text(messages, True, **kwargs) == text
         assert codec.render(messages, **kwargs) == hf.encode(text, add_special_tokens=False)
         assert ("tools: add(a, b)" in text) == bool(fns)
-    merged = codec.render_text(row["prompt"] + two, False, tools=[T.schema(add), T.schema(lookup)])
+    merged = codec.render_text(row["prompt"] + two, False, tools=[S.schema(add), S.schema(lookup)])
     assert "<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n{\"t\": 21}\n</tool_response><|im_end|>" in merged
     for name in ("calc-tiny", "direct-tiny"):
         for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
@@ -565,7 +566,7 @@ def test_a_calculator_episode_on_calc_tiny_calls_add_and_answers():
     d = ROOT / "checkpoints" / "calc-tiny"
     codec = TextCodec.load(d)
     rows = envs.Calculator.rows(4, 1)
-    kwargs = {"tools": [T.schema(envs.Calculator().add)]}
+    kwargs = {"tools": [S.schema(envs.Calculator().add)]}
     prompts = [D.Prompt(codec.render(r["prompt"], **kwargs), r["prompt"], r) for r in rows]
     tools = toolrun.Tools({}, "hermes", 0, 8, toolrun.Runner(5.0, 2000, codec.encode), env_tools=True)
     spec = E.EnvSpec("calculator", envs.Calculator, None, False, has_step=False, has_tools=True)
