@@ -135,6 +135,7 @@ class Config:
     async_level: int = 0  # a: step s trains on rollouts sampled, on a thread, by the weights after step s-1-a; 0: synchronous
     max_staleness: int = 0  # S: a thread samples ahead with the newest weights, pausing so that no token trains more than S steps after the weights that drew it (not bit-repeatable); 0: synchronous
     partial_rollouts: bool = True  # --max-staleness: a weight push lands between two decode steps and in-flight rows go on under the new weights (--no-partial-rollouts: it waits for the batch being sampled)
+    recompute_kv_on_push: bool = False  # partial rollouts: a push mid-rollout prefills every in-flight row's cache again under the new weights (no drift from the keys the old ones wrote; one prefill a push)
     inference_gpus: int = 0  # under torchrun: the last k processes only sample (run/remote.py); 0: every rank samples its share
     dist_timeout: float = 300.0  # torchrun on a CPU (gloo): seconds a rank waits for the others at a collective, then one line (with --env or --tool at least --call-timeout x (--max-turns + 2) + --tool-timeout x --max-tool-calls + 60)
 
@@ -252,6 +253,8 @@ class Config:
                f"{self.max_tool_calls_per_turn} with llama3-json: the format is one call a turn (Llama's template refuses a second)")
         _check(not (self.max_staleness and self.async_level), "--async-level/--max-staleness",
                f"give one: --async-level {self.async_level} is a fixed lag, --max-staleness {self.max_staleness} a bound")
+        _check(not self.recompute_kv_on_push or bool(self.max_staleness and self.partial_rollouts), "--recompute-kv-on-push",
+               "acts on a push mid-rollout: it needs --max-staleness S with partial rollouts (not --no-partial-rollouts)")
         _check(not (self.max_staleness and self.inference_gpus), "--max-staleness",
                "serves the colocated built-in engine for now, not --inference-gpus (use --async-level there)")
         _check(self.stage == "sft" or self.group_size >= 2 or (self.teacher and self.adv_tau == 0), "--group-size",

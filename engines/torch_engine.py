@@ -188,7 +188,7 @@ class SupportRecorder:
 
 class TorchEngine:
     def __init__(self, model: Transformer, dtype: str, stop_ids: list[int], seed: int = 0, compile_step: bool = False,
-                 weights=None, device=None):
+                 weights=None, device=None, recompute_kv: bool = False):
         """The engine's copy of `model`, given its weights by a first push. `weights` instead: `model` is a
         skeleton on the meta device and the copy is built in its dtype on `device`, filled from (name,
         tensor) pairs one at a time (an inference rank's start, from the files: hfdir.tensors)."""
@@ -214,6 +214,7 @@ class TorchEngine:
         self.stop_ids = torch.tensor(stop_ids, device=self.device)
         self.kept: KeptRows | None = None
         self.between = None  # called between two decode steps (a partial rollout's push lands there: pipeline.py)
+        self.recompute_kv = recompute_kv  # a push there prefills the rows' cache again (--recompute-kv-on-push)
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
         self.version, self.torn = None, False  # nothing pushed yet; torn: a push raised part way (load_tensors)
         if weights is None:
@@ -329,7 +330,7 @@ class TorchEngine:
         with torch.inference_mode():
             logits, cache, pos = self._prefill(prompts, n, T_new)
             store = cache if self.reuse and keep else None  # every output row's cache, as it leaves the decode batch
-            ids, logq, versions = self._decode(logits, cache, pos, cap, sampling, gen, rec, store)
+            ids, logq, versions = self._decode(logits, cache, pos, cap, sampling, gen, rec, store, [prompts, n])
         if rec is not None:
             rec.finish()
         out = self._completions(ids, logq, versions, rec, cap.tolist())
@@ -359,11 +360,12 @@ class TorchEngine:
         return self._logits(h).repeat_interleave(n, 0), cache.repeat(n), (lens - 1).repeat_interleave(n)
 
     def _decode(self, logits, cache, pos, cap, sampling: Sampling, gen, rec: SupportRecorder | None,
-                store: KVCache | None) -> tuple[list[list[int]], list[list[float]], list[int]]:
+                store: KVCache | None, source: list) -> tuple[list[list[int]], list[list[float]], list[int]]:
         """Sample every row to its stop or budget -> each output row's ids and logq (past its stop
         too: cut by _completions) and the version that drew each decode step's tokens. `store` (the
         cache from before any row left) gets each row's cache back when it leaves the batch, for the
-        next call to extend. `between` runs before each decode step: a push may land there."""
+        next call to extend. `between` runs before each decode step: a push may land there (with
+        recompute_kv the rows' cache is then prefilled again from `source`, [prompts, n])."""
         B, T_new, dev = len(cap), int(cap.max()), self.device
         out_ids = torch.zeros(B, T_new, dtype=torch.long, device=dev)
         out_logq = torch.zeros(B, T_new, device=dev)
@@ -394,10 +396,26 @@ class TorchEngine:
             if self.between is not None:
                 self.between()
                 self._whole()
+                if self.recompute_kv and self.version != versions[-1]:
+                    self._refill(cache, rows, out_ids, t, *source)
             logits = self.step(tok, pos, cache)
         if store is not None and cache is not store:
             store.put(rows, cache)
         return out_ids[:, : t + 1].tolist(), out_logq[:, : t + 1].tolist(), versions
+
+    def _refill(self, cache: KVCache, rows: torch.Tensor, out_ids: torch.Tensor, t: int, prompts: list[list[int]],
+                n: int) -> None:
+        """--recompute-kv-on-push: every row's cache again under the weights just pushed, from its
+        prompt and its tokens before t (token t is the next step's input), at the positions decoding
+        gave them. Right-padded as the prefill is: padding writes only slots past its row's tokens,
+        which decoding overwrites before any query reaches them."""
+        seqs = [prompts[b // n] + out_ids[b, :t].tolist() for b in rows.tolist()]
+        L, dev = max(map(len, seqs)), self.device
+        tokens = torch.zeros(len(seqs), L, dtype=torch.long, device=dev)
+        for i, x in enumerate(seqs):
+            tokens[i, : len(x)] = torch.tensor(x)
+        positions = torch.arange(L, device=dev).clamp(max=cache.max_len - 1).expand(len(seqs), L)
+        self.model.forward_cached(tokens, positions, cache)
 
     def _completions(self, ids: list[list[int]], logq: list[list[float]], versions: list[int],
                      rec: SupportRecorder | None, caps: list[int]):

@@ -229,4 +229,4 @@ def make_engine(cfg, model: Transformer, model_dir, stop_ids: list[int], seed: i
             engine.load_weights(model, 0)
         return engine
     return TorchEngine(model, cfg.engine_dtype, stop_ids, seed, compile_step=cfg.compile == "on", weights=weights,
-                       device=cfg.device)
+                       device=cfg.device, recompute_kv=cfg.recompute_kv_on_push)

@@ -37,7 +37,7 @@ from tasks.textcodec import TextCodec
 
 # a resume may change them; config.json follows (compile: a machine without a C++ compiler resumes a compiled run eager;
 # activation checkpointing recomputes the same values, and auto may settle otherwise on another device)
-FREE = ("steps", "eval_every", "save_every", "wandb_project", "dist_timeout", "call_timeout", "tool_timeout", "compile", "partial_rollouts",
+FREE = ("steps", "eval_every", "save_every", "wandb_project", "dist_timeout", "call_timeout", "tool_timeout", "compile", "partial_rollouts", "recompute_kv_on_push",
         "activation_checkpointing", "plan_check", "plan_world")
 RECORD = ("reward_sha256", "lora_base", "repeatable")  # config.json's keys that are the run's record, not flags
 UNUSED = ("resume", "model", "out_dir")  # a resume ignores them (out_dir: any spelling; model: a LoRA run's base is its record's); config.json keeps the run's

@@ -516,3 +516,33 @@ def test_pushes_land_mid_rollout_in_a_whole_run_and_wait_for_it_without_partial(
     assert sum(r["async/spanning_push"] > 0 for r in partial) >= 2
     assert all(r["async/spanning_push"] == 0 for r in whole)
     assert json.loads((tmp_path / "partial" / "config.json").read_text())["partial_rollouts"] is True
+
+
+def test_recompute_kv_on_push_samples_the_rest_exactly_from_the_new_weights():
+    """Without it the rows after a push attend to keys and values the old weights wrote (the drift
+    bench/kvdrift.py measures); with it each in-flight row is prefilled again, so every token the new
+    weights draw has their full forward's log q (fp32 engine, to the decode loop's summation order)."""
+    from test_engines import PROMPTS, STOPS, _model, _probs
+
+    old, new = _model(), M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
+    M.init_weights(new, std=0.15, seed=1)
+    s = Sampling(temperature=1.0, max_new_tokens=10, seed=2)
+    worst = {}
+    for recompute in (False, True):
+        engine = TorchEngine(old, "fp32", STOPS, recompute_kv=recompute)
+        _pushing_at(engine, 4, lambda: engine.load_weights(new, version=1))
+        out = engine.generate(PROMPTS, 4, s)
+        gaps = [abs(lq - math.log(_probs(new if v else old, PROMPTS[i // 4], c.ids, 1.0)[t, x].item()))
+                for i, c in enumerate(out) for t, (x, lq, v) in enumerate(zip(c.ids, c.logq, c.versions))]
+        assert sum(v for c in out for v in c.versions) > 10  # tokens the new weights drew
+        worst[recompute] = max(gaps)
+    assert worst[True] < 2e-5 < 1e-2 < worst[False], worst
+
+
+def test_recompute_kv_on_push_needs_partial_rollouts(capsys):
+    for flags in (["--recompute-kv-on-push"], ["--recompute-kv-on-push", "--max-staleness", "1", "--no-partial-rollouts"]):
+        with pytest.raises(SystemExit) as e:
+            C.parse(flags)
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err.count("\n") == 0 and "--recompute-kv-on-push acts on a push mid-rollout" in err
+    assert C.parse(["--recompute-kv-on-push", "--max-staleness", "1"]).recompute_kv_on_push
