@@ -54,3 +54,15 @@ def test_the_distillation_demo_cuts_each_run_at_equal_train_time(tmp_path):
     c = D.curve(tmp_path)
     assert c == [(0, 0.0, 0.5), (2, 5.0, 0.6), (4, 10.0, 0.7)]
     assert [D.at_time(c, t) for t in (0.0, 4.9, 5.0, 9.9, 10.0)] == [0.5, 0.5, 0.6, 0.6, 0.7]
+
+
+def test_the_kv_drift_bench_shows_the_kept_cache_and_the_recompute(tmp_path):
+    """bench/kvdrift.py on two saved steps: before the push every row is at the engine's precision
+    mismatch; after it the kept cache's rows are far off B's own forward and the recomputed ones are not."""
+    K = bench_module("kvdrift")
+    text = K.main(["--train-steps", "2", "--from", "1", "--lags", "1", "--prompts", "8", "--out", str(tmp_path / "kv"),
+                   "--png", str(tmp_path / "kv.png")])
+    row = text.splitlines()[2].strip("| ").split(" | ")
+    before, after, redone, alone_b = (float(row[k]) for k in (2, 3, 4, 6))
+    assert before < 1e-2 and redone < 2 * alone_b < after
+    assert (tmp_path / "kv.png").stat().st_size > 10_000
