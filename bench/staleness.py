@@ -1,0 +1,109 @@
+"""Rollouts that never wait, timed: the synchronous loop, the fixed lag and the bound, with and
+without partial rollouts, on one machine, each run alone in its own process.
+
+    python bench/staleness.py                       # 2 settings x 9 arms x 2 rounds of 24 steps: ~20 min on 2 cores
+    python bench/staleness.py --steps 4 --rounds 1 --settings default --arms sync,S2 --out runs/staleness-smoke
+
+1. The arms: sync; `--async-level 1`; `--max-staleness S` for S = 1, 2, 4 with `--no-partial-rollouts`
+   (a push waits for the batch being sampled: "S<k> whole") and with partial rollouts ("S<k>"); and
+   S = 2 with `--recompute-kv-on-push`.
+2. The settings: `default`, the README's main job (the sampler is the faster side on a CPU), and
+   `tail`, the same at `--temperature 3 --max-new-tokens 96`: reverse-tiny's completions then have a
+   long tail (median 10 tokens, the 99th percentile about 60), the case partial rollouts are for.
+3. Each run is `train.py` in a subprocess with --eval-every 0 (evals would add the same time to
+   every arm); rounds run every arm once, in turn, so a drift of the machine falls on all of them.
+4. Per arm, over steps 3.. (steps 1-2 are warm-up): tokens trained per second (the sum of
+   tokens/train over the sum of time/step: a step's time/step is the trainer's wall time for it,
+   the wait for its batch included), the median time/step, and where the run logs them the mean
+   async/sampler_idle, async/trainer_idle, async/spanning_push and staleness/mean. The table gives
+   each round's tokens/s and their mean.
+
+On 2 cores the two sides of a thread share them (each gets one: engines/pipeline.py), so the
+figures say what overlap buys there, not what a GPU pair would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MAIN = ["--loss", "icepop", "--icepop-beta", "2.0"]
+SETTINGS = {"default": [], "tail": ["--temperature", "3", "--max-new-tokens", "96"]}
+ARMS = {"sync": [], "a1": ["--async-level", "1"],
+        **{f"S{s} whole": ["--max-staleness", str(s), "--no-partial-rollouts"] for s in (1, 2, 4)},
+        **{f"S{s}": ["--max-staleness", str(s)] for s in (1, 2, 4)},
+        "S2 recompute": ["--max-staleness", "2", "--recompute-kv-on-push"]}
+LOGGED = ("async/sampler_idle", "async/trainer_idle", "async/spanning_push", "staleness/mean")
+
+
+def run(flags: list[str], out: Path) -> list[dict]:
+    """train.py in its own process; its step rows."""
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *flags, "--out-dir", str(out)], capture_output=True,
+                       text=True, timeout=3600)
+    if r.returncode:
+        raise SystemExit(f"bench/staleness.py: {shlex.join(flags)} failed:\n{r.stderr[-2000:]}")
+    return [x for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "time/step" in x]
+
+
+def figures(rows: list[dict]) -> dict:
+    rows = rows[2:]
+    out = {"tok/s": sum(r["tokens/train"] for r in rows) / sum(r["time/step"] for r in rows),
+           "step": statistics.median(r["time/step"] for r in rows)}
+    out.update({k: statistics.fmean(r[k] for r in rows) for k in LOGGED if k in rows[0]})
+    return out
+
+
+def table(results: dict) -> str:
+    head = ["setting", "arm", "tokens trained/s, per round", "mean", "against sync", "median time/step",
+            "sampler idle", "trainer idle", "spanning a push", "mean age"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for setting, arms in results.items():
+        sync = statistics.fmean(f["tok/s"] for f in arms["sync"])
+        for arm, runs in arms.items():
+            mean = statistics.fmean(f["tok/s"] for f in runs)
+            per_round = ", ".join(f"{f['tok/s']:,.0f}" for f in runs)
+            logged = [f"{statistics.fmean(f[k] for f in runs):.2f}" if k in runs[0] else "-" for k in LOGGED]
+            lines.append(f"| {setting} | {arm} | {per_round} | {mean:,.0f} | {mean / sync:.2f} | "
+                         f"{statistics.fmean(f['step'] for f in runs):.3f} s | " + " | ".join(logged) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--out", default="runs/staleness")
+    ap.add_argument("--extra", default="", help="more train.py flags for every run")
+    a = ap.parse_args(argv)
+    settings, arms = a.settings.split(","), a.arms.split(",")
+    for name, known in (*((s, SETTINGS) for s in settings), *((x, ARMS) for x in arms)):
+        if name not in known:
+            ap.error(f"{name!r} is none of {', '.join(known)}")
+    if "sync" not in arms:
+        ap.error("--arms must hold sync: every row is read against it")
+    results = {s: {x: [] for x in arms} for s in settings}
+    t0 = time.perf_counter()
+    for k in range(a.rounds):
+        for s in settings:
+            for x in arms:
+                flags = [*MAIN, *SETTINGS[s], *ARMS[x], "--steps", str(a.steps), "--eval-every", "0",
+                         *shlex.split(a.extra)]
+                results[s][x].append(figures(run(flags, Path(a.out) / f"{s}-{x.replace(' ', '-')}-r{k}")))
+                print(f"# round {k + 1}, {s}, {x}: {results[s][x][-1]['tok/s']:,.0f} tokens trained/s", flush=True)
+    text = table(results)
+    print(f"# {datetime.date.today()}, {a.rounds} rounds of {a.steps} steps, {time.perf_counter() - t0:.0f} s\n{text}")
+    return text
+
+
+if __name__ == "__main__":
+    main()
