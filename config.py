@@ -45,13 +45,14 @@ FINITE = ("lr", "weight_decay", "temperature", "adv_tau", "kl_coeff", "log_ratio
           "seq_mask_low", "top_p", "vllm_memory", "engine_noise", "dist_timeout", "lora_alpha", "tool_timeout")
 AT_LEAST = {"steps": 1, "top_k": 0, "score_centering_k": 1, "prompts_per_step": 1, "group_size": 1, "max_new_tokens": 1,
             "micro_batch_tokens": 64, "epochs": 1, "save_every": 0, "eval_every": 0, "eval_prompts": 1,
-            "async_level": 0, "max_staleness": 0, "inference_gpus": 0, "lora_rank": 0, "max_tool_calls": 1, "max_tool_calls_per_turn": 0,
+            "async_level": 0, "max_staleness": 0, "push_at_decode_step": 0, "inference_gpus": 0, "lora_rank": 0, "max_tool_calls": 1, "max_tool_calls_per_turn": 0,
             "max_tool_result_chars": 1}
 OFF = {"top_k": " (0: off)", "eval_every": " (0: no eval)", "async_level": " (0: synchronous)", "max_staleness": " (0: synchronous)",
+       "push_at_decode_step": " (0: wherever the push finds the sampler)",
        "inference_gpus": " (0: colocated)", "lora_rank": " (0: full fine-tuning)",
        "max_tool_calls_per_turn": " (0: the format's own)"}  # what 0 means
 RENAMED = {"icepop": "icepop_mask"}  # a flag's old field name -> its new one: config.json of an older run still resumes
-BOUNDS = {"score_centering_k": 1024, "max_staleness": 1000, "eval_prompts": 2**16, "micro_batch_tokens": 2**20}
+BOUNDS = {"score_centering_k": 1024, "max_staleness": 1000, "push_at_decode_step": 2**20, "eval_prompts": 2**16, "micro_batch_tokens": 2**20}
 PLAN_WORLD_MAX = 2**16
 
 
@@ -135,6 +136,7 @@ class Config:
     async_level: int = 0  # a: step s trains on rollouts sampled, on a thread, by the weights after step s-1-a; 0: synchronous
     max_staleness: int = 0  # S: a thread samples ahead with the newest weights, pausing so that no token trains more than S steps after the weights that drew it (not bit-repeatable); 0: synchronous
     partial_rollouts: bool = True  # --max-staleness: a weight push lands between two decode steps and in-flight rows go on under the new weights (--no-partial-rollouts: it waits for the batch being sampled)
+    push_at_decode_step: int = 0  # partial rollouts: the push of version s lands at this decode step of batch s+S (or after it, if shorter), so a seed repeats the run exactly; 0: wherever the push finds the sampler (not bit-repeatable)
     recompute_kv_on_push: bool = False  # partial rollouts: a push mid-rollout prefills every in-flight row's cache again under the new weights (no drift from the keys the old ones wrote; one prefill a push)
     inference_gpus: int = 0  # under torchrun: the last k processes only sample (run/remote.py); 0: every rank samples its share
     dist_timeout: float = 300.0  # torchrun on a CPU (gloo): seconds a rank waits for the others at a collective, then one line (with --env or --tool at least --call-timeout x (--max-turns + 2) + --tool-timeout x --max-tool-calls + 60)
@@ -253,8 +255,9 @@ class Config:
                f"{self.max_tool_calls_per_turn} with llama3-json: the format is one call a turn (Llama's template refuses a second)")
         _check(not (self.max_staleness and self.async_level), "--async-level/--max-staleness",
                f"give one: --async-level {self.async_level} is a fixed lag, --max-staleness {self.max_staleness} a bound")
-        _check(not self.recompute_kv_on_push or bool(self.max_staleness and self.partial_rollouts), "--recompute-kv-on-push",
-               "acts on a push mid-rollout: it needs --max-staleness S with partial rollouts (not --no-partial-rollouts)")
+        for flag, on in (("--recompute-kv-on-push", self.recompute_kv_on_push), ("--push-at-decode-step", self.push_at_decode_step)):
+            _check(not on or bool(self.max_staleness and self.partial_rollouts), flag,
+                   "acts on a push mid-rollout: it needs --max-staleness S with partial rollouts (not --no-partial-rollouts)")
         _check(not (self.max_staleness and self.inference_gpus), "--max-staleness",
                "serves the colocated built-in engine for now, not --inference-gpus (use --async-level there)")
         _check(self.stage == "sft" or self.group_size >= 2 or (self.teacher and self.adv_tau == 0), "--group-size",

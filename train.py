@@ -253,7 +253,7 @@ def launch(cfg: Config, s: Start, link: Link | None = None) -> dict:
         if RANK == 0:  # the engine started: now the config, which a resume checks its flags against
             record = (resumed_config(s.out, cfg) if s.resume_from  # the run's own record; None: unchanged
                       else {**json.loads(cfg.to_json()), "reward_sha256": hashes, **lora.base_record(s.model, src),
-                            **({"repeatable": False} if cfg.max_staleness and cfg.stage == "rl" else {})})
+                            **({"repeatable": False} if cfg.max_staleness and not cfg.push_at_decode_step and cfg.stage == "rl" else {})})
             if record is not None:
                 write_file(s.out / "config.json", json.dumps(record, indent=2))
     log = run = None
@@ -343,7 +343,7 @@ def loop(run: Run, start: int) -> None:
         threads = max(1, torch.get_num_threads() // 2) if cfg.device == "cpu" else 0  # half the cores each
         ahead = AsyncRollouts(lambda step: next_batch(run, step), run.engine, run.rng, cfg.max_staleness or cfg.async_level,
                               start, cfg.steps, threads, run.stop, bounded=cfg.max_staleness > 0,
-                              partial=cfg.partial_rollouts)
+                              partial=cfg.partial_rollouts, land_at=cfg.push_at_decode_step)
     skipped = empty = failed = 0  # non-finite steps in a row, empty ones, ones whose episodes all failed
     stepped = False  # whether a step of this run took an optimizer step
     stalls = runlog.Stalls(cfg)  # the warnings of a run that cannot learn

@@ -1,15 +1,19 @@
-"""Rollouts that never wait, timed: the synchronous loop, the fixed lag and the bound, with and
-without partial rollouts, on one machine, each run alone in its own process.
+"""Rollouts that never wait: the synchronous loop, the fixed lag and the bound, with and without
+partial rollouts, on one machine. `speed` times them, each run alone in its own process; `learn`
+trains them to the held-out reward, 3 seeds, at equal steps and at equal wall time.
 
-    python bench/staleness.py                       # 2 settings x 9 arms x 2 rounds of 24 steps: ~20 min on 2 cores
-    python bench/staleness.py --steps 4 --rounds 1 --settings default --arms sync,S2 --out runs/staleness-smoke
+    python bench/staleness.py speed                 # 3 settings x 9 arms x 2 rounds of 24 steps: ~15 min on 2 cores
+    python bench/staleness.py learn                 # 5 arms x icepop, reinforce x 3 seeds of 60 steps: ~15 min
+    python bench/staleness.py speed --steps 4 --rounds 1 --settings default --arms sync,S2 --out runs/staleness-smoke
 
 1. The arms: sync; `--async-level 1`; `--max-staleness S` for S = 1, 2, 4 with `--no-partial-rollouts`
    (a push waits for the batch being sampled: "S<k> whole") and with partial rollouts ("S<k>"); and
    S = 2 with `--recompute-kv-on-push`.
 2. The settings: `default`, the README's main job (the sampler is the faster side on a CPU), and
    `tail`, the same at `--temperature 3 --max-new-tokens 96`: reverse-tiny's completions then have a
-   long tail (median 10 tokens, the 99th percentile about 60), the case partial rollouts are for.
+   long tail (median 10 tokens, the 99th percentile about 60), the case partial rollouts are for;
+   and `sampler-bound`, the tail at 8 prompts x 4: on a CPU decoding a small batch costs about what
+   a large one does a step, training far less, so the sampler is the slower side.
 3. Each run is `train.py` in a subprocess with --eval-every 0 (evals would add the same time to
    every arm); rounds run every arm once, in turn, so a drift of the machine falls on all of them.
 4. Per arm, over steps 3.. (steps 1-2 are warm-up): tokens trained per second (the sum of
@@ -17,6 +21,13 @@ without partial rollouts, on one machine, each run alone in its own process.
    the wait for its batch included), the median time/step, and where the run logs them the mean
    async/sampler_idle, async/trainer_idle, async/spanning_push and staleness/mean. The table gives
    each round's tokens/s and their mean.
+
+`learn`: the arms sync, a1, S2 whole, S2 and S4, each with --loss icepop (--icepop-beta 2) and
+--loss reinforce, seeds 0..2, in this process (bench/experiment.py's run_one: a finished run is
+not run again), at the mismatch study's batch (16 x 8); held-out reward every 10 steps; the
+reward at equal wall time is each run's last eval within the shortest run's sum of time/step
+(bench/distill.py's curve). The question it puts: does the mismatch correction keep stale,
+mixed-policy sequences learning where plain REINFORCE drifts?
 
 On 2 cores the two sides of a thread share them (each gets one: engines/pipeline.py), so the
 figures say what overlap buys there, not what a GPU pair would.
@@ -36,7 +47,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MAIN = ["--loss", "icepop", "--icepop-beta", "2.0"]
-SETTINGS = {"default": [], "tail": ["--temperature", "3", "--max-new-tokens", "96"]}
+SETTINGS = {"default": [], "tail": ["--temperature", "3", "--max-new-tokens", "96"],
+            "sampler-bound": ["--temperature", "3", "--max-new-tokens", "96", "--prompts-per-step", "8", "--group-size", "4"]}
 ARMS = {"sync": [], "a1": ["--async-level", "1"],
         **{f"S{s} whole": ["--max-staleness", str(s), "--no-partial-rollouts"] for s in (1, 2, 4)},
         **{f"S{s}": ["--max-staleness", str(s)] for s in (1, 2, 4)},
@@ -76,15 +88,69 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+LEARN_ARMS = ("sync", "a1", "S2 whole", "S2", "S4")
+LEARN_LOSSES = {"icepop": ["--loss", "icepop", "--icepop-beta", "2.0"], "reinforce": ["--loss", "reinforce"]}
+
+
+def learn(argv: list[str]) -> str:
+    sys.path.insert(0, str(ROOT))
+    from bench.distill import at_time, curve
+    from bench.experiment import BATCH, _mean_std, _ms, run_one
+
+    ap = argparse.ArgumentParser(prog="bench/staleness.py learn")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--out", default="runs/staleness-learn")
+    ap.add_argument("--extra", default="", help="more train.py flags for every run")
+    a = ap.parse_args(argv)
+    dirs: dict[tuple[str, str], list[Path]] = {}
+    for seed in range(a.seeds):  # seed by seed, every arm in turn: a drift of the machine falls on all
+        for loss, loss_flags in LEARN_LOSSES.items():
+            for arm in LEARN_ARMS:
+                d = Path(a.out) / f"{loss}-{arm.replace(' ', '-')}-s{seed}"
+                args = [*loss_flags, *ARMS[arm], *BATCH, "--steps", str(a.steps), "--eval-every", "10", "--seed",
+                        str(seed), "--out-dir", str(d), *shlex.split(a.extra)]
+                r = run_one(args, d)
+                print(f"# {d.name}: eval {r['summary'].get('eval/reward', float('nan')):.3f}, {r['wall_s']:.0f} s", flush=True)
+                dirs.setdefault((loss, arm), []).append(d)
+    curves = {k: [curve(d) for d in ds] for k, ds in dirs.items()}
+    budget = min(c[-1][1] for cs in curves.values() for c in cs)
+    steps = [s for s, _, _ in next(iter(curves.values()))[0]]
+    lines = [f"| loss | arm | held-out reward at steps {', '.join(map(str, steps))} (mean) | final | against sync, "
+             f"paired | at {budget:.0f} s of steps | mean age | spanning a push | masked |", "|" + " --- |" * 9]
+    for (loss, arm), cs in curves.items():
+        final = [c[-1][2] for c in cs]
+        sync = [c[-1][2] for c in curves[(loss, "sync")]]
+        diff = [x - y for x, y in zip(final, sync)]
+        rows = [[r for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if "time/step" in r]
+                for d in dirs[(loss, arm)]]
+
+        def mean_of(key):
+            xs = [r[key] for rs in rows for r in rs if key in r]
+            return f"{statistics.fmean(xs):.3f}" if xs else "-"
+        by_step = " ".join(f"{statistics.fmean(c[i][2] for c in cs):.3f}" for i in range(len(steps)))
+        lines.append(f"| {loss} | {arm} | {by_step} | {_ms(final)} | {'{:+.3f} ± {:.3f}'.format(*_mean_std(diff)) if arm != 'sync' else '-'} | "
+                     f"{_ms([at_time(c, budget) for c in cs])} | {mean_of('staleness/mean')} | "
+                     f"{mean_of('async/spanning_push')} | {mean_of('icepop/masked_fraction')} |")
+    text = "\n".join(lines)
+    print(f"# {datetime.date.today()}, {a.seeds} seeds of {a.steps} steps\n{text}")
+    return text
+
+
 def main(argv: list[str] | None = None) -> str:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["learn"]:
+        return learn(argv[1:])
+    if argv[:1] != ["speed"]:
+        raise SystemExit("bench/staleness.py: give speed or learn first (the docstring has both)")
+    ap = argparse.ArgumentParser(prog="bench/staleness.py speed")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--out", default="runs/staleness")
     ap.add_argument("--extra", default="", help="more train.py flags for every run")
-    a = ap.parse_args(argv)
+    a = ap.parse_args(argv[1:])
     settings, arms = a.settings.split(","), a.arms.split(",")
     for name, known in (*((s, SETTINGS) for s in settings), *((x, ARMS) for x in arms)):
         if name not in known:

@@ -96,15 +96,23 @@ class AsyncRollouts:
         does not wait for the batch either. The engine calls `between` before each decode step;
         there, when a push is waiting, the thread lets the lock go, waits until the push (and an eval
         held on it) is over, takes the lock back and decodes on under the new weights, keeping the
-        rows' KV cache (PipelineRL's choice; the keys the old weights wrote are a mismatch the
-        per-token ratios see). Every token carries the version whose logits drew it, so a sequence
+        rows' KV cache (PipelineRL's choice; the engine's recompute_kv, --recompute-kv-on-push,
+        prefills it again instead: bench/kvdrift.py measures the drift a kept cache leaves, which
+        the per-token ratios see, since each log q is the distribution really drawn from). Every token carries the version whose logits drew it, so a sequence
         may hold two or more (async/spanning_push); admission still counts from the version a batch
         starts with, the oldest of its tokens, so the bound holds. A push that raises part way
         leaves the engine torn, and it refuses to sample (TorchEngine._whole): a half-pushed model
-        never draws a token."""
+        never draws a token.
+    13. A fixed landing point (`land_at` = D > 0, --push-at-decode-step): the push of version s
+        lands at the D-th decode step of batch s + S (counted over the batch's generate calls), or
+        after that batch when it has fewer. The thread parks there until the trainer has pushed s;
+        the trainer's `publish(s)` waits until the thread is parked there or the batch is made. So
+        batch b starts with version b - 1 - S exactly and takes b - S at its D-th step, whatever the
+        threads' timing: a fixed seed gives the same batches, hence the same metrics. A resume
+        refills the queue from the checkpoint's weights, as in 5: valid, not bit-identical."""
 
     def __init__(self, produce, engine: Engine, rng, level: int, start: int, steps: int, threads: int = 0,
-                 stop: threading.Event | None = None, bounded: bool = False, partial: bool = False):
+                 stop: threading.Event | None = None, bounded: bool = False, partial: bool = False, land_at: int = 0):
         self.produce, self.engine, self.rng = produce, engine, rng  # produce(step) -> (samples, stats)
         self.stop = stop  # set by close: user code the thread waits on (a reward, an environment) is abandoned at once
         self.level, self.start, self.steps, self.bounded = level, start, steps, bounded
@@ -114,6 +122,8 @@ class AsyncRollouts:
         self.ready, self.after = {}, {}  # step -> (samples, stats, seconds); step -> RNG states after its batch
         self.error, self.closed, self.thread, self.held = None, False, None, False
         self.pushing = False  # a push waits for the lock (partial: the thread lets it go between decode steps)
+        self.land_at, self.parked = land_at, None  # 13: the decode step a push lands at; the batch parked there
+        self.batch, self.decoded = None, 0  # the batch being made and its decode steps so far (13)
         self.waited = {"sampler": 0.0, "trainer": 0.0}  # seconds each side waited since the last idle()
         self.clock = self.waiting = time.perf_counter()  # idle()'s window start; since when the thread waits (None: busy)
         self.threads = None  # torch's intra-op thread count, while the pipeline sets its own
@@ -123,7 +133,7 @@ class AsyncRollouts:
                 self.threads = torch.get_num_threads()
                 torch.set_num_threads(threads)
             self.thread = threading.Thread(target=self._loop, name="floe-rollouts", daemon=True)
-            if bounded and partial:
+            if bounded and (partial or land_at):
                 engine.between = self._between
             self.thread.start()
 
@@ -154,6 +164,8 @@ class AsyncRollouts:
         t = time.perf_counter()
         if not self.bounded:
             self._wait(lambda: self.made >= min(step + self.level, self.steps))
+        elif self.land_at:  # 13: the thread at batch step + S's landing point, or past that batch
+            self._wait(lambda: self.parked == step + self.level or self.made >= min(step + self.level, self.steps))
         with self.cv:
             self.pushing = True
         self.lock.acquire()
@@ -238,7 +250,8 @@ class AsyncRollouts:
             assert v == oldest or self.bounded and oldest <= v < step, \
                 f"step {step} needs version {oldest}{' or newer' * self.bounded}, the engine holds {v}"
             t = time.perf_counter()
-            samples, stats = self.produce(step)  # every token of it from version v: a push waits for the lock
+            self.batch, self.decoded = step, 0
+            samples, stats = self.produce(step)  # a push lands between decode steps (partial) or waits for the lock
             seconds = time.perf_counter() - t
             after = (self.rng.getstate(), self.engine.gen.get_state())
         with self.cv:
@@ -247,18 +260,36 @@ class AsyncRollouts:
             self.cv.notify_all()
 
     def _between(self) -> None:
-        """The engine between two decode steps on the thread (partial rollouts): a waiting push lands here."""
-        if not self.pushing or threading.current_thread() is not self.thread:  # an eval's generate: the push's own
+        """The engine between two decode steps on the thread (partial rollouts): a waiting push lands
+        here (13: the push due, at its fixed decode step)."""
+        if threading.current_thread() is not self.thread:  # an eval's generate: the push's own
             return
-        with self.cv:
-            self.waiting = time.perf_counter()
+        if self.land_at:
+            self.decoded += 1
+            due = self.batch - self.level  # the version this batch takes at its landing point
+            if self.decoded != self.land_at or due <= self.pushed:
+                return
+            with self.cv:
+                self.parked, self.waiting = self.batch, time.perf_counter()
+                self.cv.notify_all()
+            done = lambda: self.pushed >= due and not self.pushing or self.closed  # noqa: E731
+        elif self.pushing:
+            with self.cv:
+                self.waiting = time.perf_counter()
+            done = lambda: not self.pushing or self.closed  # noqa: E731
+        else:
+            return
         self.lock.release()
         with self.cv:
-            self.cv.wait_for(lambda: not self.pushing or self.closed)
+            self.cv.wait_for(done)
+            self.parked = None
         self.lock.acquire()
         self._busy()
         if self.closed:
             raise _Closed  # the batch is abandoned: the run is over
+        dev = self.engine.gen.device
+        if dev.type == "cuda":  # the thread's own stream, after the weights pushed on the default one
+            torch.cuda.current_stream(dev).wait_stream(torch.cuda.default_stream(dev))
 
     def _busy(self) -> None:
         """The thread's wait (at the bound, or for the lock) ends here."""

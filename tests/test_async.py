@@ -305,6 +305,8 @@ def test_a_resumed_bounded_run_counts_ages_from_the_checkpoint(tmp_path):
     (["--max-staleness", "1001"], "--max-staleness must be <= 1,000, got 1,001"),
     (["--max-staleness", "1", "--async-level", "1"], "--async-level/--max-staleness give one"),
     (["--max-staleness", "1", "--inference-gpus", "1"], "not --inference-gpus"),
+    (["--push-at-decode-step", "3"], "--push-at-decode-step acts on a push mid-rollout: it needs --max-staleness S"),
+    (["--push-at-decode-step", "-1"], "--push-at-decode-step must be >= 0 (0: wherever the push finds the sampler), got -1"),
 ])
 def test_max_staleness_refusals_are_one_line(capsys, flags, says):
     with pytest.raises(SystemExit) as e:
@@ -546,3 +548,48 @@ def test_recompute_kv_on_push_needs_partial_rollouts(capsys):
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and err.count("\n") == 0 and "--recompute-kv-on-push acts on a push mid-rollout" in err
     assert C.parse(["--recompute-kv-on-push", "--max-staleness", "1"]).recompute_kv_on_push
+
+
+def _landing(bound, land_at, sample, trains, steps=6):
+    engine, drawn = SteppedEngine(), {}
+
+    def produce(step):
+        drawn[step] = engine.generate(sample)
+        return [step], {}
+
+    with AsyncRollouts(produce, engine, random.Random(0), bound, 0, steps, bounded=True, partial=True,
+                       land_at=land_at) as pipe:
+        for step in range(1, steps + 1):
+            pipe.get(step)
+            time.sleep(trains)
+            pipe.publish(None, step, hold=step == 2)
+            if step == 2:
+                engine.generate(trains)
+                pipe.release()
+    return drawn
+
+
+@pytest.mark.parametrize("bound", [1, 2])
+def test_a_fixed_landing_point_gives_every_batch_its_versions_whatever_the_timing(bound):
+    """--push-at-decode-step D: batch b starts with version b - 1 - S and takes b - S at its D-th decode
+    step, with a fast sampler (parked there) and a slow one (the trainer waits for it) alike."""
+    D = 4
+    want = {b: [max(0, b - 1 - bound)] * D + [max(0, b - bound)] * (10 - D) for b in range(1, 7)}
+    assert _landing(bound, D, sample=0.02, trains=0.1) == want
+    assert _landing(bound, D, sample=0.3, trains=0.01) == want
+    assert _landing(bound, 11, sample=0.02, trains=0.05) == {b: [max(0, b - 1 - bound)] * 10 for b in range(1, 7)}  # past its end: after it
+
+
+def test_a_fixed_landing_point_repeats_a_run_exactly(tmp_path):
+    args = [*SLOW_SAMPLER, "--steps", "6", "--eval-every", "3", "--max-staleness", "1", "--push-at-decode-step", "3"]
+    _main(*args, "--out-dir", str(tmp_path / "a"))
+    _main(*args, "--out-dir", str(tmp_path / "b"))
+
+    def numbers(d):
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "async/sampler_idle", "async/trainer_idle"))
+                 and "tok/s" not in k} for r in _rows(d)]
+    a, b = numbers(tmp_path / "a"), numbers(tmp_path / "b")
+    assert a == b and len(a) == 7
+    _ages_hold(_rows(tmp_path / "a")[1:], 1)
+    assert sum(r["async/spanning_push"] > 0 for r in a[2:]) >= 3  # steps 2.. each span the push at token 3
+    assert "repeatable" not in json.loads((tmp_path / "a" / "config.json").read_text())
