@@ -3,12 +3,14 @@ partial rollouts, on one machine. `speed` times them, each run alone in its own 
 trains them to the held-out reward, 3 seeds, at equal steps and at equal wall time.
 
     python bench/staleness.py speed                 # 3 settings x 9 arms x 2 rounds of 24 steps: ~15 min on 2 cores
-    python bench/staleness.py learn                 # 5 arms x icepop, reinforce x 3 seeds of 60 steps: ~15 min
+    python bench/staleness.py learn                 # 7 arms x icepop, reinforce x 3 seeds of 60 steps: ~8 min
     python bench/staleness.py speed --steps 4 --rounds 1 --settings default --arms sync,S2 --out runs/staleness-smoke
 
 1. The arms: sync; `--async-level 1`; `--max-staleness S` for S = 1, 2, 4 with `--no-partial-rollouts`
    (a push waits for the batch being sampled: "S<k> whole") and with partial rollouts ("S<k>"); and
-   S = 2 with `--recompute-kv-on-push`.
+   S = 2 with `--recompute-kv-on-push`. Beside them (`--arms`, and in `learn`) "S2 at 4" and "S4 at
+   4": `--push-at-decode-step 4`, where every batch past the first S takes a push at its 4th decode
+   step, so most sequences are sampled by two versions.
 2. The settings: `default`, the README's main job (the sampler is the faster side on a CPU), and
    `tail`, the same at `--temperature 3 --max-new-tokens 96`: reverse-tiny's completions then have a
    long tail (median 10 tokens, the 99th percentile about 60), the case partial rollouts are for;
@@ -22,7 +24,7 @@ trains them to the held-out reward, 3 seeds, at equal steps and at equal wall ti
    async/sampler_idle, async/trainer_idle, async/spanning_push and staleness/mean. The table gives
    each round's tokens/s and their mean.
 
-`learn`: the arms sync, a1, S2 whole, S2 and S4, each with --loss icepop (--icepop-beta 2) and
+`learn`: the arms sync, a1, S2 whole, S2, S4, S2 at 4 and S4 at 4, each with --loss icepop (--icepop-beta 2) and
 --loss reinforce, seeds 0..2, in this process (bench/experiment.py's run_one: a finished run is
 not run again), at the mismatch study's batch (16 x 8); held-out reward every 10 steps; the
 reward at equal wall time is each run's last eval within the shortest run's sum of time/step
@@ -52,7 +54,9 @@ SETTINGS = {"default": [], "tail": ["--temperature", "3", "--max-new-tokens", "9
 ARMS = {"sync": [], "a1": ["--async-level", "1"],
         **{f"S{s} whole": ["--max-staleness", str(s), "--no-partial-rollouts"] for s in (1, 2, 4)},
         **{f"S{s}": ["--max-staleness", str(s)] for s in (1, 2, 4)},
-        "S2 recompute": ["--max-staleness", "2", "--recompute-kv-on-push"]}
+        "S2 recompute": ["--max-staleness", "2", "--recompute-kv-on-push"],
+        **{f"S{s} at 4": ["--max-staleness", str(s), "--push-at-decode-step", "4"] for s in (2, 4)}}
+SPEED_ARMS = ("sync", "a1", "S1 whole", "S2 whole", "S4 whole", "S1", "S2", "S4", "S2 recompute")
 LOGGED = ("async/sampler_idle", "async/trainer_idle", "async/spanning_push", "staleness/mean")
 
 
@@ -88,7 +92,7 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-LEARN_ARMS = ("sync", "a1", "S2 whole", "S2", "S4")
+LEARN_ARMS = ("sync", "a1", "S2 whole", "S2", "S4", "S2 at 4", "S4 at 4")
 LEARN_LOSSES = {"icepop": ["--loss", "icepop", "--icepop-beta", "2.0"], "reinforce": ["--loss", "reinforce"]}
 
 
@@ -147,7 +151,7 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--settings", default=",".join(SETTINGS))
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--arms", default=",".join(SPEED_ARMS), help=f"of {', '.join(ARMS)}")
     ap.add_argument("--out", default="runs/staleness")
     ap.add_argument("--extra", default="", help="more train.py flags for every run")
     a = ap.parse_args(argv[1:])

@@ -12,7 +12,8 @@ from tasks.textcodec import TextCodec
 import data
 from tasks import task as T
 import model as M
-from engines.torch_engine import Sampling, TorchEngine, draw
+from engines.sampling import draw
+from engines.torch_engine import Sampling, TorchEngine
 
 
 def _model():
