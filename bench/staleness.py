@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import shlex
 import statistics
 import subprocess
@@ -48,6 +47,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import plot  # noqa: E402
 MAIN = ["--loss", "icepop", "--icepop-beta", "2.0"]
 SETTINGS = {"default": [], "tail": ["--temperature", "3", "--max-new-tokens", "96"],
             "sampler-bound": ["--temperature", "3", "--max-new-tokens", "96", "--prompts-per-step", "8", "--group-size", "4"]}
@@ -66,7 +68,7 @@ def run(flags: list[str], out: Path) -> list[dict]:
                        text=True, timeout=3600)
     if r.returncode:
         raise SystemExit(f"bench/staleness.py: {shlex.join(flags)} failed:\n{r.stderr[-2000:]}")
-    return [x for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "time/step" in x]
+    return [x for x in plot.load(out) if "time/step" in x]
 
 
 def figures(rows: list[dict]) -> dict:
@@ -97,7 +99,6 @@ LEARN_LOSSES = {"icepop": ["--loss", "icepop", "--icepop-beta", "2.0"], "reinfor
 
 
 def learn(argv: list[str]) -> str:
-    sys.path.insert(0, str(ROOT))
     from bench.distill import at_time, curve
     from bench.experiment import BATCH, _mean_std, _ms, run_one
 
@@ -126,8 +127,7 @@ def learn(argv: list[str]) -> str:
         final = [c[-1][2] for c in cs]
         sync = [c[-1][2] for c in curves[(loss, "sync")]]
         diff = [x - y for x, y in zip(final, sync)]
-        rows = [[r for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if "time/step" in r]
-                for d in dirs[(loss, arm)]]
+        rows = [[r for r in plot.load(d) if "time/step" in r] for d in dirs[(loss, arm)]]
 
         def mean_of(key):
             xs = [r[key] for rs in rows for r in rs if key in r]

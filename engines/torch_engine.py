@@ -250,7 +250,7 @@ class TorchEngine:
         with torch.inference_mode():
             logits, cache, pos = self._prefill(prompts, n, T_new)
             store = cache if self.reuse and keep else None  # every output row's cache, as it leaves the decode batch
-            ids, logq, versions = self._decode(logits, cache, pos, cap, sampling, gen, rec, store, [prompts, n])
+            ids, logq, versions = self._decode(logits, cache, pos, cap, sampling, gen, rec, store, prompts, n)
         if rec is not None:
             rec.finish()
         out = self._completions(ids, logq, versions, rec, cap.tolist())
@@ -280,12 +280,12 @@ class TorchEngine:
         return self._logits(h).repeat_interleave(n, 0), cache.repeat(n), (lens - 1).repeat_interleave(n)
 
     def _decode(self, logits, cache, pos, cap, sampling: Sampling, gen, rec: SupportRecorder | None,
-                store: KVCache | None, source: list) -> tuple[list[list[int]], list[list[float]], list[int]]:
+                store: KVCache | None, prompts: list[list[int]], n: int) -> tuple[list[list[int]], list[list[float]], list[int]]:
         """Sample every row to its stop or budget -> each output row's ids and logq (past its stop
         too: cut by _completions) and the version that drew each decode step's tokens. `store` (the
         cache from before any row left) gets each row's cache back when it leaves the batch, for the
         next call to extend. `between` runs before each decode step: a push may land there (with
-        recompute_kv the rows' cache is then prefilled again from `source`, [prompts, n])."""
+        recompute_kv the rows' cache is then prefilled again from their prompts and tokens)."""
         B, T_new, dev = len(cap), int(cap.max()), self.device
         out_ids = torch.zeros(B, T_new, dtype=torch.long, device=dev)
         out_logq = torch.zeros(B, T_new, device=dev)
@@ -317,7 +317,7 @@ class TorchEngine:
                 self.between()
                 self._whole()
                 if self.recompute_kv and self.version != versions[-1]:
-                    self._refill(cache, rows, out_ids, t, *source)
+                    self._refill(cache, rows, out_ids, t, prompts, n)
             logits = self.step(tok, pos, cache)
         if store is not None and cache is not store:
             store.put(rows, cache)
