@@ -259,7 +259,7 @@ class Config:
             _check(not on or bool(self.max_staleness and self.partial_rollouts), flag,
                    "acts on a push mid-rollout: it needs --max-staleness S with partial rollouts (not --no-partial-rollouts)")
         _check(not (self.max_staleness and self.inference_gpus), "--max-staleness",
-               "serves the colocated built-in engine for now, not --inference-gpus (use --async-level there)")
+               "serves a colocated engine (built-in or vLLM) for now, not --inference-gpus (use --async-level there)")
         _check(self.stage == "sft" or self.group_size >= 2 or (self.teacher and self.adv_tau == 0), "--group-size",
                "1 trains nothing: every loss centers the advantages within a prompt's group (A = r - the group's "
                "mean reward), and a group of one is its own mean; use 2 or more (or pure distillation: --adv-tau 0)")
@@ -297,9 +297,6 @@ class Config:
         compile_ = self.compile if self.compile != "auto" else ("on" if device == "cuda" else "off")
         lr = self.lr or (3e-3 if self.stage == "sft" or self.lora_rank or self.adapter else 5e-4)
         engine = self._engine(device)
-        if self.max_staleness and self.stage == "rl" and not self.plan and engine != "torch":
-            raise ConfigError(f"--max-staleness serves the built-in engine for now, not --engine {engine} "
-                              "(use --async-level there)")
         return dataclasses.replace(self, device=device, compile=compile_, lr=lr, engine=engine,
                                    dist_timeout=self._wait_limit())
 

@@ -101,7 +101,7 @@ class AsyncRollouts:
         the per-token ratios see, since each log q is the distribution really drawn from). Every token carries the version whose logits drew it, so a sequence
         may hold two or more (async/spanning_push); admission still counts from the version a batch
         starts with, the oldest of its tokens, so the bound holds. A push that raises part way
-        leaves the engine torn, and it refuses to sample (TorchEngine._whole): a half-pushed model
+        leaves the engine torn, and it refuses to sample (torch_engine.refuse_torn): a half-pushed model
         never draws a token.
     13. A fixed landing point (`land_at` = D > 0, --push-at-decode-step): the push of version s
         lands at the D-th decode step of batch s + S (counted over the batch's generate calls), or

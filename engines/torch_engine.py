@@ -102,8 +102,17 @@ class Engine(Protocol):
     def idle(self) -> None:
         """The step's rollout (every turn of its episodes) or the eval is over: free what is kept
         between calls (TorchEngine: its last call's cache rows, engines/torch_engine.py; a colocated vLLM
-        sleeps), until the next push or generate. Never called during a generate."""
+        sleeps), until the next push or generate. Never called during a generate but one: an eval's,
+        while a partial rollout waits in `between` (vLLM does not sleep then)."""
         ...
+
+
+def refuse_torn(engine) -> None:
+    """An engine whose push raised part way (`torn`, set until the last tensor lands) samples nothing:
+    a half-pushed model never draws a token, until a whole push."""
+    if engine.torn:
+        raise RuntimeError(f"the engine's weights are half pushed (a push after version {engine.version} failed part "
+                           "way): nothing samples from them")
 
 
 class TorchEngine:
@@ -211,11 +220,6 @@ class TorchEngine:
             return (h.to(self.dtype).float() @ self.model.head_weight.T).to(self.dtype).float()
         return (h @ self.model.head_weight.T).float()
 
-    def _whole(self) -> None:
-        if self.torn:
-            raise RuntimeError(f"the engine's weights are half pushed (a push after version {self.version} failed part "
-                               "way): nothing samples from them")
-
     @staticmethod
     def _noisy(logits: torch.Tensor, noise: float, gen: torch.Generator) -> torch.Tensor:
         """--engine-noise: a controlled sampler-trainer mismatch for teaching and for testing the
@@ -236,7 +240,7 @@ class TorchEngine:
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling,
                  budgets: list[int] | None = None, keep: bool = True) -> list[Completion]:
         G, dev = len(prompts), self.device
-        self._whole()
+        refuse_torn(self)
         caps = [min(b, sampling.max_new_tokens) for b in budgets] if budgets else [sampling.max_new_tokens] * G
         assert min(caps) >= 1, caps
         T_new = max(caps)
@@ -315,7 +319,7 @@ class TorchEngine:
             pos = pos + 1
             if self.between is not None:
                 self.between()
-                self._whole()
+                refuse_torn(self)
                 if self.recompute_kv and self.version != versions[-1]:
                     self._refill(cache, rows, out_ids, t, prompts, n)
             logits = self.step(tok, pos, cache)

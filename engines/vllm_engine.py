@@ -20,7 +20,7 @@ import torch
 from config import ConfigError
 from data import RunError, TokenSupport
 from model import Transformer
-from engines.torch_engine import Completion, Sampling, TorchEngine
+from engines.torch_engine import Completion, Sampling, TorchEngine, refuse_torn
 from layers import lora
 from layers.lora import LoRASpec, VLLM_RANKS
 from layers.parallel import full
@@ -78,10 +78,27 @@ class VLLMEngine:
 
     Under LoRA (`lora=`, docs/lora.md) vLLM serves the adapter on the base it loaded (enable_lora;
     on a CPU PunicaWrapperCPU, with compilation off): `load_weights` of a LoRA model goes through
-    `load_adapter`. An engine started without `lora` (--lora-merged) gets merged weights instead."""
+    `load_adapter`. An engine started without `lora` (--lora-merged) gets merged weights instead.
+
+    Partial rollouts (engines/pipeline.py, --max-staleness): with `between` set, a call adds its
+    requests and steps vLLM's in-process engine itself, calling `between` before each engine step
+    after the first, where a push may land. Nothing runs between two steps of an in-process engine, so its requests
+    are held there with their KV cache, as vLLM's keep-mode pause (`AsyncLLM.pause_generation`)
+    holds them in a separate engine process: the same semantics without moving the weights across
+    a process boundary. Each push sets vLLM's weight version, and vLLM labels every output token
+    with the version its step ran under (`CompletionOutput.weight_versions`): those labels are the
+    completions' versions. `stepped` turns vLLM's async scheduling off (a batch launched before
+    a push and collected after it would carry the new label). With `recompute_kv`
+    (--recompute-kv-on-push) a push preempts the running requests (reset_prefix_cache with
+    reset_running_requests), and vLLM prefills each again, prompt and tokens so far, under the new
+    weights. Every request's prefix-cache entries are salted with the version it starts under, so a
+    request never reuses blocks written by older weights (the cache cannot be reset while requests run).
+    A nested call (the trainer's eval, while the sampler is parked in `between`) steps the parked
+    requests too: finished outputs wait in `done` for the call that added them."""
 
     def __init__(self, model_dir, vocab: int, dtype: str, stop_ids: list[int], seed: int, memory: float,
-                 device: str = "cpu", max_len: int | None = None, sleep: bool = True, lora: LoRASpec | None = None):
+                 device: str = "cpu", max_len: int | None = None, sleep: bool = True, lora: LoRASpec | None = None,
+                 stepped: bool = False, recompute_kv: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         from vllm import LLM
 
@@ -92,8 +109,11 @@ class VLLMEngine:
         self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=VLLM_DTYPES[dtype], seed=seed, **fp8,
                        logprobs_mode="processed_logprobs", max_logprobs=-1, max_model_len=max_len,
                        gpu_memory_utilization=memory, enforce_eager=not self.cuda,
-                       enable_sleep_mode=self.sleeps, **adapter)
+                       enable_sleep_mode=self.sleeps, **adapter, **({"async_scheduling": False} if stepped else {}))
         self.vocab, self.stop_ids, self.version, self.asleep = vocab, list(stop_ids), 0, False
+        self.llm.llm_engine.set_weight_version("0")  # vLLM labels each token with it (weight_versions)
+        self.between, self.recompute_kv, self.torn = None, recompute_kv, False  # as TorchEngine's
+        self.done = {}  # request id -> its finished output, for the call that added it
         self.gen = torch.Generator().manual_seed(seed)
         self.spec, self.model_dir, self.adapter = lora, str(model_dir), None  # adapter: the LoRARequest once pushed
 
@@ -115,9 +135,17 @@ class VLLMEngine:
         """(name, tensor) pairs into vLLM's weights in place, one at a time as its loader reads them (a
         push streams from the wire this way: run/remote.py)."""
         self._wake()
+        self.torn = True  # until the last tensor lands (refuse_torn)
         self.llm.collective_rpc(_reload, args=(weights,))  # in-process: the generator is read where it is
-        self.llm.reset_prefix_cache()
-        self.version = version
+        self._pushed(version)
+
+    def _pushed(self, version: int) -> None:
+        """A whole push: label the tokens from here on; drop the prefix cache (it fails, harmlessly,
+        while requests run: the salt keeps them apart), or with recompute_kv preempt the running
+        requests so that vLLM prefills them again under these weights."""
+        self.llm.llm_engine.set_weight_version(str(version))
+        self.llm.reset_prefix_cache(reset_running_requests=self.recompute_kv)
+        self.version, self.torn = version, False
 
     def load_adapter(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """A LoRA push: the adapter's tensors (PEFT names) replace the served adapter in place; the base
@@ -129,13 +157,13 @@ class VLLMEngine:
 
         assert self.spec is not None, "load_adapter needs an engine started with lora="
         self._wake()
+        self.torn = True
         with tempfile.TemporaryDirectory(prefix="floe-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
             lora.write_adapter(d, tensors, self.spec, self.model_dir)
             self.llm.llm_engine.add_lora(LoRARequest("floe", 1, d, load_inplace=True))
         # requests name the loaded id; its directory is gone, and vLLM reads it only when the id is not loaded
         self.adapter = LoRARequest("floe", 1, d)
-        self.llm.reset_prefix_cache()
-        self.version = version
+        self._pushed(version)
 
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling,
                  budgets: list[int] | None = None, keep: bool = True) -> list[Completion]:
@@ -144,6 +172,7 @@ class VLLMEngine:
 
         s = sampling
         self._wake()
+        refuse_torn(self)
         seed = s.seed if s.seed is not None else int(torch.randint(2**31 - 1, (1,), generator=self.gen))
         caps = [min(b, s.max_new_tokens) for b in budgets] if budgets else [s.max_new_tokens] * len(prompts)
         params = [SamplingParams(n=n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
@@ -151,14 +180,41 @@ class VLLMEngine:
                                  detokenize=False, stop_token_ids=self.stop_ids, flat_logprobs=True) for c in caps]
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.cuda else []):
             torch.manual_seed(seed)  # vLLM draws from the global generator; see the class docstring
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
-                                     lora_request=self.adapter)
+            outs = self._run([TokensPrompt(prompt_token_ids=p, cache_salt=f"v{self.version}") for p in prompts], params)
         return [self._completion(c, s) for o in outs for c in o.outputs]
+
+    def _run(self, prompts, params) -> list:
+        """The requests' finished outputs, in order: vLLM's own loop, or (partial rollouts) ours, with
+        `between` before each engine step."""
+        if self.between is None:
+            return self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.adapter)
+        # enqueue returns vLLM's internal ids, "<request id>-<random suffix>"; outputs carry the request id
+        internal = self.llm.enqueue(prompts, params, lora_request=self.adapter, use_tqdm=False)
+        ids = [i.rsplit("-", 1)[0] for i in internal]
+        try:
+            first = True  # as in TorchEngine, `between` runs before each step after the first (the prefill's)
+            while not all(i in self.done for i in ids):
+                if not self.llm.llm_engine.has_unfinished_requests():
+                    raise RuntimeError(f"vLLM finished every request but not this call's {[i for i in ids if i not in self.done]}")
+                if not first:
+                    self.between()
+                    refuse_torn(self)
+                first = False
+                for o in self.llm.llm_engine.step():
+                    if o.finished:
+                        self.done[o.request_id] = o
+        except BaseException:  # (a torn push, a closed pipeline) no request of this call outlives it
+            self.llm.llm_engine.abort_request(internal, internal=True)
+            raise
+        finally:
+            out = [self.done.pop(i, None) for i in ids]
+        return out
 
     def idle(self) -> None:
         """Sleep (colocated on a GPU) once the step's rollout is over, never between the turns of one
         step: sleeping drops the KV cache, and with it the prefix the next turn would reuse."""
-        if self.sleeps and not self.asleep:
+        if self.sleeps and not self.asleep and not self.llm.llm_engine.has_unfinished_requests():
+            # (requests in flight: a parked partial rollout's, which sleeping would abort)
             self.llm.sleep(level=1)
             self.asleep = True
 
@@ -167,7 +223,9 @@ class VLLMEngine:
         logq = [flat.logprobs[a] for a in flat.start_indices]
         support = self._support(flat) if s.support else None
         reason = "stop" if c.finish_reason == "stop" else "length"
-        return Completion(ids, logq, [self.version] * len(ids), reason, support)
+        versions = [int(w.version) for w in c.weight_versions or () for _ in range(w.start, w.end)]
+        assert len(versions) == len(ids), f"vLLM labelled {len(versions)} of {len(ids)} tokens with a weight version"
+        return Completion(ids, logq, versions, reason, support)
 
     @staticmethod
     def _support(flat) -> TokenSupport:
@@ -224,7 +282,8 @@ def make_engine(cfg, model: Transformer, model_dir, stop_ids: list[int], seed: i
     if cfg.engine == "vllm":  # it loads `model_dir`, where `model` came from (a resume pushes its step after)
         engine = VLLMEngine(model_dir, model.args.vocab_size, cfg.engine_dtype, stop_ids, seed, cfg.vllm_memory,
                             cfg.device, model.args.max_position_embeddings, sleep=not cfg.inference_gpus,
-                            lora=model.lora if serves_adapter(cfg) else None)
+                            lora=model.lora if serves_adapter(cfg) else None,
+                            stepped=bool(cfg.max_staleness and cfg.partial_rollouts), recompute_kv=cfg.recompute_kv_on_push)
         if model.lora is not None:  # `model_dir` is LoRA's base: the adapter (an --adapter's, say) goes in now
             engine.load_weights(model, 0)
         return engine

@@ -315,19 +315,6 @@ def test_max_staleness_refusals_are_one_line(capsys, flags, says):
     assert e.value.code == 2 and says in err and err.count("\n") == 0
 
 
-def test_max_staleness_refuses_vllm_before_writing(tmp_path, monkeypatch, capsys):
-    import importlib.util
-
-    find = importlib.util.find_spec  # vllm "imports": the refusal is --max-staleness's, not the missing package's
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find(name, *a))
-    out = tmp_path / "run"
-    with pytest.raises(SystemExit) as e:
-        train.main([*SMALL[2:], "--engine", "vllm", "--max-staleness", "1", "--out-dir", str(out)])
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and "--max-staleness serves the built-in engine for now, not --engine vllm" in err
-    assert err.count("\n") == 0 and not out.exists()
-
-
 def test_two_gloo_ranks_each_with_a_bounded_sampler(tmp_path):
     from test_distributed import torchrun
 

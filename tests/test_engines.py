@@ -357,6 +357,138 @@ def test_train_with_the_vllm_engine(tmp_path):
     assert "eval/reward" in rows[0] and "eval/reward" in rows[-1]
 
 
+# ----------------------------------------------------------------------------- vLLM: partial rollouts
+
+def _pushing_at(engine, call: int, push, during=None):
+    """engine.between that runs `push()` at its `call`-th call (before that step's logits); then `during()`,
+    a nested call while the outer one waits there, as the trainer's eval is."""
+    calls, seen = [0], []
+
+    def between():
+        calls[0] += 1
+        if calls[0] == call:
+            push()
+            if during is not None:
+                seen.append(during())
+    engine.between = between
+    return seen
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_push_between_steps_labels_each_token_and_samples_the_rest_from_it(vllm_engine):
+    """A push at the engine's 3rd step of a call: the tokens before it carry version 0 and the old
+    weights' log q (their full forward), every later one version 1 and the pushed weights' (a zero tied
+    embedding: every logit 0, so log q and every support row's are -log V), as vLLM's weight_versions
+    labels them. A call made while the first waits at the push (an eval) gets its own rows, all of
+    version 1, and steps the waiting rows on with it."""
+    old, zero = _model(), _model()
+    with torch.no_grad():
+        zero.model.embed_tokens.weight.zero_()
+    e = vllm_engine
+    e.load_weights(old, version=0)
+    s = Sampling(max_new_tokens=8, seed=3, support=True)
+    nested = _pushing_at(e, 3, lambda: e.load_weights(zero, version=1), lambda: e.generate(PROMPTS, 1, s))
+    try:
+        out = e.generate(PROMPTS, 4, s)
+    finally:
+        e.between = None
+        e.load_weights(_model(), version=0)
+    assert any(len(c.ids) > 3 for c in out) and not e.done
+    for i, c in enumerate(out):
+        assert c.versions == [0, 0, 0, 1, 1, 1, 1, 1][: len(c.ids)]
+        ref = _probs(old, PROMPTS[i // 4], c.ids, 1.0)
+        for t, (v, lq) in enumerate(zip(c.ids, c.logq)):
+            a, b = int(c.support.host_offsets[t]), int(c.support.host_offsets[t + 1])
+            if t < 3:
+                assert abs(lq - math.log(ref[t, v].item())) < TOL
+            else:
+                assert lq == pytest.approx(-math.log(32), abs=1e-5)
+                assert torch.allclose(c.support.logq[a:b].double(), torch.full((b - a,), -math.log(32), dtype=torch.float64), atol=1e-5)
+    (inner,) = nested
+    assert len(inner) == len(PROMPTS) and all(c.versions == [1] * len(c.ids) for c in inner)
+    assert all(lq == pytest.approx(-math.log(32), abs=1e-5) for c in inner for lq in c.logq)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_recompute_kv_on_push_samples_the_rest_exactly_from_the_new_weights(vllm_engine):
+    """Kept cache: the rows after a push attend to keys the old weights wrote, and their log q strays
+    from the new weights' full forward; recomputed (vLLM preempts and prefills them again), every token
+    the new weights draw has their full forward's log q (fp32, to two implementations' TOL)."""
+    old, new = _model(), M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
+    M.init_weights(new, std=0.15, seed=1)
+    e, worst = vllm_engine, {}
+    for recompute in (False, True):
+        e.load_weights(old, version=0)
+        e.recompute_kv = recompute
+        _pushing_at(e, 3, lambda: e.load_weights(new, version=1))
+        try:
+            out = e.generate(PROMPTS, 4, Sampling(temperature=1.0, max_new_tokens=10, seed=2))
+        finally:
+            e.between, e.recompute_kv = None, False
+        worst[recompute] = max(abs(lq - math.log(_probs(new if v else old, PROMPTS[i // 4], c.ids, 1.0)[t, x].item()))
+                               for i, c in enumerate(out) for t, (x, lq, v) in enumerate(zip(c.ids, c.logq, c.versions)))
+        assert sum(v for c in out for v in c.versions) > 10  # tokens the new weights drew
+    e.load_weights(_model(), version=0)
+    assert worst[True] < TOL < 1e-2 < worst[False], worst
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_push_that_fails_part_way_never_yields_a_draw(vllm_engine):
+    model, e = _model(), vllm_engine
+
+    def torn():  # the first tensor lands, then the sender dies
+        for i, (k, w) in enumerate(model.state_dict().items()):
+            if i == 1:
+                raise ConnectionError("the trainer died mid-push")
+            yield k, w
+
+    def push():
+        with pytest.raises(ConnectionError):
+            e.load_tensors(torn(), 1)
+    _pushing_at(e, 2, push)
+    try:
+        with pytest.raises(RuntimeError, match="half pushed .* nothing samples from them"):
+            e.generate(PROMPTS, 2, Sampling(max_new_tokens=8))
+        e.between = None
+        with pytest.raises(RuntimeError, match="half pushed"):  # nor does the next call
+            e.generate(PROMPTS, 2, Sampling(max_new_tokens=8))
+    finally:
+        e.between = None
+    assert not e.llm.llm_engine.has_unfinished_requests()  # the failed call's requests went with it
+    e.load_weights(model, 2)  # a whole push makes it whole
+    assert all(c.versions == [2] * len(c.ids) for c in e.generate(PROMPTS, 2, Sampling(max_new_tokens=4)))
+    e.load_weights(model, 0)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_train_with_vllm_partial_rollouts(tmp_path):
+    """--max-staleness 1 on vLLM: every push lands at the 2nd decode step of a batch (--push-at-decode-step),
+    so rows span two versions, every age is within the bound, and a second run repeats the first metric for
+    metric (the eval at step 2 runs while the sampler waits mid-batch)."""
+    def run(name):
+        out = tmp_path / name
+        args = [sys.executable, str(ROOT / "train.py"), "--engine", "vllm", "--steps", "4", "--prompts-per-step", "4",
+                "--group-size", "4", "--eval-every", "2", "--eval-prompts", "4", "--max-staleness", "1",
+                "--push-at-decode-step", "2", "--out-dir", str(out)]
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    def numbers(rows):
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "async/sampler_idle", "async/trainer_idle"))
+                 and "tok/s" not in k} for r in rows]
+    rows = run("a")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert all(r["staleness/max"] <= 1 for r in rows[1:])
+    assert [r["async/spanning_push"] for r in rows[1:]] == [0, 1, 1, 1]  # batch 1 needs no push; 2.. take one at token 2
+    assert "eval/reward" in rows[2]
+    assert numbers(run("b")) == numbers(rows)
+
+
 def test_what_vllm_is_asked_for_and_what_it_refuses():
     from config import ConfigError
     from engines.vllm_engine import vllm_logprobs
@@ -479,6 +611,13 @@ def test_a_colocated_vllm_sleeps_once_a_step_is_over_never_between_its_turns():
     calls = []
 
     class LLM:
+        class llm_engine:
+            running = False  # a partial rollout's requests, waiting in `between`
+
+            @classmethod
+            def has_unfinished_requests(cls):
+                return cls.running
+
         def generate(self, prompts, params, use_tqdm, lora_request=None):
             calls.append("generate")
             return []
@@ -491,10 +630,13 @@ def test_a_colocated_vllm_sleeps_once_a_step_is_over_never_between_its_turns():
 
     e = object.__new__(VLLMEngine)
     e.llm, e.cuda, e.sleeps, e.asleep, e.vocab, e.stop_ids, e.version = LLM(), False, True, False, 32, STOPS, 0
-    e.adapter = None  # full weights: no LoRA request
+    e.adapter, e.between, e.torn = None, None, False  # full weights: no LoRA request
     e.gen = torch.Generator().manual_seed(0)
     for _ in range(3):  # three turns of one step
         e.generate([[1, 2]], 1, Sampling(max_new_tokens=2), [2])
+    LLM.llm_engine.running = True
+    e.idle()  # an eval's, while a partial rollout waits mid-batch: sleeping would abort its requests
+    LLM.llm_engine.running = False
     e.idle()
     e.idle()  # asleep already: nothing more
     e.generate([[1, 2]], 1, Sampling(max_new_tokens=2))
