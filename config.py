@@ -52,6 +52,7 @@ OFF = {"top_k": " (0: off)", "eval_every": " (0: no eval)", "async_level": " (0:
        "inference_gpus": " (0: colocated)", "lora_rank": " (0: full fine-tuning)",
        "max_tool_calls_per_turn": " (0: the format's own)"}  # what 0 means
 RENAMED = {"icepop": "icepop_mask"}  # a flag's old field name -> its new one: config.json of an older run still resumes
+VLLM_MAX_TEMPERATURE = 2.0  # SamplingParams refuses more (vLLM 0.32); checked at the start, not at the first rollout
 BOUNDS = {"score_centering_k": 1024, "max_staleness": 1000, "push_at_decode_step": 2**20, "eval_prompts": 2**16, "micro_batch_tokens": 2**20}
 PLAN_WORLD_MAX = 2**16
 
@@ -334,6 +335,9 @@ class Config:
                               f"{device} use --engine torch, which emulates W8A8 fp8")
         if self.engine == "vllm" and self.engine_noise:
             raise ConfigError("--engine-noise is the built-in engine's (--engine torch); vLLM samples its own logits")
+        if self.engine == "vllm" and self.temperature > VLLM_MAX_TEMPERATURE:
+            raise ConfigError(f"--temperature {self.temperature:g} with --engine vllm: vLLM samples at temperatures up to "
+                              f"{VLLM_MAX_TEMPERATURE:g}; use --engine torch or a lower --temperature")
         return self.engine
 
     def to_json(self) -> str:

@@ -78,6 +78,12 @@ echo "== multi-turn episodes on the GPU (vLLM where the image has it, else the b
 timeout 45 python3 train.py --device cuda --task jsonl:examples/guess.jsonl --env guess-letter --model checkpoints/guess-tiny \
   --max-new-tokens 4 --prompts-per-step 16 --group-size 8 --steps 5 --eval-every 5 --eval-prompts 16 \
   --compile off --out-dir "$OUT/run-episodes" 2>&1 | grep -v '^  "' | tee "$OUT/run-episodes.txt"
+echo "== partial rollouts on the GPU (vLLM where the image has it): --max-staleness 2, each push at decode step 4, 10 steps"
+timeout 40 python3 train.py --device cuda --max-staleness 2 --push-at-decode-step 4 --steps 10 --eval-every 5 --compile off \
+  --out-dir "$OUT/run-partial" 2>&1 | grep -v '^  "' | tee "$OUT/run-partial.txt"
+python3 -c "import json, sys; rows = [json.loads(l) for l in open(sys.argv[1])][1:]
+print('spanning_push', [r.get('async/spanning_push') for r in rows], 'staleness/max', max(r.get('staleness/max', 0) for r in rows))" \
+  "$OUT/run-partial/metrics.jsonl" 2>&1 | tee -a "$OUT/run-partial.txt"
 echo "== LoRA on the GPU: vLLM's adapter path where the image has vLLM (its GPU test, then 10 steps), else 10 steps on the built-in engine"
 left=$((540 - SECONDS))  # what the steps above left of part 2's 9 minutes (SECONDS: since part 2 began)
 LORA="--device cuda --compile off --lora-rank 8 --lr 3e-3 --loss icepop --icepop-beta 2.0 --steps 10 --eval-every 5 --out-dir $OUT/run-lora"
@@ -98,7 +104,7 @@ else
 fi
 fi
 # worst case, every timeout reached. Part 1: 130 + 90 + 30 + 30 = 280 s of commands. Part 2: 30 + 65 + 30
-# + 60 + 60 + 120 + 90 + 45 = 500 s, and LoRA and its memory table take only what is left of 540 s; typical
+# + 60 + 60 + 120 + 90 + 45 + 40 = 540 s, and LoRA and its memory table take only what is left of 540 s; typical
 # runs finish well inside them. Run each part as its own device command (timeout_s 600). Only the default job
 # and the compiled e2e compile (the gpu tests compile the forward, flex attention and the engine step): the
 # fp8/fp16, episode and LoRA runs run eager, where each would otherwise compile a graph of its own.

@@ -513,6 +513,9 @@ def test_vllm_refuses_fp8_off_a_gpu_and_engine_noise():
         Config(engine="vllm", engine_dtype="fp8").resolve(False)
     with pytest.raises(ConfigError, match="--engine-noise is the built-in engine's"):
         Config(engine="vllm", engine_noise=0.5).resolve(False)
+    with pytest.raises(ConfigError, match="--temperature 3 with --engine vllm: vLLM samples at temperatures up to 2"):
+        Config(engine="vllm", temperature=3.0).resolve(False)  # (SamplingParams would raise at the first rollout)
+    assert Config(engine="vllm", temperature=2.0).resolve(False).engine == "vllm"
     assert Config(engine_dtype="fp8", engine_noise=0.5).resolve(False).engine == "torch"
     with pytest.raises(ConfigError, match="--engine-noise must be >= 0"):
         Config(engine_noise=-1.0)
