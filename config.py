@@ -259,8 +259,8 @@ class Config:
         for flag, on in (("--recompute-kv-on-push", self.recompute_kv_on_push), ("--push-at-decode-step", self.push_at_decode_step)):
             _check(not on or bool(self.max_staleness and self.partial_rollouts), flag,
                    "acts on a push mid-rollout: it needs --max-staleness S with partial rollouts (not --no-partial-rollouts)")
-        _check(not (self.max_staleness and self.inference_gpus), "--max-staleness",
-               "serves a colocated engine (built-in or vLLM) for now, not --inference-gpus (use --async-level there)")
+        _check(not (self.push_at_decode_step and self.inference_gpus), "--push-at-decode-step",
+               "counts the decode steps of a colocated engine, not --inference-gpus (whose push lands at the sampler's next step)")
         _check(self.stage == "sft" or self.group_size >= 2 or (self.teacher and self.adv_tau == 0), "--group-size",
                "1 trains nothing: every loss centers the advantages within a prompt's group (A = r - the group's "
                "mean reward), and a group of one is its own mean; use 2 or more (or pure distillation: --adv-tau 0)")

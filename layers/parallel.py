@@ -191,23 +191,24 @@ class Link:
             opts._timeout = wait
             self.fast = dist.ProcessGroupNCCL(dist.PrefixStore("floe/link-nccl", store), rank, size, opts)
 
-    def send(self, tensors: list[torch.Tensor], dst: int) -> None:
-        """A message: the tensor count, then each one's dtype code and length, then the tensors."""
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> None:
+        """A message: the tensor count, then each one's dtype code and length, then the tensors. `tag`
+        keeps apart the replies to calls in flight at once (a partial rollout's and an eval's)."""
         head = torch.tensor([x for t in tensors for x in (CODES.index(t.dtype), t.numel())], dtype=torch.int64)
         for t in [torch.tensor([len(tensors)]), head] + [t.detach().cpu().contiguous().view(-1) for t in tensors]:
             if t.numel():  # an empty tensor is all header
-                self.host.send([t], dst, 0).wait()
+                self.host.send([t], dst, tag).wait()
 
-    def recv(self, src: int) -> list[torch.Tensor]:
+    def recv(self, src: int, tag: int = 0) -> list[torch.Tensor]:
         n = torch.zeros(1, dtype=torch.int64)
-        self.host.recv([n], src, 0).wait()
+        self.host.recv([n], src, tag).wait()
         head = torch.zeros(2 * int(n), dtype=torch.int64)
-        self.host.recv([head], src, 0).wait()
+        self.host.recv([head], src, tag).wait()
         out = []
         for code, numel in head.view(-1, 2).tolist():
             out.append(torch.empty(numel, dtype=CODES[code]))
             if numel:
-                self.host.recv([out[-1]], src, 0).wait()
+                self.host.recv([out[-1]], src, tag).wait()
         return out
 
     def broadcast(self, t: torch.Tensor) -> None:

@@ -29,10 +29,18 @@ Simplifications:
    base at all, only the adapter's tensors), a merging engine (the built-in one, or vLLM with
    --lora-merged) holds the fp32 base the trainers hold and merges W + (alpha / r) B A from it on
    every push, as a colocated engine does, bit for bit (the fp8 engine requantizes the merge).
+7. Partial rollouts (--max-staleness): a push lands between two of an inference rank's decode steps.
+   Rank 0 reads a call's replies on a thread and calls the pipeline's `between` meanwhile; each call
+   replies on a tag of its own (an eval's may be served inside a sampler's call); an inference rank
+   receives into an inbox that its engine's `between` serves (`Server`; docs/engines.md "The wire
+   under partial rollouts").
 """
 
 from __future__ import annotations
 
+import itertools
+import queue
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -60,10 +68,11 @@ def wire_dtype(engine_dtype: str) -> torch.dtype:
 # ----------------------------------------------------------------------------- the wire format
 
 def _request(prompts: list[list[int]], n: int, s: Sampling, seed: int, version: int,
-             budgets: list[int] | None = None, keep: bool = True) -> list[torch.Tensor]:
+             budgets: list[int] | None = None, keep: bool = True, tag: int = 1) -> list[torch.Tensor]:
     """A call: its sampling, the prompts' lengths and ids, each prompt's own budget of new tokens
-    (a turn of a multi-turn episode: the room its episode has left) and whether to keep the rows."""
-    ints = [GEN, version, n, s.max_new_tokens, s.top_k, s.support, s.draws, seed, keep]
+    (a turn of a multi-turn episode: the room its episode has left), whether to keep the rows, and
+    the tag its reply goes back on."""
+    ints = [GEN, version, n, s.max_new_tokens, s.top_k, s.support, s.draws, seed, keep, tag]
     caps = budgets if budgets is not None else [s.max_new_tokens] * len(prompts)
     return [torch.tensor(ints), torch.tensor([s.temperature, s.top_p, s.noise], dtype=torch.float64),
             torch.tensor([len(p) for p in prompts]), torch.tensor([t for p in prompts for t in p], dtype=torch.int64),
@@ -71,11 +80,11 @@ def _request(prompts: list[list[int]], n: int, s: Sampling, seed: int, version: 
 
 
 def _read_request(msg: list[torch.Tensor]):
-    (_, version, n, max_new, top_k, support, draws, seed, keep), (temperature, top_p, noise) = msg[0].tolist(), msg[1].tolist()
+    (_, version, n, max_new, top_k, support, draws, seed, keep, tag), (temperature, top_p, noise) = msg[0].tolist(), msg[1].tolist()
     prompts = [p.tolist() for p in msg[3].split(msg[2].tolist())]
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new,
                         seed=seed, support=bool(support), draws=draws, noise=noise)
-    return prompts, n, sampling, version, msg[4].tolist(), bool(keep)
+    return prompts, n, sampling, version, msg[4].tolist(), bool(keep), tag
 
 
 def _reply(done: list[Completion]) -> list[torch.Tensor]:
@@ -114,6 +123,8 @@ class RemoteEngine:
     def __init__(self, link: Link | None, seed: int, dtype: str, spec: lora.LoRASpec | None = None):
         self.link, self.version, self.dtype, self.spec = link, 0, wire_dtype(dtype), spec
         self.gen = torch.Generator().manual_seed(seed)
+        self.between = None  # a partial rollout's hook (pipeline.py): called while a call waits for its replies
+        self.tags = itertools.count(1)  # each call's replies come back on a tag of its own
 
     def start(self, model_dir) -> None:
         """Tell the inference ranks which directory to load (after rank 0 wrote it, for --model scratch)
@@ -128,14 +139,37 @@ class RemoteEngine:
         assert self.link is not None, "only trainer rank 0 samples under --inference-gpus"
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(2**31 - 1, (1,), generator=self.gen))
         chunks = [c for c in np.array_split(np.arange(len(prompts)), self.link.size - 1) if len(c)]
+        tag = next(self.tags)
         for j, c in enumerate(chunks, 1):  # every inference rank starts on its chunk before any reply is read
             caps = None if budgets is None else [budgets[i] for i in c]
-            self.link.send(_request([prompts[i] for i in c], n, sampling, seed + j - 1, self.version, caps, keep), j)
-        replies = [self.link.recv(j) for j in range(1, len(chunks) + 1)]
+            self.link.send(_request([prompts[i] for i in c], n, sampling, seed + j - 1, self.version, caps, keep, tag), j)
+        # partial rollouts: a push (and an eval) may go out while this call waits (`between`); each
+        # inference rank takes it between two of its decode steps and labels the tokens after it
+        replies = self._replies(len(chunks), tag)
         for r in replies:
             if r[0].dtype == torch.uint8:  # an inference rank could not serve the call (serve)
                 raise RunError(bytes(r[0].tolist()).decode())
         return [x for r in replies for x in _read_reply(r)]
+
+    def _replies(self, k: int, tag: int) -> list[list[torch.Tensor]]:
+        """The k inference ranks' replies to the call on `tag`. With partial rollouts (`between` set) a
+        thread reads them while this one calls `between`, where a push (and an eval) may go out: each
+        inference rank takes it between two of its decode steps and labels the tokens after it. (gloo's
+        receives make progress only in a blocking wait, so they are not polled.) A `between` that raises
+        (the pipeline closed) leaves the thread to read what is still due, so no inference rank's send
+        waits on a reader that left."""
+        if self.between is None:
+            return [self.link.recv(j, tag) for j in range(1, k + 1)]
+        box = []
+        reader = threading.Thread(target=lambda: box.extend(self.link.recv(j, tag) for j in range(1, k + 1)),
+                                  name="floe-replies", daemon=True)
+        reader.start()
+        while reader.is_alive():
+            self.between()
+            reader.join(1e-3)
+        if len(box) < k:
+            raise RuntimeError(f"the replies to call {tag} were not all read (the link failed: see above)")
+        return box
 
     def idle(self) -> None:
         """The step's rollout is over: each inference rank's engine frees what it keeps between calls."""
@@ -181,29 +215,78 @@ def serve(cfg, link: Link) -> None:
     model, weights = _inference_model(cfg, src, spec)  # full fine-tuning: a skeleton, no weights (simplification 3)
     seed = cfg.seed + 1000 * link.rank  # unused by sampling (each call brings its seed); vLLM's init takes one
     engine = make_engine(cfg, model, src, TextCodec.load(src).stop_ids, seed, weights)
-    wire = wire_dtype(cfg.engine_dtype)
-    while True:
-        msg = link.recv(0)
-        cmd = int(msg[0][0])
-        if cmd == STOP:
+    Server(cfg, link, engine, model).run()
+
+
+class _Stopped(Exception):
+    """STOP arrived while a call decoded (the trainers' run ended mid-rollout)."""
+
+
+class Server:
+    """An inference rank's loop: each message from trainer rank 0, in order. With partial rollouts
+    (--max-staleness) a thread receives them into `inbox` while a call decodes, and `between` (before
+    each of the engine's decode steps) serves what has arrived: a push lands there and the rows go on
+    under it, exactly as in a colocated engine; an eval's call is served inside it; STOP ends the
+    call, which still replies (one line), so that trainer rank 0 reads every reply it waits for."""
+
+    def __init__(self, cfg, link: Link, engine, model: Transformer):
+        self.cfg, self.link, self.engine, self.model = cfg, link, engine, model
+        self.wire, self.inbox = wire_dtype(cfg.engine_dtype), None
+        if cfg.max_staleness and cfg.partial_rollouts:
+            self.inbox = queue.Queue()
+            engine.between = self.between
+            threading.Thread(target=self._receive, name="floe-inbox", daemon=True).start()
+
+    def run(self) -> None:
+        try:
+            while self.serve(self.link.recv(0) if self.inbox is None else self.inbox.get()):
+                pass
+        except _Stopped:
             return
+
+    def between(self) -> None:
+        while not self.inbox.empty():
+            if not self.serve(self.inbox.get()):
+                raise _Stopped
+
+    def _receive(self) -> None:
+        while True:  # nothing is received after STOP: the link closes next
+            msg = self.link.recv(0)
+            self.inbox.put(msg)
+            if int(msg[0][0]) == STOP:
+                return
+
+    def serve(self, msg: list[torch.Tensor]) -> bool:
+        """One message; False for STOP."""
+        cmd, engine = int(msg[0][0]), self.engine
+        if cmd == STOP:
+            return False
         if cmd == IDLE:
             engine.idle()
-            continue
-        if cmd == PUSH:
-            if model.lora is None:  # each tensor from the wire straight into the engine's copy
-                engine.load_tensors(_pushed(link, model, wire, cfg.device), version=int(msg[0][1]))
+        elif cmd == PUSH:
+            if self.model.lora is None:  # each tensor from the wire straight into the engine's copy
+                engine.load_tensors(_pushed(self.link, self.model, self.wire, self.cfg.device), version=int(msg[0][1]))
             else:
-                _receive_adapter(link, model)
-                engine.load_weights(model, version=int(msg[0][1]))
-            continue
-        prompts, n, sampling, version, budgets, keep = _read_request(msg)
-        if version != engine.version:
-            raise RuntimeError(f"inference rank {link.rank}: asked for version {version}, holds {engine.version}")
-        try:
-            link.send(_reply(engine.generate(prompts, n, sampling, budgets, keep)), 0)
-        except RunError as e:  # the trainer stops with this one line (train.fail)
-            link.send([torch.tensor(list(f"inference rank {link.rank}: {e}".encode()), dtype=torch.uint8)], 0)
+                _receive_adapter(self.link, self.model)
+                engine.load_weights(self.model, version=int(msg[0][1]))
+        else:
+            prompts, n, sampling, version, budgets, keep, tag = _read_request(msg)
+            if version != engine.version:
+                raise RuntimeError(f"inference rank {self.link.rank}: asked for version {version}, holds {engine.version}")
+            try:
+                reply = _reply(engine.generate(prompts, n, sampling, budgets, keep))
+            except RunError as e:  # the trainer stops with this one line (train.fail)
+                reply = _line(f"inference rank {self.link.rank}: {e}")
+            except _Stopped:
+                self.link.send(_line(f"inference rank {self.link.rank}: stopped mid-call"), 0, tag)
+                raise
+            self.link.send(reply, 0, tag)
+        return True
+
+
+def _line(text: str) -> list[torch.Tensor]:
+    """A reply that is one line (uint8): the call failed, and the trainer stops with it."""
+    return [torch.tensor(list(text.encode()), dtype=torch.uint8)]
 
 
 # ----------------------------------------------------------------------------- LoRA on the wire

@@ -304,7 +304,7 @@ def test_a_resumed_bounded_run_counts_ages_from_the_checkpoint(tmp_path):
     (["--max-staleness", "-1"], "--max-staleness must be >= 0 (0: synchronous), got -1"),
     (["--max-staleness", "1001"], "--max-staleness must be <= 1,000, got 1,001"),
     (["--max-staleness", "1", "--async-level", "1"], "--async-level/--max-staleness give one"),
-    (["--max-staleness", "1", "--inference-gpus", "1"], "not --inference-gpus"),
+    (["--max-staleness", "1", "--push-at-decode-step", "2", "--inference-gpus", "1"], "counts the decode steps of a colocated engine, not --inference-gpus"),
     (["--push-at-decode-step", "3"], "--push-at-decode-step acts on a push mid-rollout: it needs --max-staleness S"),
     (["--push-at-decode-step", "-1"], "--push-at-decode-step must be >= 0 (0: wherever the push finds the sampler), got -1"),
 ])

@@ -178,6 +178,30 @@ def test_leave_keeps_the_exit_status_and_flushes(tmp_path):
     assert (r.returncode, r.stdout, r.stderr) == (3, "buffered\n", "floe: error: x\n")
 
 
+PARTIAL = ["--prompts-per-step", "4", "--group-size", "2", "--max-new-tokens", "64", "--temperature", "2",
+           "--eval-prompts", "4", "--steps", "8", "--eval-every", "4", "--max-staleness", "1"]  # the sampler: the slower side
+
+
+@pytest.mark.parametrize("engine", ["torch", pytest.param("vllm", marks=[pytest.mark.vllm, needs_vllm])])
+def test_split_run_pushes_land_between_the_inference_ranks_decode_steps(tmp_path, engine):
+    """--max-staleness 1 under --inference-gpus 1: a push goes out while trainer rank 0 waits for the
+    inference rank's replies, lands between two of its decode steps, and the tokens after it carry the
+    new version (async/spanning_push > 0); the evals at steps 4 and 8 are served while a batch decodes;
+    every age is within the bound; with --no-partial-rollouts no push lands mid-rollout."""
+    spans = {}
+    for partial in ("--partial-rollouts", "--no-partial-rollouts"):
+        out = tmp_path / partial
+        r = torchrun(str(ROOT / "train.py"), "--engine", engine, "--inference-gpus", "1", *PARTIAL, partial,
+                     "--out-dir", str(out))
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows = _rows(out)
+        assert [x["step"] for x in rows] == list(range(9)) and "eval/reward" in rows[4] and "eval/reward" in rows[8]
+        assert all(x["staleness/max"] <= 1 for x in rows[1:])
+        spans[partial] = [x["async/spanning_push"] for x in rows[1:]]
+    assert sum(x > 0 for x in spans["--partial-rollouts"]) >= 1, spans  # seen: 5 of 8 steps
+    assert not any(spans["--no-partial-rollouts"]), spans
+
+
 @pytest.mark.vllm
 @needs_vllm
 def test_split_run_samples_with_vllm_a_step_ahead(tmp_path):
