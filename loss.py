@@ -58,6 +58,8 @@ from data import MicroBatch, TokenSupport, truncated
 from layers import terms
 from layers.masks import (METRIC_CLAMP, Masks, Metrics, any_by, keep_mask, kl_flags, outside, seq_flags, stat,
     sum_by)
+# moved to layers/masks.py; re-exported while train.py and tests/test_async.py still import them from here
+from layers.masks import accumulate, m2po_bound, reduce_metrics  # noqa: F401
 
 
 
@@ -243,24 +245,6 @@ def denominators(micro_batches: list[MicroBatch]) -> Denominators:
     return Denominators(int(tokens), int(seqs))
 
 
-def m2po_bound(old: list[Tensor], micro_batches: list[MicroBatch], tau: float,
-               gather: Callable[[Tensor], Tensor] = lambda x: x) -> float:
-    """M2PO (arXiv 2510.01161): the largest (log r)^2, r = pi_old/q, a loss token may have so that the mean
-    over the tokens kept is <= tau, the largest dropped first, over the whole step: this rank's micro-batches
-    and, through `gather` (a concatenation in rank order), every other rank's. A bound on the value, so ties
-    go together and any split of the batch gives the same mask; -1 drops every token. Its host syncs come
-    before the first backward, with pi_old."""
-    x = torch.cat([torch.where(mb.loss_mask, (o - mb.logq.to(o.dtype)) ** 2, -1.0) for o, mb in zip(old, micro_batches)])
-    x = gather(x.detach().cpu())
-    xs = x[x >= 0].double().sort().values  # rl_loss compares in the dtype of log p: the bound is one of these values
-    if not len(xs):
-        return math.inf
-    means = xs.cumsum(0) / torch.arange(1, len(xs) + 1, dtype=xs.dtype)
-    ends = torch.cat([xs[1:] > xs[:-1], torch.ones(1, dtype=torch.bool)])  # the last of each run of equal values
-    fits = ends & (means <= tau)
-    return xs[fits].max().item() if fits.any() else -1.0
-
-
 def _would_mask(lp: Tensor, logq: Tensor, adv: Tensor, doc_ids: Tensor, mask: Tensor, cfg: Config) -> Metrics:
     """--correction-metrics-only: the share of loss tokens each bounded centered loss (LOSSES: icepop,
     ipo; tis and topr as a clip) and each mask would remove with the current bounds, the mean ratio,
@@ -437,21 +421,3 @@ def sft_loss(logp: Tensor, mb: MicroBatch, denom: Denominators) -> tuple[Tensor,
     """Supervised warm-up: mean negative log-likelihood over the global batch's loss tokens."""
     nll = torch.where(mb.loss_mask, -logp, 0.0)
     return nll.sum() / max(denom.tokens, 1), {"loss": (nll.detach().sum(), mb.loss_mask.sum().to(logp.dtype))}
-
-
-def accumulate(total: Metrics, metrics: Metrics) -> None:
-    """Add (sum, count) pairs into `total` on the device; no sync."""
-    for k, (s, c) in metrics.items():
-        s0, c0 = total.get(k, (0.0, 0.0))
-        total[k] = (s0 + s.detach(), c0 + c)
-
-
-def reduce_metrics(total: Metrics) -> dict[str, float]:
-    """{name: sum / count}, read once per device (the rollout's stats are host tensors, the step's
-    metrics device ones, and stack takes one device); names with a zero count are left out."""
-    flat = [torch.as_tensor(x, dtype=torch.float64) for pair in total.values() for x in pair]  # sum, count, ...
-    values = {}
-    for device in {x.device for x in flat}:
-        at = [i for i, x in enumerate(flat) if x.device == device]
-        values.update(zip(at, torch.stack([flat[i] for i in at]).tolist()))
-    return {k: values[2 * j] / values[2 * j + 1] for j, k in enumerate(total) if values[2 * j + 1] != 0}

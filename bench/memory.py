@@ -75,7 +75,8 @@ import torch  # noqa: E402
 
 from model import ModelArgs, Transformer, init_weights  # noqa: E402
 from run.memplan import (BACKWARD_LAYERS, CPU_FP32_CALIBRATION, DEVICES, Setup, Shape, TARGETS, activation_bytes,
-    fits, plan, save_bytes, saved_elements)  # noqa: E402
+    plan, save_bytes, saved_elements)  # noqa: E402
+from run.planreport import fits  # noqa: E402
 
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=512)

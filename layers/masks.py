@@ -1,6 +1,8 @@
-"""The sequence and KL masks (--seq-mask, --kl-mask) and the per-token arithmetic the loss and its
+"""The sequence and KL masks (--seq-mask, --kl-mask), M2PO's bound (--m2po-threshold: `m2po_bound`,
+found over the whole step before the first backward) and the per-token arithmetic the loss and its
 metrics share: sums per sequence without a host sync, bounds decided in log space, (sum, count)
-metrics. loss.py applies the masks; --correction-metrics-only reports what they would remove.
+metrics, added up over micro-batches (`accumulate`) and read out once per device (`reduce_metrics`).
+loss.py applies the masks and the bound; --correction-metrics-only reports what they would remove.
 
 A sequence is a document of the micro-batch (packing never splits a sample), so a per-sequence
 value is an index_add over `doc_ids`.
@@ -11,12 +13,14 @@ value is an index_add over `doc_ids`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from config import Config
+from data import MicroBatch
 
 Metrics = dict[str, tuple[Tensor, Tensor]]
 
@@ -105,3 +109,43 @@ def keep_mask(logp: Tensor, logq: Tensor, adv: Tensor, doc_ids: Tensor, mask: Te
             metrics[f"{kind}_mask/masked_fraction"] = stat(f.to(logp.dtype), mask)
             drop = drop | f
     return ~drop
+
+
+# ----------------------------------------------------------------------------- M2PO's bound
+
+def m2po_bound(old: list[Tensor], micro_batches: list[MicroBatch], tau: float,
+               gather: Callable[[Tensor], Tensor] = lambda x: x) -> float:
+    """M2PO (arXiv 2510.01161): the largest (log r)^2, r = pi_old/q, a loss token may have so that the mean
+    over the tokens kept is <= tau, the largest dropped first, over the whole step: this rank's micro-batches
+    and, through `gather` (a concatenation in rank order), every other rank's. A bound on the value, so ties
+    go together and any split of the batch gives the same mask; -1 drops every token. Its host syncs come
+    before the first backward, with pi_old."""
+    x = torch.cat([torch.where(mb.loss_mask, (o - mb.logq.to(o.dtype)) ** 2, -1.0) for o, mb in zip(old, micro_batches)])
+    x = gather(x.detach().cpu())
+    xs = x[x >= 0].double().sort().values  # rl_loss compares in the dtype of log p: the bound is one of these values
+    if not len(xs):
+        return math.inf
+    means = xs.cumsum(0) / torch.arange(1, len(xs) + 1, dtype=xs.dtype)
+    ends = torch.cat([xs[1:] > xs[:-1], torch.ones(1, dtype=torch.bool)])  # the last of each run of equal values
+    fits = ends & (means <= tau)
+    return xs[fits].max().item() if fits.any() else -1.0
+
+
+# ----------------------------------------------------------------------------- (sum, count) metrics
+
+def accumulate(total: Metrics, metrics: Metrics) -> None:
+    """Add (sum, count) pairs into `total` on the device; no sync."""
+    for k, (s, c) in metrics.items():
+        s0, c0 = total.get(k, (0.0, 0.0))
+        total[k] = (s0 + s.detach(), c0 + c)
+
+
+def reduce_metrics(total: Metrics) -> dict[str, float]:
+    """{name: sum / count}, read once per device (the rollout's stats are host tensors, the step's
+    metrics device ones, and stack takes one device); names with a zero count are left out."""
+    flat = [torch.as_tensor(x, dtype=torch.float64) for pair in total.values() for x in pair]  # sum, count, ...
+    values = {}
+    for device in {x.device for x in flat}:
+        at = [i for i, x in enumerate(flat) if x.device == device]
+        values.update(zip(at, torch.stack([flat[i] for i in at]).tolist()))
+    return {k: values[2 * j] / values[2 * j + 1] for j, k in enumerate(total) if values[2 * j + 1] != 0}

@@ -33,7 +33,7 @@ from engines.torch_engine import Sampling
 from engines.vllm_engine import make_engine, serves_adapter, vllm_logprobs, vllm_lora_rank
 from layers import lora, parallel
 from layers.parallel import LAUNCHED, Link, RANK, first_other, print0, shard
-from run import hfdir, memplan
+from run import hfdir, memplan, planreport
 from run.checkpoint import check_resumable, same_flags
 from run.remote import RemoteEngine
 from run.teacher import Teacher, load_teacher
@@ -179,14 +179,14 @@ def fit_memory(cfg: Config, device_bytes: int) -> Config:
     """--activation-checkpointing auto resolved (memplan.resolve: off on a CPU, so the default job does
     not change; on CUDA blocks when the plan without it passes 80% of the device), and on CUDA with
     --plan-check on a plan over `device_bytes` by more than the plan's error stopped with
-    memplan.advice's one line. A CPU reads no config.json here: its answer is off, whatever the shape."""
+    planreport.advice's one line. A CPU reads no config.json here: its answer is off, whatever the shape."""
     if cfg.device == "cpu":
         return dataclasses.replace(cfg, activation_checkpointing="off") if cfg.activation_checkpointing == "auto" else cfg
     try:
         shape, setup = plan_shape(cfg), plan_setup(cfg, device_bytes)
         check_lora(shape, setup)  # before the plan, which would otherwise name memory as the fault
         resolved = memplan.resolve(shape, setup)
-        why = memplan.advice(shape, resolved, device_bytes, memplan.PLAN_ERROR) if device_bytes else None
+        why = planreport.advice(shape, resolved, device_bytes, memplan.PLAN_ERROR) if device_bytes else None
     except ValueError as e:  # PlanError, or a config.json from_hf refuses
         raise ConfigError(f"the memory plan: {e}") from None
     if why and cfg.plan_check == "on":
@@ -201,11 +201,11 @@ def plan_text(cfg: Config) -> str:
     try:
         shape, setup = plan_shape(cfg), plan_setup(cfg, device_bytes)
         check_lora(shape, setup)  # a plan of adapters the run would refuse is no plan
-        lines = [memplan.table(memplan.plan(shape, setup)), ""]
+        lines = [planreport.table(memplan.plan(shape, setup)), ""]
         devices = {"this device": device_bytes} if device_bytes else memplan.DEVICES if cfg.device == "cuda" else {}
         for name, n in devices.items():
-            why = memplan.advice(shape, dataclasses.replace(setup, device_bytes=n), n, memplan.PLAN_ERROR)
-            lines.append(f"{name} ({memplan.gib(n)}): " + (why or "fits"))
+            why = planreport.advice(shape, dataclasses.replace(setup, device_bytes=n), n, memplan.PLAN_ERROR)
+            lines.append(f"{name} ({planreport.gib(n)}): " + (why or "fits"))
     except ValueError as e:
         raise ConfigError(f"--plan: {e}") from None
     return "\n".join(lines).rstrip()

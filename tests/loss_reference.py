@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import loss as L
+from layers.masks import accumulate, m2po_bound, reduce_metrics
 from config import Config
 from data import MicroBatch, TokenSupport
 
@@ -152,7 +153,7 @@ def run_loss(mbs, logits_list, cfg, old_list=None, denom=None, step=STEP, teache
     if cfg.m2po_threshold > 0:  # its bound over the whole step before the first backward, as train.py finds it
         starts = [head(lg, mb)[0].detach() + (0.0 if old_list is None else old_list[i])
                   for i, (mb, lg) in enumerate(zip(mbs, logits_list))]
-        denom = replace(denom, m2_max=L.m2po_bound(starts, mbs, cfg.m2po_threshold))
+        denom = replace(denom, m2_max=m2po_bound(starts, mbs, cfg.m2po_threshold))
     total, metrics = 0.0, {}
     for i, (mb, logits) in enumerate(zip(mbs, logits_list)):
         logp, slogp, ent = head(logits, mb)
@@ -160,8 +161,8 @@ def run_loss(mbs, logits_list, cfg, old_list=None, denom=None, step=STEP, teache
         teacher = None if teachers is None else tuple(x.detach() for x in head(teachers[i], mb)[:2])
         loss, m = L.rl_loss(logp, slogp, ent, mb, cfg, denom, step, old_logp=old, teacher=teacher)
         total = total + loss
-        L.accumulate(metrics, m)
-    return total, L.reduce_metrics(metrics)
+        accumulate(metrics, m)
+    return total, reduce_metrics(metrics)
 
 
 # ----------------------------------------------------------------------------- the dense reference

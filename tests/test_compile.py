@@ -328,6 +328,7 @@ def test_the_new_losses_compile_whole_and_equal_eager(name):
     """rl_loss under torch.compile (Inductor, one graph: fullgraph=True refuses a break) against eager, fp64:
     loss, logit gradient and every metric within rtol 1e-10 / atol 1e-13 (only the summation order differs)."""
     import loss as L
+    from layers.masks import m2po_bound, reduce_metrics
     from loss_reference import STEP, assemble, cfg_for, head, make_docs
 
     torch._dynamo.reset()
@@ -336,12 +337,12 @@ def test_the_new_losses_compile_whole_and_equal_eager(name):
     mb, logits, noise = assemble(make_docs("replayed"), T=24)
     denom = L.denominators([mb])
     if cfg.m2po_threshold:  # the step's bound on (log pi_old/q)^2, found before the loss as train.py finds it
-        denom.m2_max = L.m2po_bound([head(logits, mb)[0].detach() + noise], [mb], cfg.m2po_threshold)
+        denom.m2_max = m2po_bound([head(logits, mb)[0].detach() + noise], [mb], cfg.m2po_threshold)
     out = []
     for fn in (L.rl_loss, torch.compile(L.rl_loss, fullgraph=True)):
         logp, slogp, ent = head(logits, mb)
         loss, m = fn(logp, slogp, ent, mb, cfg, denom, STEP, old_logp=logp.detach() + noise)
-        out.append((loss, torch.autograd.grad(loss, logits)[0], L.reduce_metrics(m)))
+        out.append((loss, torch.autograd.grad(loss, logits)[0], reduce_metrics(m)))
     (l0, g0, m0), (l1, g1, m1) = out
     assert torch.allclose(l0, l1, rtol=1e-10, atol=1e-13) and torch.allclose(g0, g1, rtol=1e-10, atol=1e-13)
     assert set(m0) == set(m1) and all(m1[k] == pytest.approx(v, rel=1e-10, abs=1e-13) for k, v in m0.items())

@@ -17,6 +17,7 @@ import torch
 
 import config as C
 import loss as L
+from layers.masks import reduce_metrics
 from loss_reference import F64, assemble, assert_metrics_close, cfg_for, grads, make_docs, reference, run_loss, STEP
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -225,14 +226,14 @@ def test_pure_distillation_from_another_teacher_runs(tmp_path):
 
 def test_the_memory_plan_counts_the_teachers_weights():
     """Its fp32 shard on each trainer rank, and under FSDP2 its root, which stays gathered after its forward."""
-    from run import memplan
+    from run import memplan, planreport
     shape = memplan.Shape.from_dir(ROOT / "checkpoints/reverse-tiny")
     for world in (1, 4):
         without = memplan.plan(shape, memplan.Setup(world=world))
         with_it = memplan.plan(shape, memplan.Setup(world=world, teacher=shape))
         extra = 4 * shape.params() // world + (4 * shape.root_params() if world > 1 else 0)
         assert with_it.role("trainer rank").total - without.role("trainer rank").total == extra
-        assert "| teacher |" in memplan.table(with_it) and "| teacher |" not in memplan.table(without)
+        assert "| teacher |" in planreport.table(with_it) and "| teacher |" not in planreport.table(without)
 
 
 def test_torchrun_shards_the_teacher_like_the_student(tmp_path):
@@ -302,7 +303,7 @@ def mc_distill(kind: str, estimator: str, q_logits, seed: int):
     ascent = -torch.autograd.grad(loss, logits)[0] * len(logits) / cfg.distill_coeff
     z = P_LOGITS.clone().requires_grad_()
     kl = (z.softmax(-1) * (z.log_softmax(-1) - T_LOGITS.log_softmax(-1))).sum()
-    return ascent, L.reduce_metrics({k: m[k] for k in ("distill/kl",)})["distill/kl"], kl.item(), torch.autograd.grad(kl, z)[0]
+    return ascent, reduce_metrics({k: m[k] for k in ("distill/kl",)})["distill/kl"], kl.item(), torch.autograd.grad(kl, z)[0]
 
 
 def test_monte_carlo_exact_on_a_replayed_row_is_the_kl_itself():

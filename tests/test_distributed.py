@@ -20,7 +20,7 @@ from layers import parallel
 from tasks.textcodec import TextCodec
 from tasks import task as T
 from layers import lora
-import loss as L
+from layers.masks import accumulate, reduce_metrics
 import model as M
 from run import hfdir
 import data
@@ -79,9 +79,9 @@ def one_step(cfg, state, samples):
         else:
             mbs, denom, total = train.prepare(cfg, batch, 32, "cpu")
             old = train.old_logprobs(cfg, model, model, mbs, denom)
-            L.accumulate(total, train.backward_pass(cfg, model, model, mbs, denom, step=0, old=old, scale=scale.value))
-            L.accumulate(total, train.optimizer_step(cfg, model, opt, step=1, scale=scale, loss=total["loss"][0]))
-            metrics = L.reduce_metrics(train.sum_over_ranks(total, "cpu"))
+            accumulate(total, train.backward_pass(cfg, model, model, mbs, denom, step=0, old=old, scale=scale.value))
+            accumulate(total, train.optimizer_step(cfg, model, opt, step=1, scale=scale, loss=total["loss"][0]))
+            metrics = reduce_metrics(train.sum_over_ranks(total, "cpu"))
             weights = {n: train.full(p.detach()) for n, p in model.named_parameters()}
             if cfg.lora_rank:  # the adapter as the engines and checkpoints get it (a collective)
                 assert all(torch.equal(v, weights[k.removeprefix(lora.PREFIX)]) for k, v in lora.adapter_state(model).items())
@@ -93,7 +93,7 @@ def one_step(cfg, state, samples):
 def only_on_rank1():
     t = torch.tensor
     total = {"a": (t(1.0), t(1.0)), **({"b": (t(3.0), t(2.0))} if train.RANK == 1 else {}), "c": (t(2.0), t(1.0))}
-    return L.reduce_metrics(train.sum_over_ranks(total, "cpu"))
+    return reduce_metrics(train.sum_over_ranks(total, "cpu"))
 
 
 def _cases():

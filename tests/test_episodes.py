@@ -29,7 +29,7 @@ import data as D
 from tasks.textcodec import CHATML, LETTERS, TextCodec
 from agents import envs
 from agents import episodes as E
-import loss as L
+from layers.masks import reduce_metrics
 import model as M
 import rollout
 import train
@@ -309,7 +309,7 @@ def test_a_packed_multi_turn_step_equals_a_dense_unpacked_reference(agg):
     packed.load_state_dict(model.state_dict())
     mbs, denom, _ = train.prepare(cfg, samples, 32, "cpu")
     assert len(mbs) > 1
-    metrics = L.reduce_metrics(train.backward_pass(cfg, packed, packed, mbs, denom, step=0))
+    metrics = reduce_metrics(train.backward_pass(cfg, packed, packed, mbs, denom, step=0))
     n_model = sum(sum(s.mask) for s in samples)
     assert denom.tokens == n_model
     dense = M.Transformer(model.args)

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from run import evidence as E
 import loss as L
+from layers.masks import accumulate, m2po_bound, reduce_metrics
 from config import Config, ConfigError
 from data import MicroBatch, TokenSupport
 from loss_reference import (F64, KLS, STEP, TEMP, VARIANTS, Doc, K, V, assemble, assert_metrics_close, aten, cfg_for,
@@ -121,7 +122,7 @@ def test_p_equals_q(kind):
     for name, cfg in (("reinforce", cfg_for("reinforce")), ("icepop", cfg_for("icepop")),
                       ("tis+masks", cfg_for("tis", tis_floor=0.5, **masks))):
         loss, m = L.rl_loss(logp, slogp, ent, mb, cfg, L.denominators([mb]), STEP)
-        out[name] = (loss, torch.autograd.grad(loss, logits, retain_graph=True)[0], L.reduce_metrics(m))
+        out[name] = (loss, torch.autograd.grad(loss, logits, retain_graph=True)[0], reduce_metrics(m))
     (l0, g0, _), (l1, g1, m1), (l2, g2, m2) = out["reinforce"], out["icepop"], out["tis+masks"]
     assert torch.allclose(l0, l1, atol=1e-14) and torch.allclose(g0, g1, atol=1e-14)
     assert torch.allclose(l0, l2, atol=1e-14) and torch.allclose(g0, g2, atol=1e-14)
@@ -235,15 +236,15 @@ def test_m2po_bound_is_the_steps_on_one_rank_or_two():
     leaves = [d.logits for d in docs]
     mbs, logits, _ = map(list, zip(*[assemble(docs[i:i + 2], T=16) for i in range(0, 8, 2)]))
     starts = [head(lg, mb)[0].detach() for mb, lg in zip(mbs, logits)]
-    one = L.m2po_bound(starts, mbs, cfg.m2po_threshold)
+    one = m2po_bound(starts, mbs, cfg.m2po_threshold)
     ranks = [[0, 2], [1, 3]]
     seen = []  # each rank's own values, as the gather receives them
     for r in ranks:
-        L.m2po_bound([starts[i] for i in r], [mbs[i] for i in r], cfg.m2po_threshold, lambda x: seen.append(x) or x)
-    two = [L.m2po_bound([starts[i] for i in r], [mbs[i] for i in r], cfg.m2po_threshold, lambda x: torch.cat(seen))
+        m2po_bound([starts[i] for i in r], [mbs[i] for i in r], cfg.m2po_threshold, lambda x: seen.append(x) or x)
+    two = [m2po_bound([starts[i] for i in r], [mbs[i] for i in r], cfg.m2po_threshold, lambda x: torch.cat(seen))
            for r in ranks]
     assert two == [one, one] and 0 <= one < math.inf
-    assert any(L.m2po_bound([s], [mb], cfg.m2po_threshold) != one for s, mb in zip(starts, mbs))
+    assert any(m2po_bound([s], [mb], cfg.m2po_threshold) != one for s, mb in zip(starts, mbs))
     denom = replace(L.denominators(mbs), m2_max=one)  # train.prepare counts the whole batch on every rank
     results = []
     for parts in ([[0, 1, 2, 3]], ranks):
@@ -253,8 +254,8 @@ def test_m2po_bound_is_the_steps_on_one_rank_or_two():
                 logp, slogp, ent = head(logits[i], mbs[i])
                 l, m = L.rl_loss(logp, slogp, ent, mbs[i], cfg, denom, STEP)
                 loss = loss + l
-                L.accumulate(total, m)
-        results.append((loss, grads(loss, leaves), L.reduce_metrics(total)))
+                accumulate(total, m)
+        results.append((loss, grads(loss, leaves), reduce_metrics(total)))
     (l1, g1, m1), (l2, g2, m2) = results
     assert 0 < m1["m2po/masked_fraction"] < 1
     assert torch.allclose(l1, l2, rtol=1e-12) and all(torch.allclose(a, b, rtol=1e-12, atol=1e-15) for a, b in zip(g1, g2))
@@ -266,9 +267,9 @@ def test_m2po_drops_ties_together_and_keeps_the_mean_under_tau():
     0.17, passes tau, so both 0.25s go (a bound on the value); the rest's mean 0.025 is <= tau."""
     lr = [0.1, -0.2, 0.5, -0.5, 1.0]
     mb, lp = docs_batch([[-1.0 + x for x in lr]], [[-1.0] * 5], [1.0], dtype=F64)
-    assert L.m2po_bound([lp.detach()], [mb], 0.1) == pytest.approx(0.04)
-    assert L.m2po_bound([lp.detach()], [mb], 0.005) == -1.0  # not even the smallest fits: every token goes
-    assert L.m2po_bound([lp.detach()], [mb], 10.0) == pytest.approx(1.0)
+    assert m2po_bound([lp.detach()], [mb], 0.1) == pytest.approx(0.04)
+    assert m2po_bound([lp.detach()], [mb], 0.005) == -1.0  # not even the smallest fits: every token goes
+    assert m2po_bound([lp.detach()], [mb], 10.0) == pytest.approx(1.0)
 
 
 # ----------------------------------------------------------------------------- 4. overflowing ratios
@@ -317,7 +318,7 @@ def test_masked_token_with_overflowing_rho(loss_type):
     loss, m = L.rl_loss(logp, slogp, ent, mb, cfg, L.denominators([mb]), STEP, old_logp=old)
     grad = torch.autograd.grad(loss, logits)[0]
     assert torch.isfinite(loss) and torch.isfinite(grad).all() and (grad[pos] == 0).all()
-    assert all(math.isfinite(v) for v in L.reduce_metrics(m).values())
+    assert all(math.isfinite(v) for v in reduce_metrics(m).values())
 
 
 def one_doc_batch(logp: list[float], logq: list[float], adv: float = 1.0) -> MicroBatch:
@@ -360,7 +361,7 @@ def test_long_sequence_with_one_ratio_of_e50():
 
     def run(loss_type: str = "reinforce", **kw):
         loss, m = L.rl_loss(logp, logp.new_zeros(0), torch.zeros_like(logp), mb, cfg_for(loss_type, **kw), denom, STEP)
-        return loss, torch.autograd.grad(loss, logp)[0], L.reduce_metrics(m)
+        return loss, torch.autograd.grad(loss, logp)[0], reduce_metrics(m)
 
     for mode, high in (("geometric", 1.02), ("max", 1.02), ("geometric", math.exp(mean0 - 1e-4))):
         loss, g, m = run(seq_mask=mode, seq_mask_low=0.98, seq_mask_high=high)
@@ -388,7 +389,7 @@ def test_gspo_keeps_a_token_whose_weight_underflows_in_the_mean(dtype, depth):
     loss, m = L.rl_loss(logp, logp.new_zeros(0), torch.zeros_like(logp), mb, cfg, L.denominators([mb]), STEP)
     g = torch.autograd.grad(loss, logp)[0]
     assert g.tolist() == pytest.approx([-0.25, -0.25], rel=1e-6)
-    assert L.reduce_metrics(m)["icepop/masked_fraction"] == 0
+    assert reduce_metrics(m)["icepop/masked_fraction"] == 0
 
 
 @pytest.mark.parametrize("depth", [200.0, 800.0])
@@ -433,7 +434,7 @@ def test_would_mask_fractions_by_hand(seq_mask):
     cfg = cfg_for("icepop", icepop_alpha=0.5, icepop_beta=2.0, ipo_eps=0.1, tis_cap=1.5, seq_mask=seq_mask,
                   seq_mask_low=0.7, seq_mask_high=1.3, kl_mask_threshold=0.3, correction_metrics_only=True)
     loss, m = L.rl_loss(lp, lp.new_zeros(0), torch.zeros_like(lp), mb, cfg, L.denominators([mb]), STEP)
-    m = L.reduce_metrics(m)
+    m = reduce_metrics(m)
     whole = seq_mask != "off"  # under --seq-mask a flagged token takes its whole sequence
     want = {"icepop": 2 / 6,  # r = 3 and 0.4 outside [0.5, 2]
             "ipo": 3 / 6,  # |p - q| = 0.4, 0.15, 0.15 > 0.1
@@ -491,7 +492,7 @@ def test_dppo_directional_mask_by_hand(kind, threshold):
         g = torch.autograd.grad(loss, lp)[0][:5]
         kept = 1 - torch.tensor(masked, dtype=F64)
         assert torch.allclose(g, -adv * kept / 5, rtol=1e-12, atol=0)  # plain reinforce on the kept tokens
-        assert L.reduce_metrics(m)["kl_mask/masked_fraction"] == pytest.approx(sum(masked) / 5, abs=1e-15)
+        assert reduce_metrics(m)["kl_mask/masked_fraction"] == pytest.approx(sum(masked) / 5, abs=1e-15)
 
 
 def test_sapo_gate_by_hand():
@@ -521,7 +522,7 @@ def test_log_ratio_term_by_hand():
             cfg = Config(loss=loss_type, tis_cap=10.0, clip_low=0.9, clip_high=10.0, log_ratio_coeff=tau)
             loss, m = L.rl_loss(lp, lp.new_zeros(0), torch.zeros_like(lp), mb, cfg, L.denominators([mb]), STEP,
                                 old_logp=old)
-            out.append((loss, torch.autograd.grad(loss, lp)[0], L.reduce_metrics(m)))
+            out.append((loss, torch.autograd.grad(loss, lp)[0], reduce_metrics(m)))
         (l0, g0, _), (l1, g1, m1) = out
         assert (l1 - l0).item() == pytest.approx(0.7 * sum(x * x for x in log_r) / 2, rel=1e-12)
         assert (g1 - g0).tolist() == pytest.approx([2 * 0.7 * x / 2 for x in log_r], rel=1e-12)
@@ -539,7 +540,7 @@ def test_topr_weights_by_hand():
     w = [1.0, 1.0, math.exp(-0.7), math.exp(-0.7), 1.0, 1.0]
     A = [-1.0, -1.0, -1.0, -1.0, 1.0, 1.0]
     assert g.tolist() == pytest.approx([-a * x / 6 for a, x in zip(A, w)], rel=1e-12)
-    assert L.reduce_metrics(m)["topr/clip_fraction"] == pytest.approx(2 / 6, abs=1e-15)
+    assert reduce_metrics(m)["topr/clip_fraction"] == pytest.approx(2 / 6, abs=1e-15)
 
 
 def test_icepop_bounds_are_inclusive():
@@ -548,7 +549,7 @@ def test_icepop_bounds_are_inclusive():
     logp = torch.tensor([a, b, a - 1e-9, b + 1e-9], dtype=F64, requires_grad=True)
     loss, m = L.rl_loss(logp, logp.new_zeros(0), torch.zeros(4), mb, cfg_for("icepop", adv_tau=1.0),
                         L.denominators([mb]), STEP)
-    m = L.reduce_metrics(m)
+    m = reduce_metrics(m)
     assert m["icepop/masked_fraction/low"] == m["icepop/masked_fraction/high"] == 0.25
     assert torch.allclose(torch.autograd.grad(loss, logp)[0], torch.tensor([-0.5, -2.0, 0, 0], dtype=F64) / 4)
 
@@ -683,7 +684,7 @@ def evidence_batches(seed: int = 13):
 def test_valid_evidence_passes():
     _, _, mbs = evidence_batches()
     for mode in ("error", "drop"):
-        m = L.reduce_metrics(E.validate(mbs, V, cfg_for("icepop", bad_evidence=mode)))
+        m = reduce_metrics(E.validate(mbs, V, cfg_for("icepop", bad_evidence=mode)))
         assert m == {"bad_evidence/dropped": 0.0}
     assert all(mb.loss_mask.sum() == mb.num_loss_tokens for mb in mbs)
 
@@ -719,7 +720,7 @@ def test_bad_evidence_raises_naming_sample_and_check(case):
 def test_bad_evidence_drop(case):
     mbs, sample, _ = bad_batches(case)
     before = [mb.loss_mask.clone() for mb in mbs]
-    metrics = L.reduce_metrics(E.validate(mbs, V, cfg_for("icepop", bad_evidence="drop")))
+    metrics = reduce_metrics(E.validate(mbs, V, cfg_for("icepop", bad_evidence="drop")))
     assert metrics["bad_evidence/dropped"] == pytest.approx(1 / 6)
     for mb, was in zip(mbs, before):
         gone = mb.sample_idx == sample
@@ -736,7 +737,7 @@ def test_bad_evidence_drop(case):
 
 def test_an_empty_draws_row_is_fine_for_a_loss_that_reads_no_row():
     mbs, _, _ = bad_batches("empty-draws-row")
-    assert L.reduce_metrics(E.validate(mbs, V, cfg_for("ppo"))) == {"bad_evidence/dropped": 0.0}
+    assert reduce_metrics(E.validate(mbs, V, cfg_for("ppo"))) == {"bad_evidence/dropped": 0.0}
 
 
 def test_broken_offsets_raise_even_when_dropping():
@@ -800,9 +801,9 @@ def test_host_syncs(monkeypatch):
                       replace(cfg, loss="sapo", kl_mask="binary_tv", kl_mask_directional=True, log_ratio_coeff=0.1),
                       replace(cfg, loss="topr", kl_mask="binary", kl_mask_directional=True, log_ratio_coeff=0.1)):
                 _, m = L.rl_loss(logp, slogp, ent, mb, c, denom, STEP, old_logp=logp.detach() - 0.1)
-                L.accumulate(total, m)
+                accumulate(total, m)
         assert w.events == []  # none inside the micro-batch loop
-        L.reduce_metrics(total)
+        reduce_metrics(total)
         assert w.events == ["tolist"]
 
 
@@ -816,11 +817,11 @@ def test_sft_loss_is_global_mean_nll():
         logp = torch.log_softmax(lg, -1).gather(1, mb.labels[:, None])[:, 0]
         loss, m = L.sft_loss(logp, mb, denom)
         total = total + loss
-        L.accumulate(metrics, m)
+        accumulate(metrics, m)
         nll.append(-logp[mb.loss_mask])
     want = torch.cat(nll).mean()
     assert torch.allclose(total, want, rtol=1e-12)
-    assert L.reduce_metrics(metrics)["loss"] == pytest.approx(want.item(), rel=1e-12)
+    assert reduce_metrics(metrics)["loss"] == pytest.approx(want.item(), rel=1e-12)
 
 
 def test_gspo_ratio_is_the_sequence_s_and_matters_from_the_second_epoch():
@@ -891,5 +892,5 @@ def test_reduce_metrics_takes_the_rollouts_host_stats_and_the_steps_device_metri
     host = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
     total = {"reward/mean": (host(3.0), host(4.0)), "loss": (dev(1.5), dev(3.0)), "grad_norm": (dev(2.0), host(1.0)),
              "unused": (host(0.0), host(0.0))}
-    L.accumulate(total, {"loss": (dev(0.5), dev(1.0)), "kl/k1": (dev(0.25), host(1.0))})
-    assert L.reduce_metrics(total) == {"reward/mean": 0.75, "loss": 0.5, "grad_norm": 2.0, "kl/k1": 0.25}
+    accumulate(total, {"loss": (dev(0.5), dev(1.0)), "kl/k1": (dev(0.25), host(1.0))})
+    assert reduce_metrics(total) == {"reward/mean": 0.75, "loss": 0.5, "grad_norm": 2.0, "kl/k1": 0.25}

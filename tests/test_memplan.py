@@ -15,6 +15,7 @@ import config as C
 from run import hfdir
 from layers import lora
 from run import memplan as P
+from run import planreport
 import model as M
 from run import start
 
@@ -183,14 +184,14 @@ def test_advice_names_the_largest_part_and_what_fits():
     shape = P.Shape.from_config(QWEN3_8B)
     h100 = P.DEVICES["H100-80GB"]
     s = P.Setup(world=8, device="cuda", micro_batch_tokens=16384, device_bytes=h100)
-    line = P.advice(shape, s, h100)
+    line = planreport.advice(shape, s, h100)
     assert "\n" not in line and "activations" in line
     assert "--activation-checkpointing blocks" in line
     fitting = line.split("would fit: ")[1].split("; or ")
     for change in fitting:  # each change named does fit, alone
-        family = [c for fam in P.alternatives(s) for c in fam if c[0] == change]
-        assert P.fits(shape, family[0][1], h100)
-    assert P.advice(shape, dataclasses.replace(s, activation_checkpointing="blocks"), h100) is None
+        family = [c for fam in planreport.alternatives(s) for c in fam if c[0] == change]
+        assert planreport.fits(shape, family[0][1], h100)
+    assert planreport.advice(shape, dataclasses.replace(s, activation_checkpointing="blocks"), h100) is None
     auto = P.plan(shape, dataclasses.replace(s, activation_checkpointing="auto"))
     assert auto.setup.activation_checkpointing == "blocks"  # 80% of the device is passed without it
     cpu = P.plan(P.Shape(M.ModelArgs.from_hf(SMALL)), P.Setup(activation_checkpointing="auto"))
@@ -199,7 +200,7 @@ def test_advice_names_the_largest_part_and_what_fits():
 
 def test_table_has_every_role_and_component():
     p = P.plan(P.Shape.from_config(QWEN3_8B), P.Setup(world=6, inference_gpus=2, device="cuda", micro_batch_tokens=16384))
-    text = P.table(p)
+    text = planreport.table(p)
     assert "| component | trainer rank | inference rank | host per node |" in text
     for k in ("weights", "gradients", "AdamW state", "activations", "LM head chunk", "start-up peak", "* computed"):
         assert k in text
@@ -257,7 +258,7 @@ def test_auto_checkpointing_is_off_on_a_cpu_and_follows_the_plan_on_cuda(config_
 
 
 def test_a_plan_over_the_device_stops_with_the_advice_unless_plan_check_is_off(config_only):
-    with pytest.raises(C.ConfigError) as e:  # over the device even with blocks: memplan.advice's one line
+    with pytest.raises(C.ConfigError) as e:  # over the device even with blocks: planreport.advice's one line
         settle(config_only, size=12 * P.GIB)
     why = str(e.value)
     assert why.startswith("the memory plan needs ") and "; or --lora-rank 16; or --micro-batch-tokens 4096 (" in why and "\n" not in why

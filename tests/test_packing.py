@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import config as C
-import loss as L
+from layers.masks import reduce_metrics
 import model as M
 import data
 import train
@@ -37,7 +37,7 @@ def _step(monkeypatch, cfg, m, samples, share: bool, attention: str, device: str
             lp = train._head(cfg, model, model, mb)[0]
             for i in mb.samples:
                 logp[i] = lp[(mb.sample_idx == i) & mb.loss_mask]
-    metrics = L.reduce_metrics(train.backward_pass(cfg, model, model, mbs, denom, step=0))
+    metrics = reduce_metrics(train.backward_pass(cfg, model, model, mbs, denom, step=0))
     return mbs, {i: lp.cpu() for i, lp in logp.items()}, metrics, [p.grad.cpu() for p in model.parameters()]
 
 

@@ -1,4 +1,5 @@
-"""The Triton head (kernels.py `triton_head`) against the plain-torch reference (kernels.py `head`).
+"""The Triton head (kernels.py `triton_head`, its kernels in layers/headkernels.py) against the plain-torch
+reference (kernels.py `head`).
 
 CPU: the kernels run in Triton's interpreter at tiny shapes (fp32: tl.dot on bf16 is wrong
 there), against head(impl="torch"): the forward over every kind of row, the dense and the
@@ -27,6 +28,7 @@ import torch
 import kernels
 from data import TokenSupport
 from kernels import head
+from layers import headkernels
 
 ROOT = Path(__file__).resolve().parent.parent
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -236,7 +238,7 @@ def _sm90_jobs(t, N=16384, H=2048, V=151936, W=8192):
                             inv_t=inv_t, stride_h=i(H), stride_w=i(H)), tiled, t.warps),
         ("support_kernel", dict(h_ptr=P, w_ptr=P, labels_ptr=L, ids_ptr=I, offsets_ptr=L, label_ptr=F, raw_ptr=F,
                                 lse_s_ptr=F, H=i(H), inv_t=inv_t, stride_h=i(H), stride_w=i(H)),
-         dict(gather, BLOCK_E=t.rows), kernels.GATHER_WARPS),
+         dict(gather, BLOCK_E=t.rows), headkernels.GATHER_WARPS),
         ("softmax_grad_kernel", dict(h_ptr=P, w_ptr=P, lse_ptr=F, scale_ptr=F, toks_ptr=L, cols_ptr=L, coefs_ptr=F,
                                      bucket_ptr=L, dl_ptr=P, N=i(N), v_lo=i(0), v_hi=i(W), H=i(H), inv_t=inv_t,
                                      stride_h=i(H), stride_w=i(H), stride_dl=i(W)), dict(tiled, BLOCK_R=t.rows), t.warps),
@@ -248,9 +250,9 @@ def _sm90_jobs(t, N=16384, H=2048, V=151936, W=8192):
          dict(mm, ACCUMULATE=False), t.warps),  # d_W[chunk] = dlogits.T @ hidden
         ("sparse_dh_kernel", dict(w_ptr=P, labels_ptr=L, ids_ptr=I, offsets_ptr=L, g_label_ptr=F, coef_ptr=F,
                                   dh_ptr=P, H=i(H), stride_w=i(H), stride_dh=i(H)),
-         dict(gather, BLOCK_E=t.rows), kernels.GATHER_WARPS),
+         dict(gather, BLOCK_E=t.rows), headkernels.GATHER_WARPS),
         ("sparse_dw_kernel", dict(h_ptr=P, toks_ptr=L, coefs_ptr=F, starts_ptr=L, dw_ptr=P, H=i(H), stride_h=i(H),
-                                  stride_dw=i(H)), dict(gather, BLOCK_R=t.rows), kernels.GATHER_WARPS),
+                                  stride_dw=i(H)), dict(gather, BLOCK_R=t.rows), headkernels.GATHER_WARPS),
     ]
 
 
@@ -261,7 +263,7 @@ def test_kernels_compile_for_sm90():
     shared memory) without a GPU: Triton compiles to a cubin for an H200 with its bundled ptxas."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
-    k, t = kernels._triton(), kernels.GPU_TILES
+    k, t = headkernels._triton(), headkernels.GPU_TILES
     for name, args, constexprs, warps in _sm90_jobs(t):
         fn = getattr(k, name)
         sig, attrs, consts = {}, {}, dict(constexprs)
