@@ -58,10 +58,6 @@ from data import MicroBatch, TokenSupport, truncated
 from layers import terms
 from layers.masks import (METRIC_CLAMP, Masks, Metrics, any_by, keep_mask, kl_flags, outside, seq_flags, stat,
     sum_by)
-# moved to layers/masks.py; re-exported while train.py and tests/test_async.py still import them from here
-from layers.masks import accumulate, m2po_bound, reduce_metrics  # noqa: F401
-
-
 
 
 @dataclass(frozen=True)

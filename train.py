@@ -49,7 +49,8 @@ from torch.nn.attention.flex_attention import flex_attention
 from config import Config, ConfigError, parse
 from data import RunError, my_share, pack
 from model import Transformer
-from loss import accumulate, denominators, m2po_bound, reduce_metrics, rl_loss, sft_loss, sparse_ok, trained
+from loss import denominators, rl_loss, sft_loss, sparse_ok, trained
+from layers.masks import accumulate, m2po_bound, reduce_metrics
 from kernels import head
 from rollout import eval_line, evaluate, make_batch, rl_sampling
 from agents.episodes import Play

@@ -18,6 +18,7 @@ import data as D
 from tasks.textcodec import TextCodec
 from tasks import task as T
 import loss as L
+from layers import masks as M_
 import model as M
 from run import start
 import rollout
@@ -137,9 +138,9 @@ def test_async_level_0_is_the_synchronous_loop(tmp_path):
         metrics = train.backward_pass(cfg, model, fwd, mbs, denom, step - 1)
         metrics.update(train.optimizer_step(cfg, model, opt, step))
         for part in (checks, metrics):
-            L.accumulate(total, part)
+            M_.accumulate(total, part)
         engine.load_weights(model, version=step)
-        want = L.reduce_metrics(total)
+        want = M_.reduce_metrics(total)
         assert {k: rows[step - 1][k] for k in want} == want, step
 
 
@@ -184,7 +185,7 @@ def test_staleness_and_age0_kl_by_hand():
 
     def metrics(cfg, samples):
         mbs, denom, _ = train.prepare(cfg, samples, 32, "cpu")
-        return L.reduce_metrics(train.backward_pass(cfg, m, m, mbs, denom, step=5))
+        return M_.reduce_metrics(train.backward_pass(cfg, m, m, mbs, denom, step=5))
 
     both, fresh = metrics(cfg, samples), metrics(cfg, samples[1::2])
     old = sum(len(s.completion) for s in samples[::2])
