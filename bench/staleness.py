@@ -5,6 +5,7 @@ trains them to the held-out reward, 3 seeds, at equal steps and at equal wall ti
     python bench/staleness.py speed                 # 3 settings x 9 arms x 2 rounds of 24 steps: ~15 min on 2 cores
     python bench/staleness.py learn                 # 7 arms x icepop, reinforce x 3 seeds of 60 steps: ~8 min
     python bench/staleness.py speed --steps 4 --rounds 1 --settings default --arms sync,S2 --out runs/staleness-smoke
+    python bench/staleness.py speed --nproc 2 --extra "--inference-gpus 1"   # split: a trainer process and a sampler
 
 1. The arms: sync; `--async-level 1`; `--max-staleness S` for S = 1, 2, 4 with `--no-partial-rollouts`
    (a push waits for the batch being sampled: "S<k> whole") and with partial rollouts ("S<k>"); and
@@ -62,9 +63,10 @@ SPEED_ARMS = ("sync", "a1", "S1 whole", "S2 whole", "S4 whole", "S1", "S2", "S4"
 LOGGED = ("async/sampler_idle", "async/trainer_idle", "async/spanning_push", "staleness/mean")
 
 
-def run(flags: list[str], out: Path) -> list[dict]:
-    """train.py in its own process; its step rows."""
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *flags, "--out-dir", str(out)], capture_output=True,
+def run(flags: list[str], out: Path, nproc: int = 0) -> list[dict]:
+    """train.py in its own process (nproc > 0: under torchrun, nproc processes); its step rows."""
+    launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc else [])
+    r = subprocess.run([*launch, str(ROOT / "train.py"), *flags, "--out-dir", str(out)], capture_output=True,
                        text=True, timeout=3600)
     if r.returncode:
         raise SystemExit(f"bench/staleness.py: {shlex.join(flags)} failed:\n{r.stderr[-2000:]}")
@@ -154,6 +156,8 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--arms", default=",".join(SPEED_ARMS), help=f"of {', '.join(ARMS)}")
     ap.add_argument("--out", default="runs/staleness")
     ap.add_argument("--extra", default="", help="more train.py flags for every run")
+    ap.add_argument("--nproc", type=int, default=0, help="run each under torchrun with this many processes "
+                    "(with --extra \"--inference-gpus 1\": a trainer and a sampler)")
     a = ap.parse_args(argv[1:])
     settings, arms = a.settings.split(","), a.arms.split(",")
     for name, known in (*((s, SETTINGS) for s in settings), *((x, ARMS) for x in arms)):
@@ -168,7 +172,7 @@ def main(argv: list[str] | None = None) -> str:
             for x in arms:
                 flags = [*MAIN, *SETTINGS[s], *ARMS[x], "--steps", str(a.steps), "--eval-every", "0",
                          *shlex.split(a.extra)]
-                results[s][x].append(figures(run(flags, Path(a.out) / f"{s}-{x.replace(' ', '-')}-r{k}")))
+                results[s][x].append(figures(run(flags, Path(a.out) / f"{s}-{x.replace(' ', '-')}-r{k}", a.nproc)))
                 print(f"# round {k + 1}, {s}, {x}: {results[s][x][-1]['tok/s']:,.0f} tokens trained/s", flush=True)
     text = table(results)
     print(f"# {datetime.date.today()}, {a.rounds} rounds of {a.steps} steps, {time.perf_counter() - t0:.0f} s\n{text}")
