@@ -329,24 +329,13 @@ def test_two_gloo_ranks_each_with_a_bounded_sampler(tmp_path):
 
 # ----------------------------------------------------------------------------- partial rollouts: a push between decode steps
 
-def _pushing_at(engine, call: int, push):
-    """engine.between that runs `push()` at its `call`-th call (before that decode step's logits)."""
-    calls = [0]
-
-    def between():
-        calls[0] += 1
-        if calls[0] == call:
-            push()
-    engine.between = between
-
-
 @pytest.mark.parametrize("dtype,compiled", [("fp32", False), ("bf16", False), ("fp8", False), ("fp32", True)])
 def test_a_push_between_decode_steps_samples_the_rest_from_the_new_weights(dtype, compiled):
     """Tokens before the push carry version 0 and the old weights' log q (their full forward); from the
     push on, version 1 and the pushed weights': a zero tied embedding makes every logit 0, so log q and
     every support row's log q are -log V exactly, compiled decode step included (it holds the very
     tensors a push overwrites)."""
-    from test_engines import PROMPTS, STOPS, _model, _probs
+    from test_engines import PROMPTS, STOPS, _model, _probs, _pushing_at
 
     torch._dynamo.reset()
     old, zero = _model(), _model()
@@ -377,7 +366,7 @@ def test_a_push_between_decode_steps_samples_the_rest_from_the_new_weights(dtype
 def test_a_push_of_the_same_weights_mid_decode_changes_versions_and_nothing_else():
     """The rows go on from the same KV cache and the same random stream: a push of unchanged
     weights at decode step 4 gives the very completions of a run without one, bit for bit."""
-    from test_engines import PROMPTS, STOPS, _model
+    from test_engines import PROMPTS, STOPS, _model, _pushing_at
 
     model = _model()
     s = Sampling(temperature=1.3, max_new_tokens=8, seed=11)
@@ -388,31 +377,6 @@ def test_a_push_of_the_same_weights_mid_decode_changes_versions_and_nothing_else
     assert [(c.ids, c.logq) for c in pushed] == [(c.ids, c.logq) for c in plain]
     assert all(c.versions == ([0] * 4 + [5] * 4)[: len(c.ids)] for c in pushed)
     assert any(len(c.ids) > 4 for c in pushed)
-
-
-def test_a_push_that_fails_between_two_tensors_never_yields_a_draw():
-    from test_engines import PROMPTS, STOPS, _model
-
-    model = _model()
-    engine = TorchEngine(model, "bf16", STOPS)
-
-    def torn():  # the first tensor lands, then the sender dies
-        for i, (k, w) in enumerate(model.state_dict().items()):
-            if i == 1:
-                raise ConnectionError("the trainer died mid-push")
-            yield k, w
-
-    def push():
-        with pytest.raises(ConnectionError):
-            engine.load_tensors(torn(), 1)
-    _pushing_at(engine, 2, push)
-    with pytest.raises(RuntimeError, match="half pushed .* nothing samples from them"):
-        engine.generate(PROMPTS, 2, Sampling(max_new_tokens=8))
-    engine.between = None
-    with pytest.raises(RuntimeError, match="half pushed"):  # nor does the next call
-        engine.generate(PROMPTS, 2, Sampling(max_new_tokens=8))
-    engine.load_weights(model, 2)  # a whole push makes it whole
-    assert all(c.versions == [2] * len(c.ids) for c in engine.generate(PROMPTS, 2, Sampling(max_new_tokens=4)))
 
 
 class SteppedEngine(FakeEngine):
@@ -512,7 +476,7 @@ def test_recompute_kv_on_push_samples_the_rest_exactly_from_the_new_weights():
     """Without it the rows after a push attend to keys and values the old weights wrote (the drift
     bench/kvdrift.py measures); with it each in-flight row is prefilled again, so every token the new
     weights draw has their full forward's log q (fp32 engine, to the decode loop's summation order)."""
-    from test_engines import PROMPTS, STOPS, _model, _probs
+    from test_engines import PROMPTS, STOPS, _model, _probs, _pushing_at
 
     old, new = _model(), M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
     M.init_weights(new, std=0.15, seed=1)
