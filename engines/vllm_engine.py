@@ -205,10 +205,10 @@ class VLLMEngine:
                         self.done[o.request_id] = o
         except BaseException:  # (a torn push, a closed pipeline) no request of this call outlives it
             self.llm.llm_engine.abort_request(internal, internal=True)
+            for i in ids:
+                self.done.pop(i, None)
             raise
-        finally:
-            out = [self.done.pop(i, None) for i in ids]
-        return out
+        return [self.done.pop(i) for i in ids]
 
     def idle(self) -> None:
         """Sleep (colocated on a GPU) once the step's rollout is over, never between the turns of one
