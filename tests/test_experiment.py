@@ -66,3 +66,30 @@ def test_the_kv_drift_bench_shows_the_kept_cache_and_the_recompute(tmp_path):
     before, after, redone, alone_b = (float(row[k]) for k in (2, 3, 4, 6))
     assert before < 1e-2 and redone < 2 * alone_b < after
     assert (tmp_path / "kv.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("arm", [a for a in E.ARMS if E.ARMS[a].fraction])
+def test_each_race_arm_runs_and_logs_the_fraction_its_table_column_reads(arm, tmp_path):
+    """A race arm's flags are a valid run, and its `fraction` names a metric the run logs: a wrong name would
+    leave the table's masked/clipped column empty ("-") with no error."""
+    import train
+
+    run_dir = tmp_path / arm
+    args = E.run_args(E.Setting("bf16", 1), arm, 0, 1, run_dir,
+                      ["--prompts-per-step", "2", "--group-size", "2", "--eval-every", "0", "--max-new-tokens", "6"])
+    train.main(args)
+    steps = [r for r in (json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert steps and all(E.ARMS[arm].fraction in r for r in steps)
+
+
+def test_the_harsh_settings_race_every_arm_and_the_study_keeps_its_three():
+    assert all(s.losses == tuple(E.ARMS) for s in E.settings(1.0, harsh=True))
+    assert {lo for s in E.settings(1.0) for lo in s.losses} == set(E.STUDY)
+
+
+def test_each_grid_rewrites_only_its_own_section_of_the_doc():
+    doc = "# Mismatch study\n\nold table\n\n## The race at harsher settings\n\nold race\n\n## Reading\n\nby hand\n"
+    race = E.RACE + "\n\nnew race\n"
+    assert E.splice(doc, "# Mismatch study\n\nnew table\n") == doc.replace("old table", "new table")
+    assert E.splice(doc, race) == doc.replace("old race", "new race")
+    assert E.splice("# Mismatch study\n\nold table\n", race) == "# Mismatch study\n\nold table\n\n" + race
