@@ -261,7 +261,7 @@ def launch(cfg: Config, s: Start, link: Link | None = None) -> dict:
     try:
         rng, scale = random.Random(cfg.seed), LossScale.for_dtype(cfg.train_dtype)
         with collective("the resume", cfg.dist_timeout):
-            start = load_training_state(s.resume_from, s.model, opt, rng, engine, scale) if s.resume_from else 0
+            start, queue = load_training_state(s.resume_from, s.model, opt, rng, engine, scale) if s.resume_from else (0, {})
         n_trained = sum(p.numel() for p in s.model.parameters() if p.requires_grad)
         print0(f"model {src}: {sum(p.numel() for p in s.model.parameters()) / 1e6:.2f}M params on {cfg.device}"
                + (f" x {world()} ranks (FSDP2)" if world() > 1 else "")
@@ -282,7 +282,7 @@ def launch(cfg: Config, s: Start, link: Link | None = None) -> dict:
         # start-up's objects (torch, the tokenizer, the model: hundreds of thousands) leave the cyclic
         # collector's reach, so a full collection during a step scans only what the steps made
         gc.freeze()
-        loop(run, start)
+        loop(run, start, queue)
     except RunError as e:
         fail(e, 1)  # what was logged and saved so far stays
     except KeyboardInterrupt:
@@ -332,7 +332,7 @@ def next_batch(run: Run, step: int):
     return make_batch(run.cfg, run.task, run.engine, run.rng, step, run.model.args.max_position_embeddings, run.play)
 
 
-def loop(run: Run, start: int) -> None:
+def loop(run: Run, start: int, queue: dict | None = None) -> None:
     """Steps start+1..--steps, then a checkpoint at --save-every and at the end. With --async-level
     or --max-staleness a thread samples each batch ahead (pipeline.AsyncRollouts) and hands it to the step."""
     cfg, run.step = run.cfg, start + 1
@@ -344,7 +344,7 @@ def loop(run: Run, start: int) -> None:
         threads = max(1, torch.get_num_threads() // 2) if cfg.device == "cpu" else 0  # half the cores each
         ahead = AsyncRollouts(lambda step: next_batch(run, step), run.engine, run.rng, cfg.max_staleness or cfg.async_level,
                               start, cfg.steps, threads, run.stop, bounded=cfg.max_staleness > 0,
-                              partial=cfg.partial_rollouts, land_at=cfg.push_at_decode_step)
+                              partial=cfg.partial_rollouts, land_at=cfg.push_at_decode_step, queue=queue)
     skipped = empty = failed = 0  # non-finite steps in a row, empty ones, ones whose episodes all failed
     stepped = False  # whether a step of this run took an optimizer step
     stalls = runlog.Stalls(cfg)  # the warnings of a run that cannot learn
@@ -372,12 +372,13 @@ def loop(run: Run, start: int) -> None:
                 raise RunError(f"no step of this run trained (steps {start + 1}..{step}; the last: "
                                  f"{runlog.idle_cause(batch, m)}); its weights are the ones it started from")
             if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-                # the RNGs as the next batch finds them (with a thread: as this one's left them, AsyncRollouts.rng_after)
-                st = RolloutRNG(run.rng, run.engine.gen) if ahead is None else ahead.rng_after(step)
+                # the RNGs as the next batch finds them (with a thread: as this one's left them, and with
+                # --push-at-decode-step the batches sampled ahead: AsyncRollouts.checkpointed)
+                st, queued = (RolloutRNG(run.rng, run.engine.gen), {}) if ahead is None else ahead.checkpointed(step)
                 run.log.sync()  # the rows on disk before the checkpoint that covers them
                 with collective(f"the checkpoint of step {step}", cfg.dist_timeout):
                     save_checkpoint(run.out, step, run.model, run.opt, st.rng, st.gen, run.src, run.scale,
-                                    final=step == cfg.steps)
+                                    final=step == cfg.steps, queued=queued)
 
 
 def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[dict, list]:

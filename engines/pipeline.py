@@ -21,6 +21,7 @@ import torch
 
 from model import Transformer
 from engines.torch_engine import Engine
+from engines import ahead
 
 
 def spanning(batch: list) -> float:
@@ -108,18 +109,23 @@ class AsyncRollouts:
         after that batch when it has fewer. The thread parks there until the trainer has pushed s;
         the trainer's `publish(s)` waits until the thread is parked there or the batch is made. So
         batch b starts with version b - 1 - S exactly and takes b - S at its D-th step, whatever the
-        threads' timing: a fixed seed gives the same batches, hence the same metrics. A resume
-        refills the queue from the checkpoint's weights, as in 5: valid, not bit-identical."""
+        threads' timing: a fixed seed gives the same batches, hence the same metrics. The resume is
+        exact too: the checkpoint of step k keeps the batches up to k + S, the last that older
+        weights sample, and the RNGs right after them (`checkpointed`, engines/ahead.py); a resume puts
+        them back (`queue`) and the thread goes on from batch k + S + 1 with version k."""
 
     def __init__(self, produce, engine: Engine, rng, level: int, start: int, steps: int, threads: int = 0,
-                 stop: threading.Event | None = None, bounded: bool = False, partial: bool = False, land_at: int = 0):
+                 stop: threading.Event | None = None, bounded: bool = False, partial: bool = False, land_at: int = 0,
+                 queue: dict | None = None):
         self.produce, self.engine, self.rng = produce, engine, rng  # produce(step) -> (samples, stats)
         self.stop = stop  # set by close: user code the thread waits on (a reward, an environment) is abandoned at once
         self.level, self.start, self.steps, self.bounded = level, start, steps, bounded
         self.lock = threading.Lock()  # a generate and a weight push never overlap on the engine
         self.cv = threading.Condition()  # guards the fields below
-        self.pushed = self.made = start  # the engine's version; the newest batch made
-        self.ready, self.after = {}, {}  # step -> (samples, stats, seconds); step -> RNG states after its batch
+        self.pushed = start  # the engine's version
+        self.ready, self.after = dict(queue or {}), {}  # step -> (samples, stats, seconds); step -> RNG states after its batch
+        self.made = max(self.ready, default=start)  # the newest batch made (a resume's queue: 13)
+        assert sorted(self.ready) == list(range(start + 1, self.made + 1)), f"a queue of steps {sorted(self.ready)} at {start}"
         self.error, self.closed, self.thread, self.held = None, False, None, False
         self.pushing = False  # a push waits for the lock (partial: the thread lets it go between decode steps)
         self.land_at, self.parked = land_at, None  # 13: the decode step a push lands at; the batch parked there
@@ -224,6 +230,21 @@ class AsyncRollouts:
         g.set_state(gen)
         return RolloutRNG(rng, g)
 
+    def checkpointed(self, step: int) -> tuple[RolloutRNG, dict]:
+        """What the checkpoint of `step` keeps of the rollout side: the RNGs, and (13) the batches sampled
+        ahead as tensors (engines/ahead.py), waiting until the last one older weights sample is made; without
+        a landing point, or where a batch is not JSON, no batches, and a resume refills them (5)."""
+        last = min(step + self.level, self.steps)
+        if self.land_at and self.bounded:
+            self._wait(lambda: self.made >= last)
+            with self.cv:
+                tensors = ahead.encode({b: self.ready[b] for b in range(step + 1, last + 1)})
+            if tensors is not None:
+                return self.rng_after(last), tensors
+            print(f"note: the checkpoint of step {step} holds no batch sampled ahead (a prompt's columns are not "
+                  "JSON): a resume samples them again from its weights, a valid run but not this one", flush=True)
+        return self.rng_after(step), {}
+
     def close(self) -> None:
         """Stop the thread after the batch it is making, if any; give torch its threads back."""
         with self.cv:
@@ -302,7 +323,7 @@ class AsyncRollouts:
         dev = self.engine.gen.device
         side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         try:
-            for step in range(self.start + 1, self.steps + 1):
+            for step in range(self.made + 1, self.steps + 1):  # a resume's queue holds the first ones
                 with self.cv:
                     self.cv.wait_for(lambda: self.closed or self.pushed >= self.version(step))
                     if self.closed:

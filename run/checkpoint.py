@@ -26,6 +26,7 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
 from config import RENAMED, Config, ConfigError
+from engines import ahead
 from model import Transformer
 from layers import lora, parallel
 from layers.parallel import RANK, gather, print0, shard
@@ -50,11 +51,12 @@ class NothingToDo(Exception):
 # ----------------------------------------------------------------------------- checkpoints
 
 def save_checkpoint(out: Path, step: int, model, opt, rng, gen: torch.Generator, src, scale=None,
-                    final: bool = False) -> Path | None:
+                    final: bool = False, queued: dict | None = None) -> Path | None:
     """A HF directory plus the training state (optimizer, RNGs, step, the fp16 loss scale), written by
     every rank into one temporary directory (shardfiles.write_parts), then, once every rank's part is in, fsynced
     and renamed by rank 0. Under LoRA the adapter in PEFT's files in place of the HF directory, and at
-    the `final` step the merged weights as a HF directory in `merged/` as well."""
+    the `final` step the merged weights as a HF directory in `merged/` as well. `queued`: this rank's batches
+    sampled ahead as tensors (engines/ahead.py), into its optimizer file."""
     path = out / f"step_{step:06d}"
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -66,7 +68,7 @@ def save_checkpoint(out: Path, step: int, model, opt, rng, gen: torch.Generator,
             except OSError as e:
                 made = e
         _agree(made, tmp)  # the directory exists before any rank writes into it
-        _agree(shardfiles.write_parts(tmp, model, opt, gen, Path(src), final), tmp)
+        _agree(shardfiles.write_parts(tmp, model, opt, gen, Path(src), final, queued), tmp)
         if RANK:
             return None
         state = {"step": step, "python_rng": rng.getstate(), "world_size": parallel.world()}
@@ -148,7 +150,10 @@ def _checked(path: Path, base: tuple | None) -> tuple[Transformer, TextCodec]:
     if _legacy(path):  # read as it was written: whole tensors, each rank's generator under its own key
         shardfiles.check_optim(path / STATE / shardfiles.LEGACY, shapes, 0, 1, tuple(_engine_key(r) for r in range(world)))
     for r in range(0 if _legacy(path) else world):
-        shardfiles.check_optim(path / STATE / shardfiles.optim_file(r, world), shapes, r, world)
+        f = path / STATE / shardfiles.optim_file(r, world)
+        shardfiles.check_optim(f, shapes, r, world)
+        with safe_open(str(f), framework="pt") as st:  # its batches sampled ahead read back whole
+            ahead.decode({k: st.get_tensor(k) for k in st.keys() if k.startswith(ahead.PREFIX)})
     if adapter is not None:
         lora.load_adapter(model, adapter)
     return model, codec
@@ -173,15 +178,19 @@ def damage(path: Path, base: tuple | None = None) -> str | None:
     return None
 
 
-def load_training_state(path: Path, model, opt, rng, engine, scale=None) -> int:
-    """The optimizer state, RNGs and fp16 loss scale of a checkpoint that `whole` passed: each rank reads
-    its own optimizer file alone (its rows of each AdamW tensor, put in place as FSDP2 shards them)."""
+def load_training_state(path: Path, model, opt, rng, engine, scale=None) -> tuple[int, dict]:
+    """The step, optimizer state, RNGs and fp16 loss scale of a checkpoint that `whole` passed, and this
+    rank's batches sampled ahead ({step: batch}, engines/ahead.py; empty but under --push-at-decode-step):
+    each rank reads its own optimizer file alone (its rows of each AdamW tensor, put in place as FSDP2
+    shards them)."""
     state = json.loads((path / STATE / "state.json").read_text())
-    params, legacy = dict(model.named_parameters()), _legacy(path)
+    params, legacy, queued = dict(model.named_parameters()), _legacy(path), {}
     f = shardfiles.LEGACY if legacy else shardfiles.optim_file(RANK, parallel.world())
     with safe_open(str(path / STATE / f), framework="pt") as st:
         for key in sorted(st.keys()):  # one order on every rank (safetensors' is not fixed)
-            if key.startswith("optim/"):
+            if key.startswith(ahead.PREFIX):
+                queued[key] = st.get_tensor(key)
+            elif key.startswith("optim/"):
                 name, k = key[len("optim/"):].rsplit("/", 1)
                 p = params[name]
                 whole_rows = legacy and isinstance(p, DTensor) and len(st.get_slice(key).get_shape())
@@ -196,7 +205,7 @@ def load_training_state(path: Path, model, opt, rng, engine, scale=None) -> int:
     if scale is not None and scale.dynamic and "loss_scale" in state:  # (a run resumed in another dtype starts afresh)
         scale.value, scale.good = state["loss_scale"]
     engine.load_weights(model, version=state["step"])
-    return state["step"]
+    return state["step"], ahead.decode(queued)
 
 
 def _legacy(path: Path) -> bool:

@@ -172,6 +172,8 @@ def check_optim(f: Path, shapes: dict[str, tuple], rank: int, world: int, engine
                 if part.get_dtype() != "U8" or len(part.get_shape()) != 1:
                     raise ValueError(f"{name}: {key} is no generator state")
                 continue
+            if key.startswith("ahead/"):  # the batches sampled ahead (engines/ahead.py), checked by reading them back
+                continue
             param, _, kind = key.removeprefix("optim/").rpartition("/")
             if not key.startswith("optim/") or param not in shapes or kind not in ADAM:
                 raise ValueError(f"{name}: {key} is no optimizer state of this model")
@@ -184,14 +186,16 @@ def check_optim(f: Path, shapes: dict[str, tuple], rank: int, world: int, engine
 
 # ----------------------------------------------------------------------------- a checkpoint's parts
 
-def write_parts(tmp: Path, model, opt, gen: torch.Generator, src: Path, final: bool) -> OSError | None:
+def write_parts(tmp: Path, model, opt, gen: torch.Generator, src: Path, final: bool,
+                extra: dict[str, torch.Tensor] | None = None) -> OSError | None:
     """This rank's parts of a checkpoint into `tmp`, returning a failed write's error: its optimizer file
-    (its shard of every AdamW tensor and its engine's generator), and with rank 0 writing, the weights
-    gathered one tensor at a time (`save_weights`: every rank joins the gathers)."""
+    (its shard of every AdamW tensor, its engine's generator and `extra`: the batches it sampled ahead), and
+    with rank 0 writing, the weights gathered one tensor at a time (`save_weights`: every rank joins the gathers)."""
     names = {id(p): n for n, p in model.named_parameters()}
     own = {f"optim/{names[id(p)]}/{k}": v.to_local() if isinstance(v, DTensor) else v
            for p, st in opt.state.items() for k, v in st.items()}
     own["rng/engine"] = gen.get_state()
+    own.update(extra or {})
     err = None
     try:
         write_file(tmp / STATE / optim_file(RANK, parallel.world()), own)

@@ -545,3 +545,62 @@ def test_a_fixed_landing_point_repeats_a_run_exactly(tmp_path):
     _ages_hold(_rows(tmp_path / "a")[1:], 1)
     assert sum(r["async/spanning_push"] > 0 for r in a[2:]) >= 3  # steps 2.. each span the push at token 3
     assert "repeatable" not in json.loads((tmp_path / "a" / "config.json").read_text())
+
+
+def test_a_fixed_landing_point_resumes_exactly_from_the_batches_it_sampled_ahead(tmp_path):
+    """--push-at-decode-step: the checkpoint of step k keeps batches k+1..k+S (older weights than k's
+    sampled them) and the RNGs after them, so a run SIGKILLed at step 4's save and resumed from step 2
+    repeats the uninterrupted one, metric for metric."""
+    from test_train import KILLER
+
+    args = [*SLOW_SAMPLER, "--steps", "6", "--save-every", "2", "--eval-every", "3", "--max-staleness", "2",
+            "--push-at-decode-step", "3"]
+    _main(*args, "--out-dir", str(tmp_path / "a"))
+    b = tmp_path / "b"
+    r = subprocess.run([sys.executable, "-c", KILLER.format(root=str(ROOT)), *args, "--out-dir", str(b)],
+                       capture_output=True, timeout=300)
+    assert r.returncode == -9 and not (b / "step_000004").exists(), r.stderr[-2000:]
+    from safetensors import safe_open
+    with safe_open(str(b / "step_000002" / "trainer_state" / "optim_rng-00000-of-00001.safetensors"), "pt") as st:
+        assert {k.split("/")[1] for k in st.keys() if k.startswith("ahead/")} == {"3", "4"}
+    _main(*args, "--out-dir", str(b), "--resume")
+
+    def numbers(d):
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "async/sampler_idle", "async/trainer_idle"))}
+                for r in _rows(d)]
+    assert numbers(tmp_path / "a") == numbers(b) and len(numbers(b)) == 7
+    assert sum(r["async/spanning_push"] > 0 for r in numbers(b)[4:]) >= 2  # the resumed steps span pushes too
+
+
+def test_the_batches_sampled_ahead_read_back_as_they_were_and_refuse_what_json_cannot_hold():
+    """engines/ahead.py: samples with and without support rows, an episode's mask and turns, shared prompts
+    and the stats' (sum, count) tensors come back equal; a prompt column JSON cannot hold gives None (the
+    checkpoint refills instead), and a damaged batch is a ValueError naming its step."""
+    from engines import ahead
+
+    sup = D.TokenSupport.from_counts(torch.tensor([3, 1, 4, 1, 5], dtype=torch.int32), [2, 0, 3],
+                                     torch.tensor([-0.5, -1.0, -0.1, -0.2, -2.5]), torch.tensor([True, False, False]))
+    p = D.Prompt([5, 6], "dlrow", {"target": "world"}, None, "x.jsonl:3")
+    q = D.Prompt([7], [{"role": "user", "content": "hi"}])
+    samples = [D.Sample(p, [1, 2, 3], [-0.1, -0.2, -0.30000001192092896], [0, 0, 1], "stop", sup, 1.0, 0.5),
+               D.Sample(p, [4], [-1.5], [1], "length", None, 0.0, -0.5),
+               D.Sample(q, [8, 9, 2], [-0.7, 0.0, -0.9], [1, 1, 1], "stop", None, 0.25, 0.0, [True, False, True], [0, -1, 1])]
+    stats = {"reward": (torch.tensor(1.25, dtype=torch.float64), torch.tensor(3.0)), "length": (torch.tensor(7.0), torch.tensor(3))}
+    back = ahead.decode(ahead.encode({5: (samples, stats, 1.5), 6: ([], {}, 0.0)}))
+    assert set(back) == {5, 6} and back[6] == ([], {}, 0.0)
+    got, got_stats, seconds = back[5]
+    assert seconds == 1.5 and got[0].prompt is got[1].prompt and got[0].prompt == p and got[2].prompt == q
+    for a, b in zip(samples, got):
+        assert (a.completion, a.logq, a.versions, a.finish_reason, a.reward, a.advantage, a.mask, a.turns) == \
+               (b.completion, b.logq, b.versions, b.finish_reason, b.reward, b.advantage, b.mask, b.turns)
+    s0 = got[0].support
+    assert torch.equal(s0.ids, sup.ids) and torch.equal(s0.logq, sup.logq) and torch.equal(s0.replayed, sup.replayed)
+    assert torch.equal(s0.offsets, sup.offsets) and list(s0.host_offsets) == list(sup.host_offsets)
+    assert all(torch.equal(got_stats[k][i], stats[k][i]) and got_stats[k][i].dtype == stats[k][i].dtype
+               for k in stats for i in (0, 1))
+    odd = D.Sample(D.Prompt([1], "x", {"when": object()}), [1], [-1.0], [0], "stop")
+    assert ahead.encode({1: ([odd], {}, 0.0)}) is None
+    damaged = ahead.encode({5: (samples, stats, 1.5)})
+    damaged["ahead/5/completion"] = damaged["ahead/5/completion"][:-1]
+    with pytest.raises(ValueError, match="the batch of step 5 sampled ahead does not read back"):
+        ahead.decode(damaged)
