@@ -89,6 +89,7 @@ ARMS = {
                         "--kl-mask-directional"), "kl_mask/masked_fraction"),
     "m2po": Arm("reinforce", ("--m2po-threshold", "0.04"), "m2po/masked_fraction"),
     "sapo": Arm("sapo"),  # a soft gate on p/pi_old, removing no token: at one update per step its weight is 1
+    "ppo": Arm("ppo", (), "ppo/clip_fraction"),  # sapo's control: clipped on p/pi_old too, and like it not centered
     "topr": Arm("topr", (), "topr/clip_fraction"),
     "kimi": Arm("reinforce", ("--log-ratio-coeff", "0.1")),  # Kimi K2.5's tau (log r)^2, a regularizer
     # GRPO's KL to the starting model: distillation with the student's own start as the teacher
