@@ -39,7 +39,7 @@ Simplifications:
    wall time), and it is most of the study's time; on a GPU it is the fast one.
 
     python bench/experiment.py                       # the whole grid: 51 runs of 60 steps, ~37 min on 2 CPU cores
-    python bench/experiment.py --harsh --out runs/race      # the race: 108 runs of 60 steps, ~25 min on 2 CPU cores
+    python bench/experiment.py --harsh --out runs/race      # the race: 120 runs of 60 steps, 10-30 s each on 2 CPU cores
     python bench/experiment.py --model /path/to/Qwen3-0.6B --device cuda --extra "--max-new-tokens 256"
     python bench/experiment.py --seeds 1 --steps 2 --only bf16 --out runs/exp-smoke --md "" --png runs/exp-smoke.png \\
         --extra "--prompts-per-step 2 --group-size 2 --eval-prompts 4 --max-new-tokens 8"   # smoke test
