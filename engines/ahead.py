@@ -44,15 +44,14 @@ def encode(batches: dict[int, tuple]) -> dict[str, torch.Tensor] | None:
             blob = json.dumps(meta, allow_nan=False).encode()
         except (TypeError, ValueError):  # a column the task gave that JSON cannot hold
             return None
-        sup = [s.support for s in samples if s.support is not None]
+        sup = [s.support.to("cpu") for s in samples if s.support is not None]
+        whole = TokenSupport.cat(sup) if sup else TokenSupport.empty(0)
         out.update({key + "meta": torch.frombuffer(bytearray(blob), dtype=torch.uint8),
                     key + "completion": _cat([s.completion for s in samples], torch.int64),
                     key + "logq": _cat([s.logq for s in samples], torch.float64),
                     key + "versions": _cat([s.versions for s in samples], torch.int64),
-                    key + "support/ids": _cat([p.ids.cpu() for p in sup], torch.int32),
-                    key + "support/counts": _cat([np.diff(p.host_offsets) for p in sup], torch.int64),
-                    key + "support/logq": _cat([p.logq.cpu() for p in sup], torch.float32),
-                    key + "support/replayed": _cat([p.replayed.cpu() for p in sup], torch.bool)})
+                    key + "support/ids": whole.ids, key + "support/counts": torch.from_numpy(np.diff(whole.host_offsets)),
+                    key + "support/logq": whole.logq, key + "support/replayed": whole.replayed})
         for k, (total, count) in stats.items():
             out[f"{key}stats/{k}/sum"], out[f"{key}stats/{k}/count"] = torch.as_tensor(total).cpu(), torch.as_tensor(count).cpu()
     return out
@@ -69,20 +68,18 @@ def decode(tensors: dict[str, torch.Tensor]) -> dict[int, tuple]:
             prompts = [Prompt(**p) for p in meta["prompts"]]
             completion, logq, versions = (tensors[key + k].tolist() for k in ("completion", "logq", "versions"))
             sup = {k: tensors[f"{key}support/{k}"] for k in ("ids", "counts", "logq", "replayed")}
-            samples, at, row, nnz = [], 0, 0, 0
+            whole = TokenSupport.from_counts(sup["ids"], sup["counts"].numpy(), sup["logq"], sup["replayed"])
+            samples, at, row = [], 0, 0
             for r in meta["samples"]:
-                n = r["n"]
-                support = None
+                n, support = r["n"], None
                 if r["support"]:
-                    counts = sup["counts"][row:row + n].numpy()
-                    k = int(counts.sum())
-                    support = TokenSupport.from_counts(sup["ids"][nnz:nnz + k], counts, sup["logq"][nnz:nnz + k],
-                                                       sup["replayed"][row:row + n])
-                    row, nnz = row + n, nnz + k
+                    if row + n > whole.num_rows:
+                        raise ValueError("its support has fewer rows than its samples")
+                    support, row = whole.slice(row, row + n), row + n
                 samples.append(Sample(prompts[r["prompt"]], completion[at:at + n], logq[at:at + n], versions[at:at + n],
                                       r["finish_reason"], support, r["reward"], r["advantage"], r["mask"], r["turns"]))
                 at += n
-            if at != len(completion) or row != len(sup["counts"]) or nnz != len(sup["ids"]):
+            if (at, row, whole.nnz) != (len(completion), whole.num_rows, len(whole.ids)) or len(whole.replayed) != row:
                 raise ValueError("its tensors are longer than its samples")
             stats = {k: (tensors[f"{key}stats/{k}/sum"], tensors[f"{key}stats/{k}/count"]) for k in meta["stats"]}
         except (KeyError, TypeError, ValueError, IndexError) as e:

@@ -580,11 +580,13 @@ def test_the_batches_sampled_ahead_read_back_as_they_were_and_refuse_what_json_c
 
     sup = D.TokenSupport.from_counts(torch.tensor([3, 1, 4, 1, 5], dtype=torch.int32), [2, 0, 3],
                                      torch.tensor([-0.5, -1.0, -0.1, -0.2, -2.5]), torch.tensor([True, False, False]))
+    sup2 = D.TokenSupport.from_counts(torch.tensor([9, 2, 6], dtype=torch.int32), [1, 0, 2],
+                                      torch.tensor([-0.3, -0.7, -1.1]), torch.tensor([False, True, False]))
     p = D.Prompt([5, 6], "dlrow", {"target": "world"}, None, "x.jsonl:3")
     q = D.Prompt([7], [{"role": "user", "content": "hi"}])
     samples = [D.Sample(p, [1, 2, 3], [-0.1, -0.2, -0.30000001192092896], [0, 0, 1], "stop", sup, 1.0, 0.5),
                D.Sample(p, [4], [-1.5], [1], "length", None, 0.0, -0.5),
-               D.Sample(q, [8, 9, 2], [-0.7, 0.0, -0.9], [1, 1, 1], "stop", None, 0.25, 0.0, [True, False, True], [0, -1, 1])]
+               D.Sample(q, [8, 9, 2], [-0.7, 0.0, -0.9], [1, 1, 1], "stop", sup2, 0.25, 0.0, [True, False, True], [0, -1, 1])]
     stats = {"reward": (torch.tensor(1.25, dtype=torch.float64), torch.tensor(3.0)), "length": (torch.tensor(7.0), torch.tensor(3))}
     back = ahead.decode(ahead.encode({5: (samples, stats, 1.5), 6: ([], {}, 0.0)}))
     assert set(back) == {5, 6} and back[6] == ([], {}, 0.0)
@@ -593,9 +595,10 @@ def test_the_batches_sampled_ahead_read_back_as_they_were_and_refuse_what_json_c
     for a, b in zip(samples, got):
         assert (a.completion, a.logq, a.versions, a.finish_reason, a.reward, a.advantage, a.mask, a.turns) == \
                (b.completion, b.logq, b.versions, b.finish_reason, b.reward, b.advantage, b.mask, b.turns)
-    s0 = got[0].support
-    assert torch.equal(s0.ids, sup.ids) and torch.equal(s0.logq, sup.logq) and torch.equal(s0.replayed, sup.replayed)
-    assert torch.equal(s0.offsets, sup.offsets) and list(s0.host_offsets) == list(sup.host_offsets)
+    assert got[1].support is None
+    for s0, want in ((got[0].support, sup), (got[2].support, sup2)):  # the second's rows rebased to 0
+        assert torch.equal(s0.ids, want.ids) and torch.equal(s0.logq, want.logq) and torch.equal(s0.replayed, want.replayed)
+        assert torch.equal(s0.offsets, want.offsets) and list(s0.host_offsets) == list(want.host_offsets)
     assert all(torch.equal(got_stats[k][i], stats[k][i]) and got_stats[k][i].dtype == stats[k][i].dtype
                for k in stats for i in (0, 1))
     odd = D.Sample(D.Prompt([1], "x", {"when": object()}), [1], [-1.0], [0], "stop")
