@@ -4,6 +4,7 @@ trains them to the held-out reward, 3 seeds, at equal steps and at equal wall ti
 
     python bench/staleness.py speed                 # 3 settings x 9 arms x 2 rounds of 24 steps: ~15 min on 2 cores
     python bench/staleness.py learn                 # 7 arms x icepop, reinforce x 3 seeds of 60 steps: ~8 min
+    python bench/staleness.py learn --arms "sync,S8,S8 at 4" --losses icepop,reinforce,topr --out runs/staleness-s8
     python bench/staleness.py speed --steps 4 --rounds 1 --settings default --arms sync,S2 --out runs/staleness-smoke
     python bench/staleness.py speed --nproc 2 --extra "--inference-gpus 1"   # split: a trainer process and a sampler
 
@@ -30,7 +31,8 @@ trains them to the held-out reward, 3 seeds, at equal steps and at equal wall ti
 not run again), at the mismatch study's batch (16 x 8); held-out reward every 10 steps; the
 reward at equal wall time is each run's last eval within the shortest run's sum of time/step
 (bench/distill.py's curve). The question it puts: does the mismatch correction keep stale,
-mixed-policy sequences learning where plain REINFORCE drifts?
+mixed-policy sequences learning where plain REINFORCE drifts? `--arms` and `--losses` pick others
+(S8, S8 at 4; topr), as at the bound of 8, where a fixed lag of 8 collapses REINFORCE (the race).
 
 On 2 cores the two sides of a thread share them (each gets one: engines/pipeline.py), so the
 figures say what overlap buys there, not what a GPU pair would.
@@ -58,7 +60,8 @@ ARMS = {"sync": [], "a1": ["--async-level", "1"],
         **{f"S{s} whole": ["--max-staleness", str(s), "--no-partial-rollouts"] for s in (1, 2, 4)},
         **{f"S{s}": ["--max-staleness", str(s)] for s in (1, 2, 4)},
         "S2 recompute": ["--max-staleness", "2", "--recompute-kv-on-push"],
-        **{f"S{s} at 4": ["--max-staleness", str(s), "--push-at-decode-step", "4"] for s in (2, 4)}}
+        **{f"S{s}": ["--max-staleness", str(s)] for s in (8,)},
+        **{f"S{s} at 4": ["--max-staleness", str(s), "--push-at-decode-step", "4"] for s in (2, 4, 8)}}
 SPEED_ARMS = ("sync", "a1", "S1 whole", "S2 whole", "S4 whole", "S1", "S2", "S4", "S2 recompute")
 LOGGED = ("async/sampler_idle", "async/trainer_idle", "async/spanning_push", "staleness/mean")
 
@@ -97,7 +100,8 @@ def table(results: dict) -> str:
 
 
 LEARN_ARMS = ("sync", "a1", "S2 whole", "S2", "S4", "S2 at 4", "S4 at 4")
-LEARN_LOSSES = {"icepop": ["--loss", "icepop", "--icepop-beta", "2.0"], "reinforce": ["--loss", "reinforce"]}
+LEARN_LOSSES = {"icepop": ["--loss", "icepop", "--icepop-beta", "2.0"], "reinforce": ["--loss", "reinforce"],
+                "topr": ["--loss", "topr"]}  # topr: the race's best under staleness (bench/experiment.py)
 
 
 def learn(argv: list[str]) -> str:
@@ -109,13 +113,21 @@ def learn(argv: list[str]) -> str:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--out", default="runs/staleness-learn")
     ap.add_argument("--extra", default="", help="more train.py flags for every run")
+    ap.add_argument("--arms", default=",".join(LEARN_ARMS), help=f"of {', '.join(ARMS)}")
+    ap.add_argument("--losses", default="icepop,reinforce", help=f"of {', '.join(LEARN_LOSSES)}")
     a = ap.parse_args(argv)
+    arms, losses = a.arms.split(","), a.losses.split(",")
+    for name, known in (*((x, ARMS) for x in arms), *((x, LEARN_LOSSES) for x in losses)):
+        if name not in known:
+            ap.error(f"{name!r} is none of {', '.join(known)}")
+    if "sync" not in arms:
+        ap.error("--arms must hold sync: every arm's gap is paired with it")
     dirs: dict[tuple[str, str], list[Path]] = {}
     for seed in range(a.seeds):  # seed by seed, every arm in turn: a drift of the machine falls on all
-        for loss, loss_flags in LEARN_LOSSES.items():
-            for arm in LEARN_ARMS:
+        for loss in losses:
+            for arm in arms:
                 d = Path(a.out) / f"{loss}-{arm.replace(' ', '-')}-s{seed}"
-                args = [*loss_flags, *ARMS[arm], *BATCH, "--steps", str(a.steps), "--eval-every", "10", "--seed",
+                args = [*LEARN_LOSSES[loss], *ARMS[arm], *BATCH, "--steps", str(a.steps), "--eval-every", "10", "--seed",
                         str(seed), "--out-dir", str(d), *shlex.split(a.extra)]
                 r = run_one(args, d)
                 print(f"# {d.name}: eval {r['summary'].get('eval/reward', float('nan')):.3f}, {r['wall_s']:.0f} s", flush=True)
