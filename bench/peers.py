@@ -5,6 +5,7 @@ the same wall time.
     python bench/peers.py --trl-python VENV/bin/python                 # timing: ~5-10 min on 2 quiet cores
     python bench/peers.py --trl-python VENV/bin/python --learn --out runs/peers.md   # + learning: ~20 min more
     python bench/peers.py --trl-python VENV/bin/python --shapes 4x4 --steps 2 --rounds 1   # smoke test: ~30 s
+    python bench/peers.py --trl-python VENV/bin/python --compiled --shapes 8x4 16x8 32x16 64x16   # each at its best
 
 (The times are estimates from smoke runs on shared cores, most of them TRL's steps and its
 start-up per run; the measured figures: docs/experiments.md "2026-12-01: floe beside TRL's
@@ -31,7 +32,8 @@ The same work on both sides:
   one optimizer step per batch (TRL: num_iterations 1, steps_per_generation =
   gradient_accumulation_steps, so one step consumes the whole generation batch);
 - advantages r - mean(group), no std division (TRL scale_rewards="none"), no KL (beta 0);
-- fp32 (TRL bf16=False), no gradient checkpointing (TRL's default is on), no compile,
+- fp32 (TRL bf16=False), no gradient checkpointing (TRL's default is on), no compile (--compiled: each
+  side also compiled, floe's --compile on beside TRL's torch_compile, and the ratio at each one's best),
   no vLLM, no eval, no checkpoint while timed, torch's default CPU threads (--threads N).
 
 What could not be made equal is in DIFFERENT below; the script prints it under the tables.
@@ -222,6 +224,7 @@ def grpo_config(spec: dict):
         top_p=1.0, top_k=0, num_iterations=1, beta=0.0, loss_type="dapo", scale_rewards="none",
         learning_rate=FLOE.lr, max_grad_norm=FLOE.grad_clip,  # the optimizer itself: floe_optimizer
         bf16=False, fp16=False, gradient_checkpointing=False, use_vllm=False,  # TRL's defaults: bf16, checkpointing on
+        torch_compile=bool(spec.get("compile")),  # --compiled: transformers' Trainer compiles the model it trains
         shuffle_dataset=False, logging_steps=1, report_to="none", save_strategy="no", eval_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0)
 
@@ -325,21 +328,26 @@ def step_stats(runs: list[dict], skip: int) -> dict:
     return out
 
 
-def timing(a, tmp: Path) -> list[tuple[tuple[int, int], dict, dict]]:
-    """Per shape: floe and TRL alternating, --rounds times each; the pooled stats of each side."""
-    runs = {(s, side): [] for s in a.shapes for side in ("floe", "trl")}
+def timing(a, tmp: Path) -> list[tuple[tuple[int, int], dict]]:
+    """Per shape: floe and TRL alternating, --rounds times each (--compiled: each also compiled, floe's
+    --compile on and TRL's torch_compile, in the same rounds); the pooled stats of each side."""
+    sides = ("floe", "trl", "floe compiled", "trl compiled") if a.compiled else ("floe", "trl")
+    runs = {(s, side): [] for s in a.shapes for side in sides}
     for rnd in range(1, a.rounds + 1):
         for shape in a.shapes:
-            name = f"{shape[0]}x{shape[1]}-r{rnd}"
-            floe = floe_run(shape, a.steps, a.seed, tmp / f"floe-{name}", a.threads, shlex.split(a.floe_args))
-            runs[shape, "floe"].append(floe)
-            progress(f"floe {name}", floe)
-            spec = {"prompts": shape[0], "group": shape[1], "steps": a.steps, "seed": a.seed,
-                    "out": str(tmp / f"trl-{name}"), "micro_batch": a.trl_micro_batch}
-            trl = trl_run(a.trl_python, spec, a.threads)
-            runs[shape, "trl"].append(trl)
-            progress(f"TRL  {name}", trl)
-    return [(s, step_stats(runs[s, "floe"], a.skip), step_stats(runs[s, "trl"], a.skip)) for s in a.shapes]
+            for side in sides:
+                name = f"{shape[0]}x{shape[1]}-r{rnd}{'-compiled' if 'compiled' in side else ''}"
+                if side.startswith("floe"):
+                    compile_on = ["--compile", "on"] if "compiled" in side else []
+                    run = floe_run(shape, a.steps, a.seed, tmp / f"floe-{name}", a.threads,
+                                   shlex.split(a.floe_args) + compile_on)
+                else:
+                    spec = {"prompts": shape[0], "group": shape[1], "steps": a.steps, "seed": a.seed,
+                            "out": str(tmp / f"trl-{name}"), "micro_batch": a.trl_micro_batch, "compile": "compiled" in side}
+                    run = trl_run(a.trl_python, spec, a.threads)
+                runs[shape, side].append(run)
+                progress(f"{side} {name}", run)
+    return [(s, {side: step_stats(runs[s, side], a.skip) for side in sides}) for s in a.shapes]
 
 
 def progress(name: str, run: dict) -> None:
@@ -353,14 +361,33 @@ def progress(name: str, run: dict) -> None:
 def timing_table(results, skip: int) -> str:
     lines = ["| prompts × group | floe s/step | TRL s/step | TRL / floe | floe rollout | floe train | TRL rollout "
              "| TRL generate | TRL train | floe peak RSS | TRL peak RSS |", "|" + " --- |" * 11]
-    for (p, g), f, t in results:
+    for (p, g), sides in results:
+        f, t = sides["floe"], sides["trl"]
         lines.append(f"| {p} × {g} | {f['step']:.2f} | {t['step']:.2f} | {t['step'] / f['step']:.2f} "
                      f"| {f['rollout']:.2f} | {f['train']:.2f} | {t['rollout']:.2f} | {t['generate']:.2f} "
                      f"| {t['train']:.2f} | {f['rss']:.0f} MiB | {t['rss']:.0f} MiB |")
-    n = ", ".join(f"{p}×{g}: {f['n']} floe / {t['n']} TRL steps" for (p, g), f, t in results)
-    return ("\n".join(lines) + f"\n\nSeconds: medians over steps {skip + 1}.. of every run (all of a run no "
+    n = ", ".join(f"{p}×{g}: {sides['floe']['n']} floe / {sides['trl']['n']} TRL steps" for (p, g), sides in results)
+    text = ("\n".join(lines) + f"\n\nSeconds: medians over steps {skip + 1}.. of every run (all of a run no "
             f"longer than {skip} steps), pooled over rounds ({n}); train = step − rollout; TRL generate is the "
             "model.generate part of TRL rollout.")
+    if "floe compiled" in results[0][1]:
+        text += "\n\n" + best_table(results)
+    return text
+
+
+def best_table(results) -> str:
+    """--compiled: each side eager and compiled (compile time excluded: steps --skip+1 on), and TRL / floe at
+    each side's best."""
+    lines = ["| prompts × group | floe eager | floe compiled | TRL eager | TRL torch_compile | TRL best / floe best "
+             "| floe compiled rollout, train | TRL compiled peak RSS |", "|" + " --- |" * 8]
+    for (p, g), sides in results:
+        fb = min(sides["floe"]["step"], sides["floe compiled"]["step"])
+        tb = min(sides["trl"]["step"], sides["trl compiled"]["step"])
+        fc = sides["floe compiled"]
+        lines.append(f"| {p} × {g} | {sides['floe']['step']:.3f} | {fc['step']:.3f} | {sides['trl']['step']:.3f} "
+                     f"| {sides['trl compiled']['step']:.3f} | {tb / fb:.2f} | {fc['rollout']:.3f}, {fc['train']:.3f} "
+                     f"| {sides['trl compiled']['rss']:.0f} MiB |")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- learning
@@ -450,6 +477,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--trl-micro-batch", type=int, default=0,
                     help="TRL completions per forward/backward (0: the whole batch, gradient_accumulation_steps 1)")
     ap.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for both sides (0: torch's default)")
+    ap.add_argument("--compiled", action="store_true", help="also each side compiled (floe --compile on, TRL "
+                    "torch_compile=True) in the same rounds, and TRL / floe at each side's best")
     ap.add_argument("--floe-args", default="",
                     help='more train.py flags for floe that leave the work alone, e.g. "--loss reinforce"')
     ap.add_argument("--out", default="", help="also write the tables to this markdown file")
