@@ -112,7 +112,21 @@ def _chunk(hidden, weight, labels, ids, offsets, replayed, temperature: float, n
 
 
 def _chunks(hidden, weight, labels, support: TokenSupport | None, temperature: float, chunk: int, fn):
-    """Run fn (_chunk or a checkpointed _chunk) over token chunks; concatenate its outputs."""
+    """Run fn (_chunk or a checkpointed _chunk) over token chunks; concatenate its outputs. When one chunk
+    holds every token, fn takes the support whole, its nnz from the ids' length: no loop over N and no
+    host offsets read, so torch.compile traces it with symbolic N and nnz (train.micro_loss)."""
+    N = hidden.shape[0]
+    if N > chunk:
+        return _sliced(hidden, weight, labels, support, temperature, chunk, fn)
+    sup = TokenSupport.empty(N, hidden.device) if support is None else support
+    return list(fn(hidden, weight, labels, sup.ids, sup.offsets, sup.replayed, temperature, sup.ids.shape[0]))
+
+
+@torch.compiler.disable
+def _sliced(hidden, weight, labels, support: TokenSupport | None, temperature: float, chunk: int, fn):
+    """Several chunks (N * V > TILE_ELEMENTS): each slices the support by its host offsets (numpy) and the
+    loop runs over N, which Dynamo can neither trace nor keep symbolic, so under torch.compile this runs
+    eager, a graph break on each side."""
     N = hidden.shape[0]
     outs = []
     for c0 in range(0, N, chunk):
@@ -134,16 +148,15 @@ def head(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     ("torch", cuBLAS on CUDA)."""
     N, V = hidden.shape[0], weight.shape[0]
     assert hidden.shape[1] == weight.shape[1] and labels.shape == (N,), (hidden.shape, weight.shape, labels.shape)
-    assert support is None or support.num_rows == N, "support needs one row per token"
+    assert support is None or support.offsets.shape[0] == N + 1, "support needs one row per token"
     assert impl in ("auto", "triton", "torch"), impl
     if impl == "triton" or (impl == "auto" and hidden.is_cuda and triton_available()):
         return triton_head(hidden, weight, labels, support, temperature, sparse, backward_gemm)
-    chunk = chunk or max(1, min(N, TILE_ELEMENTS // V))
+    chunk = chunk or max(1, TILE_ELEMENTS // V)  # from V alone: under torch.compile N is symbolic, V never
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if sparse and grad:
         assert support is not None, "the sparse backward needs a support (see loss.sparse_ok)"
-        return _SparseHead.apply(hidden, weight, labels, support.ids, support.offsets, support.replayed,
-                                 support.host_offsets, temperature, chunk)
+        return _sparse_head(hidden, weight, labels, support, temperature, chunk)
     if grad and N * V > KEEP_ELEMENTS:  # recompute each chunk's logits in the backward
         def fn(*args):
             return checkpoint(_chunk, *args, use_reentrant=False)
@@ -153,6 +166,14 @@ def head(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
 
 
 # ----------------------------------------------------------------------------- sparse backward
+
+@torch.compiler.disable
+def _sparse_head(hidden, weight, labels, support: TokenSupport, temperature: float, chunk: int):
+    """Eager under torch.compile, a graph break on each side of it: the backward tiles the support by its
+    host offsets (numpy, `_spans`) and sizes each tile from them, which Dynamo cannot trace."""
+    return _SparseHead.apply(hidden, weight, labels, support.ids, support.offsets, support.replayed,
+                             support.host_offsets, temperature, chunk)
+
 
 class _SparseHead(torch.autograd.Function):
     @staticmethod
