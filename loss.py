@@ -230,6 +230,17 @@ class Denominators:
     seqs: int  # sequences with >= 1 loss token in the global batch
     m2_max: float = math.inf  # --m2po-threshold: the largest (log pi_old/q)^2 a loss token may keep (m2po_bound)
 
+    def tensors(self, device) -> Denominators:
+        """The three as 0-d tensors on `device`, for a compiled loss (train.micro_loss): a Python number's
+        value is a guard there, a new graph for every count (m2_max in the log-probs' fp32, as eager compares)."""
+        return Denominators(*(torch.tensor(x, dtype=d, device=device) for x, d in
+                              ((self.tokens, torch.int64), (self.seqs, torch.int64), (self.m2_max, torch.float32))))
+
+
+def _at_least_one(n: int | Tensor) -> int | Tensor:
+    """A count to divide by: a zero count divides by 1 (loss 0), a Python int or a 0-d tensor alike."""
+    return n.clamp(min=1) if isinstance(n, Tensor) else max(n, 1)
+
 
 def denominators(micro_batches: list[MicroBatch]) -> Denominators:
     """Counted from loss_mask, so samples dropped by evidence.validate leave both counts."""
@@ -347,13 +358,13 @@ def distills_exact(cfg: Config) -> bool:
     return cfg.distill_coeff > 0 and cfg.distill_estimator == "exact"
 
 
-def _normalization(mb: MicroBatch, agg: str, denom: Denominators, dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
+def _normalization(mb: MicroBatch, agg: str, denom: Denominators, dtype: torch.dtype) -> tuple[Tensor, Tensor, int | Tensor]:
     """Per-token coefficient of the global loss (--loss-agg token or sequence); (coef, this micro-batch's
     count, global count)."""
     f = mb.loss_mask.to(dtype)
     if agg == "token":
-        return f / max(denom.tokens, 1), f.sum(), max(denom.tokens, 1)
-    per_doc, d = sum_by(mb.doc_ids, f, f.numel()), max(denom.seqs, 1)
+        return f / _at_least_one(denom.tokens), f.sum(), _at_least_one(denom.tokens)
+    per_doc, d = sum_by(mb.doc_ids, f, f.numel()), _at_least_one(denom.seqs)
     return f / (per_doc[mb.doc_ids].clamp(min=1) * d), (per_doc > 0).sum().to(dtype), d
 
 
@@ -416,4 +427,4 @@ def rl_loss(logp: Tensor, support_logp: Tensor, entropy: Tensor, mb: MicroBatch,
 def sft_loss(logp: Tensor, mb: MicroBatch, denom: Denominators) -> tuple[Tensor, Metrics]:
     """Supervised warm-up: mean negative log-likelihood over the global batch's loss tokens."""
     nll = torch.where(mb.loss_mask, -logp, 0.0)
-    return nll.sum() / max(denom.tokens, 1), {"loss": (nll.detach().sum(), mb.loss_mask.sum().to(logp.dtype))}
+    return nll.sum() / _at_least_one(denom.tokens), {"loss": (nll.detach().sum(), mb.loss_mask.sum().to(logp.dtype))}
