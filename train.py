@@ -13,10 +13,11 @@ Simplifications:
 2. The loss is normalized over the global batch before the micro-batch loop starts
    (loss.denominators), so any split into micro-batches gives the same gradient.
 3. Metrics stay on the device as (sum, count) pairs and are read once per step.
-4. torch.compile wraps the trainer forward, the engine's decode step and flex attention; off by
-   default on a CPU, where it is a wash (docs/experiments.md "2026-11-30: torch.compile on the
-   CPU") and needs a C++ compiler. Under it each row counts the graphs built (compile/*), and a
-   graph built after warm-up is a warning line naming the guard that failed (runlog.Graphs).
+4. torch.compile wraps a micro-batch's forward, head and loss as one region (`micro_loss`), the pi_old
+   forward, the engine's decode step and flex attention; off by default on a CPU, where it is a wash
+   (docs/experiments.md "2026-11-30: torch.compile on the CPU") and needs a C++ compiler. Under it each
+   row counts the graphs built (compile/*), and a graph built after warm-up is a warning line naming
+   the guard that failed (runlog.Graphs).
 5. Under torchrun (FSDP2) every rank samples its share; the ranks swap samples and each packs the
    whole batch, so the denominators are global with no all_reduce. Rank 0 evals and writes the
    files; --inference-gpus, --async-level, --max-staleness and --plan: docs/scale.md.
@@ -64,7 +65,7 @@ from run import evidence, runlog
 from run.checkpoint import NothingToDo, load_training_state, note_changed_rewards, resumed_config, save_checkpoint
 from run.remote import RemoteEngine, dismiss, serve
 from run.rundir import check_shared, claimed, way_on, write_file
-from run.start import Start, build, check_start, close_compiler, plan_text, settled, write_scratch
+from run.start import Start, build, check_start, close_compiler, plan_text, settled, trainer_step, write_scratch
 from run.teacher import Clock, Teacher
 from tasks import usercode
 from tasks.rewards import reward_hashes
@@ -124,17 +125,25 @@ def teacher_logprobs(cfg, teacher, mbs):
         return [_head(cfg, teacher.model, teacher.model, mb)[::2] for mb in mbs]
 
 
-def backward_pass(cfg, model, fwd, mbs, denom, step, old=None, scale: float = 1.0, taught=None):
+def micro_loss(cfg, model, fwd, mb, denom, step, old=None, taught=None):
+    """One micro-batch's forward, head and loss -> (loss, metrics): under --compile on the region
+    `trainer step`, compiled whole (run/start.py `trainer_step`); the backward runs outside it."""
+    logp, entropy, support_logp = _head(cfg, model, fwd, mb)
+    if cfg.stage == "rl":
+        return rl_loss(logp, support_logp, entropy, mb, cfg, denom, step, old, taught)
+    return sft_loss(logp, mb, denom)
+
+
+def backward_pass(cfg, model, fwd, mbs, denom, step, old=None, scale: float = 1.0, taught=None, region=None):
     """Forward, head, loss, backward per micro-batch; gradients accumulate (times `scale`, the fp16
-    loss scale); returns metrics. `taught`: the teacher's log-probs per micro-batch (--teacher)."""
+    loss scale); returns metrics. `taught`: the teacher's log-probs per micro-batch (--teacher);
+    `region`: micro_loss compiled (--compile on), which takes the model whole and the host numbers as tensors."""
     total: dict = {}
+    if region is not None and mbs:  # a Python number's value would guard the compiled graph: one graph per step
+        denom, step = denom.tensors(mbs[0].tokens.device), torch.tensor(step, device=mbs[0].tokens.device)
     for i, mb in enumerate(mbs):
-        logp, entropy, support_logp = _head(cfg, model, fwd, mb)
-        if cfg.stage == "rl":
-            loss, metrics = rl_loss(logp, support_logp, entropy, mb, cfg, denom, step, None if old is None else old[i],
-                                    None if taught is None else taught[i])
-        else:
-            loss, metrics = sft_loss(logp, mb, denom)
+        loss, metrics = (region or micro_loss)(cfg, model, fwd, mb, denom, step, None if old is None else old[i],
+                                               None if taught is None else taught[i])
         (loss * scale if scale != 1.0 else loss).backward()
         accumulate(total, metrics)
     return total
@@ -275,10 +284,10 @@ def launch(cfg: Config, s: Start, link: Link | None = None) -> dict:
         play = None if s.env is None else Play(
             s.env, s.codec, engine, rl_sampling(cfg), min(s.model.args.max_position_embeddings, cfg.micro_batch_tokens + 1),
             cfg.max_turns, cfg.call_timeout, s.task.template_kwargs, stop=stop, tools=s.tools)
-        graphs = runlog.Graphs(cfg, {"trainer forward": Transformer.forward, "engine decode step": TorchEngine._step,
-                                     "flex attention": flex_attention})  # the regions --compile on compiles
+        graphs = runlog.Graphs(cfg, {"trainer step": micro_loss, "trainer forward": Transformer.forward,
+                                     "engine decode step": TorchEngine._step, "flex attention": flex_attention})
         run = Run(cfg, s.task, s.model, fwd, opt, engine, rng, log, s.out, src, scale, graphs, play, stop,
-                  teacher=s.teacher, clock=Clock(cfg.device))
+                  teacher=s.teacher, clock=Clock(cfg.device), region=trainer_step(cfg, micro_loss))
         # start-up's objects (torch, the tokenizer, the model: hundreds of thousands) leave the cyclic
         # collector's reach, so a full collection during a step scans only what the steps made
         gc.freeze()
@@ -325,6 +334,7 @@ class Run:
     step: int = 0  # the step in progress (a Ctrl-C's line names it)
     teacher: Teacher | None = None  # --teacher: frozen (run/teacher.py), scored on every micro-batch
     clock: Clock | None = None  # times the teacher's forwards (time/teacher)
+    region: object = None  # --compile on: micro_loss compiled whole (start.trainer_step); None: eager
 
 
 def next_batch(run: Run, step: int):
@@ -405,7 +415,7 @@ def rl_step(run: Run, step: int, ahead: AsyncRollouts | None = None) -> tuple[di
             taught = teacher_logprobs(cfg, run.teacher, mbs)
     for epoch in range(cfg.epochs):
         # 5. per micro-batch: forward, fused head, loss, backward (gradients accumulate)
-        metrics = backward_pass(cfg, model, run.fwd, mbs, denom, step - 1, old, run.scale.value, taught)
+        metrics = backward_pass(cfg, model, run.fwd, mbs, denom, step - 1, old, run.scale.value, taught, run.region)
         # 6. unscale (fp16), clip the gradient and step AdamW, or skip a non-finite update
         metrics.update(optimizer_step(cfg, model, run.opt, step, run.scale, metrics.get("loss", (None,))[0]))
         if epoch == 0:  # the metrics of the sampled policy

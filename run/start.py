@@ -390,10 +390,32 @@ def build(cfg: Config, src: Path, model: Transformer, codec: TextCodec, link: Li
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
     # a CPU's buffers end at a multiple of 64 past their last document (train.prepare): one graph with a
-    # symbolic length serves them all; CUDA's are all [T] (flex's BlockMask, CUDA graphs), one static graph
+    # symbolic length serves them all; CUDA's are all [T] (flex's BlockMask, CUDA graphs), one static graph.
+    # Compiled, it serves the pi_old pass (train.old_logprobs); the trained pass is `trainer_step`'s region
     cpu = torch.device(cfg.device).type == "cpu"
     fwd = compiled(model, "trainer forward", dynamic=True if cpu else None) if cfg.compile == "on" else model
     return fwd, engine, opt
+
+
+def trainer_step(cfg: Config, fn):
+    """--compile on: `fn` (train.micro_loss: one micro-batch's forward, head and loss) as one compiled region,
+    `trainer step`, with the model whole inside it; None otherwise. Shaped as `build`'s forward: symbolic
+    sizes on a CPU, static [T] on CUDA but for the support's [nnz], which varies by micro-batch on both.
+    What runs eager inside it (on the CPU reference, kernels.py: the sparse backward, `_sparse_head`, and a head
+    of several chunks, `_sliced`) breaks the graph there, and tracing resumes in the frame it broke in
+    (Dynamo's nested_graph_breaks): the frames around it are never compiled apart, as static shapes."""
+    if cfg.compile != "on":
+        return None
+    graph = compiled(fn, "trainer step", dynamic=True if torch.device(cfg.device).type == "cpu" else None)
+
+    def call(cfg, model, fwd, mb, *args):
+        if mb.support is not None:  # a new length is no new graph
+            for t in (mb.support.ids, mb.support.logq):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        with torch._dynamo.config.patch(nested_graph_breaks=True):
+            return graph(cfg, model, model, mb, *args)
+
+    return call
 
 
 # glibc's mallopt parameters (malloc.h)

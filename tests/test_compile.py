@@ -1,5 +1,5 @@
-"""torch.compile'd trainer forward against eager (compile is the default on CUDA), and the
-GPU checks bench/gpu.sh runs (skipped without CUDA)."""
+"""torch.compile'd trainer forward and trainer step (forward, head and loss as one region) against
+eager (compile is the default on CUDA), and the GPU checks bench/gpu.sh runs (skipped without CUDA)."""
 
 import json
 
@@ -255,12 +255,12 @@ def test_a_compiled_job_builds_no_graph_after_warm_up(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows] == [1, 2, 3, 4, 5]
-    assert rows[0]["compile/new_graphs"] >= 2  # the trainer forward and the decode step
+    assert rows[0]["compile/new_graphs"] >= 2  # the trainer step and the decode step
     assert [x["compile/new_graphs"] for x in rows[2:]] == [0, 0, 0]
     assert rows[-1]["compile/graphs"] == sum(x["compile/new_graphs"] for x in rows)
     assert "torch.compile built" not in r.stdout and "user code started" not in r.stdout
     summary = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("summary "))[len("summary "):])
-    assert summary["compile/regions"] == ["trainer forward", "engine decode step"]
+    assert summary["compile/regions"] == ["trainer step", "engine decode step"]  # no pi_old pass: no trainer forward
 
 
 def test_a_compiler_failure_falls_back_to_eager_with_one_line_per_region(tmp_path, capsys, monkeypatch):
@@ -279,7 +279,7 @@ def test_a_compiler_failure_falls_back_to_eager_with_one_line_per_region(tmp_pat
                           "--max-new-tokens", "4", "--eval-every", "0", "--out-dir", str(tmp_path)])
     notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note: torch.compile failed")]
     assert sorted(x.split(" (")[0] for x in notes) == ["note: torch.compile failed on the engine decode step",
-                                                        "note: torch.compile failed on the trainer forward"]
+                                                        "note: torch.compile failed on the trainer step"]
     assert all("(BackendCompilerFailed: RuntimeError: no C++ toolchain works today); it runs eager" in x for x in notes)
     assert summary["compile/regions"] == [] and (tmp_path / "final").exists()
     torch._dynamo.reset()
@@ -348,3 +348,100 @@ def test_the_new_losses_compile_whole_and_equal_eager(name):
     assert set(m0) == set(m1) and all(m1[k] == pytest.approx(v, rel=1e-10, abs=1e-13) for k, v in m0.items())
     assert m0["kl_mask/masked_fraction"] > 0 and m0["log_ratio_sq"] > 0
     assert not cfg.m2po_threshold or 0 < m0["m2po/masked_fraction"] < 1
+
+
+STEP_JOBS = {  # the trainer step's region: (Config fields, graph breaks it may have, graphs it builds)
+    "icepop": (dict(loss="icepop", icepop_alpha=0.8, icepop_beta=1.25), {}, 1),  # centered: reads the support rows
+    "ppo+icepop-mask+kl-exact+m2po": (dict(loss="ppo", icepop_mask=True, icepop_alpha=0.8, icepop_beta=1.25, kl_coeff=0.1,
+                                           kl_estimator="exact", m2po_threshold=0.05, epochs=2), {}, 1),
+    "sft": (dict(stage="sft"), {}, 1),
+    # the CPU reference's sparse backward and a head of several chunks run eager (kernels._sparse_head,
+    # kernels._sliced): one break each, a graph on either side
+    "reinforce+top-p (sparse backward)": (dict(loss="reinforce", top_p=0.9), {"_sparse_head": 1}, 2),
+    "icepop, the head in chunks": (dict(loss="icepop", icepop_alpha=0.8, icepop_beta=1.25), {"_sliced": 1}, 2),
+}
+
+
+@pytest.mark.parametrize("job", list(STEP_JOBS))
+def test_the_trainer_step_compiles_as_one_region_equals_eager_and_builds_no_graph_per_micro_batch(job, monkeypatch):
+    """--compile on's `trainer step` (run/start.py trainer_step: train.micro_loss, the forward, head and loss of
+    a micro-batch) against eager train.backward_pass, on the same batches and weights, fp32: the loss and
+    every metric to rtol 1e-5, every gradient to atol 1e-5 / rtol 1e-4 (Inductor sums in other orders).
+    Three batches of other packings, support sizes, denominators and steps (and M2PO bounds) after the first
+    build no graph (error_on_recompile), and the region holds no graph break but the ones it names."""
+    import dataclasses
+
+    import config as C
+    import kernels
+    import train
+    from layers.masks import m2po_bound, reduce_metrics
+    from run.start import trainer_step
+    from test_train import _samples, _setup
+    from torch._dynamo.utils import counters
+
+    fields, breaks, graphs = STEP_JOBS[job]
+    if job.endswith("chunks"):
+        monkeypatch.setattr(kernels, "TILE_ELEMENTS", 32 * 48)  # 48 tokens a chunk at V = 32
+    torch._dynamo.reset()
+    counters.clear()
+    codec, m, task = _setup()
+    cfg = C.Config(prompts_per_step=4, group_size=3, max_new_tokens=10, compile="on", device="cpu", **fields)
+    region = trainer_step(cfg, train.micro_loss)
+    eager, compiled = (M.Transformer(m.args) for _ in range(2))
+    samples = _samples(cfg, m, codec, task)
+    g = torch.Generator().manual_seed(1)
+    for i, (T, keep, step) in enumerate([(128, 12, 3), (192, 9, 4), (256, 11, 7)]):
+        c = dataclasses.replace(cfg, micro_batch_tokens=T)
+        mbs, denom, _ = train.prepare(c, samples[:keep], 32, "cpu")
+        with torch.no_grad():  # pi_old as train.old_logprobs gives it, a little off the current weights
+            old = [train._head(c, m, m, mb)[0] + 0.05 * torch.randn(len(mb.tokens), generator=g) for mb in mbs]
+        if c.m2po_threshold:
+            denom.m2_max = m2po_bound(old, mbs, c.m2po_threshold)
+        out = []
+        for model, r in ((eager, None), (compiled, region)):
+            model.load_state_dict(m.state_dict())
+            with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                metrics = train.backward_pass(c, model, model, mbs, denom, step, old, region=r)
+            out.append((reduce_metrics(metrics), [p.grad for p in model.parameters()]))
+            model.zero_grad(set_to_none=True)
+        (m0, g0), (m1, g1) = out
+        assert m0.keys() == m1.keys() and all(m1[k] == pytest.approx(v, rel=1e-5, abs=1e-6) for k, v in m0.items()), job
+        for a, b in zip(g0, g1):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    assert len({len(mb.tokens) for mb in mbs}) >= 1 and counters["stats"]["unique_graphs"] == graphs
+    got = {next(n for n in ("_sparse_head", "_sliced") if n in k) if "disable" in k else k: v
+           for k, v in counters["graph_break"].items()}
+    assert got == breaks, dict(counters["graph_break"])
+    if fields.get("stage") != "sft":  # it ran what it claims to
+        assert any(k.startswith(("icepop/", "ppo/", "kl")) or k == "mismatch/kl" for k in m0)
+    torch._dynamo.reset()
+
+
+def test_the_trainer_step_on_cuda_shapes_builds_one_graph_for_every_count():
+    """CUDA's region (run/start.py trainer_step) is static in [T] (every buffer is [T]) but for the support's
+    [nnz], and takes the denominators and the step as tensors: over batches of other support sizes, token
+    and sequence counts and steps, the first micro-batch's graph serves every later one (here on CPU
+    tensors: the head's torch reference; the Triton head's custom ops are CUDA's own, untested here)."""
+    import config as C
+    import data as D
+    import loss as L
+    import train
+    from run.start import trainer_step
+    from test_train import _samples, _setup
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    codec, m, task = _setup()
+    cfg = C.Config(loss="icepop", icepop_alpha=0.8, icepop_beta=1.25, prompts_per_step=4, group_size=3,
+                   max_new_tokens=10, compile="on", device="cuda")  # cuda: trainer_step's static shapes
+    region = trainer_step(cfg, train.micro_loss)
+    samples = _samples(cfg, m, codec, task)
+    for i, (keep, step) in enumerate([(12, 3), (7, 4), (10, 9)]):
+        mbs = D.pack(samples[:keep], 256)  # untrimmed, as on CUDA
+        denom = L.denominators(mbs)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            train.backward_pass(cfg, m, m, mbs, denom, step, region=region)
+        m.zero_grad(set_to_none=True)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    torch._dynamo.reset()
