@@ -4,6 +4,7 @@ the trainer-engine mismatch floe's corrections already handle?
 
     python bench/compiled.py logprobs            # per-token |log p| differences on one step's batch
     python bench/compiled.py runs --seeds 3      # two jobs, compiled and eager, 3 seeds each: ~20 min on 2 cores
+    python bench/compiled.py region              # ms per micro-batch pass, eager vs the compiled trainer step
 
 `logprobs` runs one eager step of the default job, keeps its packed micro-batches and weights,
 and scores each micro-batch's loss tokens through the trainer's own forward and head
@@ -12,6 +13,12 @@ Beside that difference it prints the two it must be judged against: eager at thi
 eager fp32 (what the dtype itself costs), and the engine's log-probs the rollout recorded
 (mb.logq, the mismatch the corrections handle). Max and mean |log p| over the loss tokens, at
 --train-dtype fp32 and bf16 (bf16 also with Inductor's emulate_precision_casts).
+
+`region` times train.backward_pass (forward, head, loss and backward of each micro-batch) on one step's
+batch, eager and through --compile on's `trainer step` region (run/start.py trainer_step), after warm-up:
+the default job (one graph), and reinforce --top-p 0.9, whose CPU head takes the sparse backward, eager
+inside the region (kernels._sparse_head: a graph break, two graphs), beside the same batch with the
+dense backward, compiled whole: what the break costs against a region without it. Run it alone.
 
 `runs` trains the default job (`--loss icepop --icepop-beta 2.0`) and `--loss ppo --icepop-mask
 --async-level 2` (two steps stale) under --compile on and off for each seed, one `python
@@ -45,9 +52,9 @@ JOBS = {
 MASKED = "icepop/masked_fraction"
 
 
-def one_step_batch(out: Path):
-    """The default job's first step, eager: its packed micro-batches, config, and the model as
-    the step found it (the weights that sampled them: the rollout pushed these to the engine)."""
+def one_step_batch(out: Path, flags: list[str] = JOBS["default"]):
+    """The job's first step (the default job's unless `flags`), eager: its packed micro-batches, config,
+    and the model as the step found it (the weights that sampled them: the rollout pushed these to the engine)."""
     import copy
 
     import train
@@ -61,7 +68,7 @@ def one_step_batch(out: Path):
 
     train.backward_pass = keep
     try:
-        train.main([*JOBS["default"], "--steps", "1", "--eval-every", "0", "--compile", "off", "--out-dir", str(out)])
+        train.main([*flags, "--steps", "1", "--eval-every", "0", "--compile", "off", "--out-dir", str(out)])
     finally:
         train.backward_pass = backward_pass
     return kept["batch"]
@@ -93,6 +100,42 @@ def logprobs(args) -> None:
                     d[k].append((other - eager)[m].abs().double())
         cells = " | ".join(f"{x.max():.2e} | {x.mean():.2e}" for x in map(torch.cat, d.values()))
         print(f"| {dtype}{' (emulate_precision_casts)' if emulate else ''} | {cells} |")
+
+
+def region(args) -> None:
+    import time
+
+    import torch
+    from torch._dynamo.utils import counters
+
+    import train
+    from loss import denominators
+    from run.start import trainer_step
+
+    print("| job | path | ms per step's passes (median) | graphs | graph breaks |")
+    print("| --- | --- | --- | --- | --- |")
+    sparse_ok = train.sparse_ok
+    for job, flags in (("icepop (default)", JOBS["default"]), ("reinforce --top-p 0.9", ["--loss", "reinforce", "--top-p", "0.9"])):
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg, model, mbs = one_step_batch(Path(tmp) / "run", flags)
+        denom = denominators(mbs)
+        paths = [("eager", None, sparse_ok), ("compiled", "on", sparse_ok)]
+        if sparse_ok(cfg, mbs[0].support):
+            paths.append(("compiled, dense backward (no break)", "on", lambda *a: False))
+        for path, compile_, ok in paths:
+            torch._dynamo.reset()
+            counters.clear()
+            train.sparse_ok = ok
+            r = trainer_step(dataclasses.replace(cfg, compile=compile_), train.micro_loss) if compile_ else None
+            ms = []
+            for i in range(args.repeats + 2):  # two warm-up passes: the compile, then a graph that holds
+                t0 = time.perf_counter()
+                train.backward_pass(cfg, model, model, mbs, denom, 0, region=r)
+                ms.append((time.perf_counter() - t0) * 1e3)
+                model.zero_grad(set_to_none=True)
+            train.sparse_ok = sparse_ok
+            graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+            print(f"| {job} | {path} | {statistics.median(ms[2:]):.1f} | {graphs if r else '-'} | {breaks if r else '-'} |")
 
 
 def run_one(job: str, mode: str, seed: int, out: Path, extra: list[str]) -> list[dict]:
@@ -153,12 +196,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
     sub.add_parser("logprobs", help="per-token log-prob differences, compiled vs eager, on one step's batch")
+    t = sub.add_parser("region", help="ms per micro-batch pass, eager vs the compiled trainer step (and its break)")
+    t.add_argument("--repeats", type=int, default=10)
     r = sub.add_parser("runs", help="two jobs compiled and eager over seeds")
     r.add_argument("--seeds", type=int, default=3)
     r.add_argument("--out", default="runs/compiled")
     r.add_argument("--extra", default="", help="more train.py flags for every run (a smoke test: '--steps 2')")
     args = p.parse_args()
-    {"logprobs": logprobs, "runs": runs}[args.what](args)
+    {"logprobs": logprobs, "region": region, "runs": runs}[args.what](args)
 
 
 if __name__ == "__main__":
