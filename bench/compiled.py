@@ -31,7 +31,9 @@ and the compiled-minus-eager final reward paired by seed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import os
 import shutil
 import statistics
@@ -116,8 +118,8 @@ def region(args) -> None:
     print("| --- | --- | --- | --- | --- |")
     sparse_ok = train.sparse_ok
     for job, flags in (("icepop (default)", JOBS["default"]), ("reinforce --top-p 0.9", ["--loss", "reinforce", "--top-p", "0.9"])):
-        with tempfile.TemporaryDirectory() as tmp:
-            cfg, model, mbs = one_step_batch(Path(tmp) / "run", flags)
+        with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):  # the run's lines
+            cfg, model, mbs = one_step_batch(Path(tmp) / "run", flags)  # would split the table
         denom = denominators(mbs)
         paths = [("eager", None, sparse_ok), ("compiled", "on", sparse_ok)]
         if sparse_ok(cfg, mbs[0].support):
