@@ -327,6 +327,38 @@ def test_two_gloo_ranks_each_with_a_bounded_sampler(tmp_path):
     assert max(r["staleness/max"] for r in rows[1:]) == 1
 
 
+def test_two_gloo_ranks_resume_a_fixed_landing_point_exactly(tmp_path):
+    """--max-staleness 2 --push-at-decode-step 3 on two gloo ranks: each rank's optimizer file of step 2 keeps
+    the batches 3 and 4 it sampled ahead, and a run whose ranks are SIGKILLed at step 4's save (a true mid-run
+    stop: --steps stays 6, so the sampler had run ahead as in the uninterrupted run) resumes from step 2 and
+    repeats the uninterrupted run metric for metric, its ages within the bound."""
+    from safetensors import safe_open
+    from test_distributed import torchrun
+    from test_train import KILLER
+
+    args = [*SMALL, "--prompts-per-step", "2", "--steps", "6", "--save-every", "2", "--eval-every", "3",
+            "--max-staleness", "2", "--push-at-decode-step", "3"]
+    r = torchrun(str(ROOT / "train.py"), *args, "--out-dir", str(tmp_path / "a"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    b, killer = tmp_path / "b", tmp_path / "killer.py"  # train.py as KILLER runs it: every rank dies at its 2nd save
+    killer.write_text(KILLER.format(root=str(ROOT)))
+    r = torchrun(str(killer), *args, "--out-dir", str(b))
+    assert r.returncode != 0 and (b / "step_000004.tmp").is_dir() and not (b / "step_000004").exists(), r.stderr[-3000:]
+    assert [r["step"] for r in _rows(b)] == [0, 1, 2, 3, 4]  # it stopped mid-run, steps 3 and 4 trained
+    for rank in (0, 1):
+        with safe_open(str(b / "step_000002" / "trainer_state" / f"optim_rng-{rank:05d}-of-00002.safetensors"), "pt") as st:
+            assert {k.split("/")[1] for k in st.keys() if k.startswith("ahead/")} == {"3", "4"}, rank
+    r = torchrun(str(ROOT / "train.py"), *args, "--out-dir", str(b), "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    def numbers(d):
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "async/sampler_idle", "async/trainer_idle"))
+                 and "tok/s" not in k} for r in _rows(d)]
+    assert numbers(tmp_path / "a") == numbers(b) and len(numbers(b)) == 7
+    _ages_hold(_rows(b)[1:], 2)
+    assert sum(r["async/spanning_push"] > 0 for r in numbers(b)[3:]) >= 2  # the resumed steps span pushes too
+
+
 # ----------------------------------------------------------------------------- partial rollouts: a push between decode steps
 
 @pytest.mark.parametrize("dtype,compiled", [("fp32", False), ("bf16", False), ("fp8", False), ("fp32", True)])
