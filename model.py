@@ -403,7 +403,11 @@ def compiled(fn, region: str, options: dict | None = None, dynamic: bool | None 
         if eager:
             return fn(*args, **kwargs)
         try:
-            return graph(*args, **kwargs)
+            # a run's float settings (temperature, the loss's clips) are constants: as symbols (torch's
+            # default under dynamic=True) they make Dynamo restart its analysis at every compile, and the
+            # first attempt's work, cache lookups included, is thrown away
+            with torch._dynamo.config.patch(specialize_float=True):
+                return graph(*args, **kwargs)
         except (BackendCompilerFailed, InternalTorchDynamoError, Unsupported) as e:
             cause = getattr(e, "inner_exception", None) or e  # the backend's own error
             first = (str(cause).strip().splitlines() or [""])[0][:200]

@@ -91,7 +91,9 @@ def _head(cfg, model, fwd, mb):
     """--train-dtype bf16/fp16: the forward's matmuls under autocast, and the head on bf16/fp16 copies
     of the hidden states and the weight (the cast is differentiable: the fp32 weight gets the gradient)."""
     low = None if cfg.train_dtype == "fp32" else DTYPES[cfg.train_dtype]
-    with torch.autocast(mb.tokens.device.type, low or torch.bfloat16, enabled=low is not None):
+    # fp32: no autocast at all; even a disabled one is a node in the compiled trainer step's graph,
+    # for which AOTAutograd's on-disk cache is bypassed (a second start traces it again)
+    with torch.autocast(mb.tokens.device.type, low) if low is not None else contextlib.nullcontext():
         hidden = fwd(mb.tokens, mb.positions, mb.doc_ids, mb.parents)
     weight = model.head_weight
     if low is not None:

@@ -263,6 +263,44 @@ def test_a_compiled_job_builds_no_graph_after_warm_up(tmp_path):
     assert summary["compile/regions"] == ["trainer step", "engine decode step"]  # no pi_old pass: no trainer forward
 
 
+COUNTED = """
+import json, sys
+sys.path.insert(0, {root!r})
+import train
+from torch._dynamo.utils import counters
+try:
+    train.main(sys.argv[1:])
+finally:
+    print("counters " + json.dumps({{k: dict(counters[k]) for k in ("aot_autograd", "inductor")}}))
+"""
+
+
+def test_a_second_start_finds_every_graph_in_the_compile_caches(tmp_path):
+    """Inductor's FX-graph cache and AOTAutograd's cache (on disk, TORCHINDUCTOR_CACHE_DIR): the second
+    start of a compiled job misses and bypasses neither for any graph, so it pays no compile. Caught two
+    causes: a disabled autocast in the trainer step's graph (AOTAutograd bypasses its cache) and
+    symbolic floats, which restart Dynamo's analysis and throw the first attempt away (model.compiled)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    seen = []
+    for run in ("cold", "warm"):
+        r = subprocess.run([sys.executable, "-c", COUNTED.format(root=str(root)), "--compile", "on", "--steps", "2",
+                            "--eval-every", "0", "--max-new-tokens", "12", "--out-dir", str(tmp_path / run)],
+                           capture_output=True, text=True, timeout=600, cwd=root, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        seen.append(json.loads(next(x for x in r.stdout.splitlines() if x.startswith("counters "))[len("counters "):]))
+    cold, warm = seen
+    assert cold["aot_autograd"].get("autograd_cache_saved", 0) >= 2, cold  # the trainer step and the decode step
+    assert warm["aot_autograd"].get("autograd_cache_hit", 0) == cold["aot_autograd"]["autograd_cache_saved"], warm
+    assert not {k for k in warm["aot_autograd"] if "miss" in k or "bypass" in k}, warm
+    assert not {k for k in warm["inductor"] if k.startswith("fxgraph_cache") and k != "fxgraph_cache_hit"}, warm
+
+
 def test_a_compiler_failure_falls_back_to_eager_with_one_line_per_region(tmp_path, capsys, monkeypatch):
     """Inductor raising at the first call (here by a patched compile_fx) costs the run nothing but
     its speed: one line per region, the run ends, and compile/regions lists no region."""
