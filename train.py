@@ -65,7 +65,8 @@ from run import evidence, runlog
 from run.checkpoint import NothingToDo, load_training_state, note_changed_rewards, resumed_config, save_checkpoint
 from run.remote import RemoteEngine, dismiss, serve
 from run.rundir import check_shared, claimed, way_on, write_file
-from run.start import Start, build, check_start, close_compiler, plan_text, settled, trainer_step, write_scratch
+from run.planreport import plan_text
+from run.start import Start, build, check_start, close_compiler, settled, trainer_step, write_scratch
 from run.teacher import Clock, Teacher
 from tasks import usercode
 from tasks.rewards import reward_hashes

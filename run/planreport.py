@@ -1,7 +1,8 @@
 """What the memory plan tells a user: the plan as a table (`table`, --plan), and whether it fits a
 device with, when it does not, the one line of what would (`advice`: each change that alone fits,
-tried by re-planning). The arithmetic, from config.json alone, is run/memplan.py's; run/start.py
-prints the table for --plan and stops a CUDA start with the advice's line.
+tried by re-planning), and the plan for a run's flags: `fit_memory` (run/start.py's `settled` calls it:
+--activation-checkpointing auto resolved, a CUDA start over its device stopped with the advice's line)
+and `plan_text` (--plan). The arithmetic, from config.json alone, is run/memplan.py's.
 
     python -m pytest -q tests/test_memplan.py
     python train.py --plan --model checkpoints/reverse-tiny
@@ -10,8 +11,21 @@ prints the table for --plan and stops a CUDA start with the advice's line.
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 
+import torch
+
+from config import Config, ConfigError
+from layers import lora
+from layers.parallel import LAUNCHED
+from model import ModelArgs, TINY
+from run import memplan
+from run.checkpoint import same_flags
 from run.memplan import GIB, Plan, Role, Setup, Shape, plan
+from run.rundir import floe_config
+from tasks.task import alphabet
+from tasks.textcodec import TextCodec
 
 
 def gib(n: int) -> str:
@@ -89,3 +103,82 @@ def advice(shape: Shape, setup: Setup, device_bytes: int, margin: float = 0.0) -
             f"the largest part is {largest} ({gib(role.parts[largest])}); "
             + (f"would fit: {'; or '.join(found)}" if found else "no one change fits (more ranks, LoRA, "
                "--activation-checkpointing blocks, a smaller --micro-batch-tokens)"))
+
+
+# ----------------------------------------------------------------------------- the memory plan
+
+def device_memory(device: str) -> int:
+    """One device's bytes; 0 on a CPU, or when no GPU is here (--plan of a CUDA job on a laptop)."""
+    return torch.cuda.get_device_properties(0).total_memory if device == "cuda" and torch.cuda.is_available() else 0
+
+
+def plan_shape(cfg: Config) -> memplan.Shape:
+    """The model's shape from config.json alone: --model's, on resume the run's own (its record names
+    it; --model is not read then), with --model scratch the tiny model the run would build."""
+    if cfg.model == "scratch" and not cfg.resume:
+        vocab = TextCodec.tiny(alphabet(cfg)).tok.get_vocab_size()
+        return memplan.Shape(ModelArgs(vocab, **TINY))
+    saved = floe_config(Path(cfg.out_dir)) if cfg.resume else None
+    if cfg.resume and cfg.plan:  # plan what the resume would run: its model, and flags it would not refuse
+        if saved is None:
+            raise ConfigError(f"--plan --resume: {cfg.out_dir} holds no floe run (no floe config.json) to plan")
+        same_flags(cfg, saved, Path(cfg.out_dir), free=("plan",))
+    model = (saved or {}).get("model", cfg.model)
+    if model == "scratch":
+        return memplan.Shape.from_dir(Path(cfg.out_dir) / "scratch")
+    return memplan.Shape.from_dir(model)
+
+
+def plan_setup(cfg: Config, device_bytes: int) -> memplan.Setup:
+    """The flags the plan reads; the trainer ranks are --plan-world, or this run's."""
+    world = cfg.plan_world if cfg.plan_world is not None else max(1, LAUNCHED - cfg.inference_gpus)
+    return memplan.Setup(world, cfg.lora_rank, tuple(cfg.lora_targets), cfg.base_dtype, cfg.train_dtype, cfg.engine,
+                         cfg.engine_dtype, cfg.vllm_memory, cfg.device, device_bytes, cfg.inference_gpus,
+                         cfg.micro_batch_tokens, cfg.activation_checkpointing,
+                         ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 0)), lora_merged=cfg.lora_merged,
+                         teacher=memplan.Shape.from_dir(cfg.teacher) if cfg.teacher not in ("", "base") else None)
+
+
+def check_lora(shape: memplan.Shape, s: memplan.Setup) -> None:
+    """The run's own refusal of its LoRA flags (lora.check_spec), from the shape alone: a plan would count
+    a stray target as no adapter, and a rank above a layer's width as adapters that cannot exist."""
+    if s.lora_rank:
+        mlp = ("gate_proj", "up_proj", "down_proj")
+        shapes = {f"model.layers.0.{'mlp' if k in mlp else 'self_attn'}.{k}": (o, i) for k, (i, o) in shape.linears().items()}
+        lora.check_spec(shapes, s.lora_rank, s.lora_targets)
+
+
+def fit_memory(cfg: Config, device_bytes: int) -> Config:
+    """--activation-checkpointing auto resolved (memplan.resolve: off on a CPU, so the default job does
+    not change; on CUDA blocks when the plan without it passes 80% of the device), and on CUDA with
+    --plan-check on a plan over `device_bytes` by more than the plan's error stopped with
+    advice's one line. A CPU reads no config.json here: its answer is off, whatever the shape."""
+    if cfg.device == "cpu":
+        return dataclasses.replace(cfg, activation_checkpointing="off") if cfg.activation_checkpointing == "auto" else cfg
+    try:
+        shape, setup = plan_shape(cfg), plan_setup(cfg, device_bytes)
+        check_lora(shape, setup)  # before the plan, which would otherwise name memory as the fault
+        resolved = memplan.resolve(shape, setup)
+        why = advice(shape, resolved, device_bytes, memplan.PLAN_ERROR) if device_bytes else None
+    except ValueError as e:  # PlanError, or a config.json from_hf refuses
+        raise ConfigError(f"the memory plan: {e}") from None
+    if why and cfg.plan_check == "on":
+        raise ConfigError(f"{why} (--plan prints the plan; --plan-check off starts anyway)")
+    return dataclasses.replace(cfg, activation_checkpointing=resolved.activation_checkpointing)
+
+
+def plan_text(cfg: Config) -> str:
+    """--plan: the table of memplan.plan for these flags, and whether it fits this device, or on a
+    machine without one each GPU in memplan.DEVICES (a laptop sizes a GPU job)."""
+    device_bytes = device_memory(cfg.device)
+    try:
+        shape, setup = plan_shape(cfg), plan_setup(cfg, device_bytes)
+        check_lora(shape, setup)  # a plan of adapters the run would refuse is no plan
+        lines = [table(memplan.plan(shape, setup)), ""]
+        devices = {"this device": device_bytes} if device_bytes else memplan.DEVICES if cfg.device == "cuda" else {}
+        for name, n in devices.items():
+            why = advice(shape, dataclasses.replace(setup, device_bytes=n), n, memplan.PLAN_ERROR)
+            lines.append(f"{name} ({gib(n)}): " + (why or "fits"))
+    except ValueError as e:
+        raise ConfigError(f"--plan: {e}") from None
+    return "\n".join(lines).rstrip()

@@ -254,7 +254,7 @@ def test_lora_distills_from_its_own_base_with_no_second_copy(tmp_path):
     the plan adds no teacher; and with the adapters off the model is its base, bit for bit."""
     from layers import lora
     from run import hfdir, memplan
-    from run.start import plan_setup
+    from run.planreport import plan_setup
     base = hfdir.load(ROOT / "checkpoints/reverse-tiny")
     student = hfdir.load(ROOT / "checkpoints/reverse-tiny")
     lora.add(student, lora.spec_of(C.Config(lora_rank=4)), "fp32", "cpu")

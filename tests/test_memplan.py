@@ -17,7 +17,6 @@ from layers import lora
 from run import memplan as P
 from run import planreport
 import model as M
-from run import start
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -216,7 +215,7 @@ def test_bad_setups_are_one_line(kwargs, words):
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
-# ----------------------------------------------------------------------------- the plan at the start (run/start.py)
+# ----------------------------------------------------------------------------- the plan at the start (run/planreport.py)
 
 QWEN3_06B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
@@ -243,9 +242,9 @@ def test_plan_prints_the_table_from_config_json_alone_and_exits_0(config_only, t
 
 
 def settle(model_dir, *flags, device="cuda", size=80 * P.GIB) -> C.Config:
-    """start.fit_memory on a device of `size` bytes (a fake one: the logic runs on the CPU)."""
+    """planreport.fit_memory on a device of `size` bytes (a fake one: the logic runs on the CPU)."""
     cfg = C.parse(["--model", str(model_dir), "--micro-batch-tokens", "16384", *flags])
-    return start.fit_memory(dataclasses.replace(cfg, device=device, engine="torch"), size)
+    return planreport.fit_memory(dataclasses.replace(cfg, device=device, engine="torch"), size)
 
 
 def test_auto_checkpointing_is_off_on_a_cpu_and_follows_the_plan_on_cuda(config_only):
@@ -277,7 +276,7 @@ def test_a_plan_refuses_lora_flags_the_run_refuses_with_the_runs_line(flags):
     with pytest.raises(ValueError) as run:
         lora.add(model, lora.LoRASpec(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets)))
     with pytest.raises(C.ConfigError) as plan:
-        start.plan_text(cfg)
+        planreport.plan_text(cfg)
     assert str(plan.value) == f"--plan: {run.value}"
     with pytest.raises(C.ConfigError) as cuda:
         settle(tiny, *flags, size=80 * P.GIB)
@@ -289,12 +288,12 @@ def test_a_plan_of_a_resume_plans_what_the_resume_would_run_or_says_why_not(tmp_
     resume refuses), and the default model for a directory holding no run, exit 0 both."""
     out = tmp_path / "run"
     with pytest.raises(C.ConfigError, match=f"--plan --resume: {out} holds no floe run"):
-        start.plan_text(C.parse(["--plan", "--resume", "--out-dir", str(out)]).resolve(False))
+        planreport.plan_text(C.parse(["--plan", "--resume", "--out-dir", str(out)]).resolve(False))
     out.mkdir()
     (out / "config.json").write_text(C.parse(["--lora-rank", "4", "--out-dir", str(out)]).resolve(False).to_json())
     with pytest.raises(C.ConfigError, match=f"--resume: --lora-rank is 0 but the run in {out} used 4"):
-        start.plan_text(C.parse(["--plan", "--resume", "--out-dir", str(out)]).resolve(False))
-    text = start.plan_text(C.parse(["--plan", "--resume", "--lora-rank", "4", "--plan-world", "8", "--out-dir", str(out)]).resolve(False))
+        planreport.plan_text(C.parse(["--plan", "--resume", "--out-dir", str(out)]).resolve(False))
+    text = planreport.plan_text(C.parse(["--plan", "--resume", "--lora-rank", "4", "--plan-world", "8", "--out-dir", str(out)]).resolve(False))
     assert "8 trainer rank(s) on cpu, LoRA r4" in text
 
 
@@ -314,7 +313,7 @@ def test_a_laptop_plans_a_split_inference_job(monkeypatch):
     split job could not be sized before it was launched; the run itself still needs those processes."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     flags = ["--plan-world", "6", "--inference-gpus", "2", "--device", "cuda", "--engine", "torch"]
-    text = start.plan_text(C.parse(["--plan", *flags]).resolve(True))
+    text = planreport.plan_text(C.parse(["--plan", *flags]).resolve(True))
     assert "6 trainer rank(s) + 2 inference on cuda" in text and "inference rank" in text.splitlines()[2]
     with pytest.raises(C.ConfigError, match="--inference-gpus 2 needs torchrun with more processes than that"):
         C.parse(flags[2:]).resolve(True)
