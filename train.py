@@ -38,7 +38,6 @@ import contextlib
 import gc
 import json
 import random
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -62,9 +61,10 @@ from layers import lora
 from layers.parallel import (CollectiveTimeout, LAUNCHED, Link, RANK, collective, full, gather, leave,
     pin_inference_gpu, print0, serving, setup_distributed, sum_over_ranks, teardown, world)
 from run import evidence, runlog
+from run.runlog import Interrupted, fail, interrupted
 from run.checkpoint import NothingToDo, load_training_state, note_changed_rewards, resumed_config, save_checkpoint
 from run.remote import RemoteEngine, dismiss, serve
-from run.rundir import check_shared, claimed, way_on, write_file
+from run.rundir import check_shared, claimed, write_file
 from run.planreport import plan_text
 from run.start import Start, build, check_start, close_compiler, settled, trainer_step, write_scratch
 from run.teacher import Clock, Teacher
@@ -181,27 +181,6 @@ def optimizer_step(cfg, model, opt, step, scale: LossScale | None = None, loss=N
 
 
 # ----------------------------------------------------------------------------- main
-
-def fail(e: Exception, code: int, every_rank: bool = False):
-    """One line naming what was wrong, and the exit status: 2 bad input, 1 a step that cannot go on. A
-    wait at a collective that ran out (--dist-timeout) is said by every rank that waited (`every_rank`):
-    rank 0 may be the one that stopped."""
-    (print if every_rank else print0)(f"floe: error: {e}", file=sys.stderr)  # stderr: line-buffered
-    raise SystemExit(code) from None
-
-
-class Interrupted(Exception):
-    """Ctrl-C (SIGINT) in the loop, at `step`: main says where a --resume goes on from, and exits 130."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-
-def interrupted(out: Path, step: int | None):
-    """A Ctrl-C's one line in place of a traceback, and exit 130 (the shell's for SIGINT)."""
-    print0(f"floe: interrupted {f'at step {step}' if step else 'at start-up'}; {way_on(out)}", file=sys.stderr)
-    raise SystemExit(130) from None
-
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse(argv)

@@ -275,7 +275,7 @@ class Server:
                 raise RuntimeError(f"inference rank {self.link.rank}: asked for version {version}, holds {engine.version}")
             try:
                 reply = _reply(engine.generate(prompts, n, sampling, budgets, keep))
-            except RunError as e:  # the trainer stops with this one line (train.fail)
+            except RunError as e:  # the trainer stops with this one line (runlog.fail)
                 reply = _line(f"inference rank {self.link.rank}: {e}")
             except _Stopped:
                 self.link.send(_line(f"inference rank {self.link.rank}: stopped mid-call"), 0, tag)

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import resource
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 
 from config import Config, ConfigError
 from layers.parallel import RANK, print0
-from run.rundir import create_new, publish, regular, row_step, write_file
+from run.rundir import create_new, publish, regular, row_step, way_on, write_file
 
 
 def read_rows(out: Path) -> list[dict]:
@@ -237,3 +238,26 @@ def idle_cause(batch: list, m: dict) -> str:
     if m.get("skipped/env_error") == 1.0:
         return "every episode failed (skipped/env_error 1.00; see the warnings above)"
     return f"every reward call raised or returned None/NaN ({counts})"
+
+
+# ----------------------------------------------------------------------------- the lines a run stops with
+
+def fail(e: Exception, code: int, every_rank: bool = False):
+    """One line naming what was wrong, and the exit status: 2 bad input, 1 a step that cannot go on. A
+    wait at a collective that ran out (--dist-timeout) is said by every rank that waited (`every_rank`):
+    rank 0 may be the one that stopped."""
+    (print if every_rank else print0)(f"floe: error: {e}", file=sys.stderr)  # stderr: line-buffered
+    raise SystemExit(code) from None
+
+
+class Interrupted(Exception):
+    """Ctrl-C (SIGINT) in the loop, at `step`: main says where a --resume goes on from, and exits 130."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+
+def interrupted(out: Path, step: int | None):
+    """A Ctrl-C's one line in place of a traceback, and exit 130 (the shell's for SIGINT)."""
+    print0(f"floe: interrupted {f'at step {step}' if step else 'at start-up'}; {way_on(out)}", file=sys.stderr)
+    raise SystemExit(130) from None
