@@ -405,8 +405,10 @@ def compiled(fn, region: str, options: dict | None = None, dynamic: bool | None 
         try:
             # a run's float settings (temperature, the loss's clips) are constants: as symbols (torch's
             # default under dynamic=True) they make Dynamo restart its analysis at every compile, and the
-            # first attempt's work, cache lookups included, is thrown away
-            with torch._dynamo.config.patch(specialize_float=True):
+            # first attempt's work, cache lookups included, is thrown away. A graph break (code that runs
+            # eager inside a region: kernels.py's sparse backward) resumes tracing in the frame it broke in,
+            # so the frames around it are never compiled apart, with static shapes
+            with torch._dynamo.config.patch(specialize_float=True, nested_graph_breaks=True):
                 return graph(*args, **kwargs)
         except (BackendCompilerFailed, InternalTorchDynamoError, Unsupported) as e:
             cause = getattr(e, "inner_exception", None) or e  # the backend's own error

@@ -325,7 +325,7 @@ def trainer_step(cfg: Config, fn):
     sizes on a CPU, static [T] on CUDA but for the support's [nnz], which varies by micro-batch on both.
     What runs eager inside it (on the CPU reference, kernels.py: the sparse backward, `_sparse_head`, and a head
     of several chunks, `_sliced`) breaks the graph there, and tracing resumes in the frame it broke in
-    (Dynamo's nested_graph_breaks): the frames around it are never compiled apart, as static shapes."""
+    (model.compiled)."""
     if cfg.compile != "on":
         return None
     graph = compiled(fn, "trainer step", dynamic=True if torch.device(cfg.device).type == "cpu" else None)
@@ -334,8 +334,7 @@ def trainer_step(cfg: Config, fn):
         if mb.support is not None:  # a new length is no new graph
             for t in (mb.support.ids, mb.support.logq):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-        with torch._dynamo.config.patch(nested_graph_breaks=True):
-            return graph(cfg, model, model, mb, *args)
+        return graph(cfg, model, model, mb, *args)
 
     return call
 
