@@ -336,43 +336,14 @@ class Transformer(nn.Module):
         """Packed documents: tokens, positions, doc_ids, parents (T,) -> hidden (T, H)."""
         return self._run(tokens[None], positions[None], document_mask(doc_ids, parents, self.attention))[0]
 
-    def forward_cached(self, tokens, positions, cache: KVCache) -> torch.Tensor:
+    def forward_cached(self, tokens, positions, cache) -> torch.Tensor:
         """Rows with their own positions: tokens, positions (B, S) -> hidden (B, S, H).
 
-        Keys go to cache slot = position; a query at position p sees slots <= p."""
+        `cache`: the engine's static key/value buffers (engines/kvcache.py `KVCache`). Keys go to cache
+        slot = position; a query at position p sees slots <= p."""
         slots = torch.arange(cache.max_len, device=tokens.device)
         mask = slots[None, None, None, :] <= positions[:, None, :, None]  # (B, 1, S, max_len)
         return self._run(tokens, positions, mask, cache.layers)
-
-
-class KVCache:
-    """Static per-layer key/value buffers (B, n_kv, max_len, hd), as gpt-fast keeps them."""
-
-    def __init__(self, a: ModelArgs, batch: int, max_len: int, dtype: torch.dtype, device):
-        shape = (batch, a.num_key_value_heads, max_len, a.head_dim)
-        self.max_len = max_len
-        self.layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                       for _ in range(a.num_hidden_layers)]
-
-    def repeat(self, n: int) -> KVCache:
-        """Each row n times in a row: prefill a prompt once, decode its group of n."""
-        out = object.__new__(KVCache)
-        out.max_len = self.max_len
-        out.layers = [(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0)) for k, v in self.layers]
-        return out
-
-    def select(self, rows: torch.Tensor) -> KVCache:
-        """Only these rows (R,), in this order: decoding drops the rows that have finished."""
-        out = object.__new__(KVCache)
-        out.max_len = self.max_len
-        out.layers = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.layers]
-        return out
-
-    def put(self, rows: torch.Tensor, part: KVCache) -> None:
-        """Write `part`'s rows into these rows (R,): the engine keeps each row's cache as it leaves."""
-        for (k, v), (pk, pv) in zip(self.layers, part.layers):
-            k.index_copy_(0, rows, pk)
-            v.index_copy_(0, rows, pv)
 
 
 def init_weights(model: Transformer, std: float = 0.02, seed: int = 0) -> None:

@@ -3,7 +3,8 @@
 # it goes (a cut run still reports what it reached). Run from the repo root:
 #
 #   bash bench/gpu.sh 1     # first, under 5 minutes: the gpu-marked tests (CUDA against the CPU
-#                           # reference, compiled against eager, the push-then-draw check), the default
+#                           # reference, compiled against eager, the push-then-draw check with the decode step a CUDA graph
+#                           # and no graph skipped: engines/kvcache.py `Slots`), the default
 #                           # job compiled (graphs after warm-up must be 0) against eager, the fp8/fp16 lab
 #   bash bench/gpu.sh 2     # then: the benchmarks (support, head, engine, e2e eager and compiled on a
 #                           # Qwen3-0.6B shape, memory), episodes, LoRA on vLLM, LoRA's memory table

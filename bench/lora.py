@@ -60,7 +60,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 
-from model import KVCache, ModelArgs, Transformer, init_weights  # noqa: E402
+from engines.kvcache import KVCache  # noqa: E402
+from model import ModelArgs, Transformer, init_weights  # noqa: E402
 from layers import lora  # noqa: E402
 from run import hfdir, start  # noqa: E402
 from tasks.textcodec import TextCodec, write_tokenizer  # noqa: E402

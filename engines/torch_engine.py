@@ -16,8 +16,10 @@ Simplifications:
    after four changes").
 2. Decoding is gpt-fast's shape: prompts are prefilled once (right-padded, one batch),
    the static KV cache is copied n times for the group, and one compiled-friendly step
-   decodes every row at its own position. On a GPU finished rows keep decoding into a
-   masked tail, so shapes never change. On a CPU, where a host sync is free, decoding stops
+   decodes every row at its own position. On a GPU (`static`) the rows decode in one of the
+   few caches the engine keeps for the run (engines/kvcache.py `Slots`), padded to its batch,
+   and finished rows keep decoding into a masked tail: the shapes, and under --compile on the
+   CUDA graph's addresses, never change. On a CPU, where a host sync is free, decoding stops
    the moment every row has, and finished rows leave the batch (with their cache rows) once
    they are a quarter of it: that saves most where lengths spread (random prompts), little on
    reverse-text, whose rows end close together (the same log entry). A call whose caller says
@@ -54,7 +56,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from data import TokenSupport
-from model import KVCache, Transformer, compiled, rope_frequencies
+from engines.kvcache import KVCache, KeptRows, Slots
+from model import Transformer, compiled, rope_frequencies
 from engines.precision import DTYPES, Fp8Linear, emulate
 from engines.sampling import SupportRecorder, sample
 from layers import lora
@@ -117,10 +120,11 @@ def refuse_torn(engine) -> None:
 
 class TorchEngine:
     def __init__(self, model: Transformer, dtype: str, stop_ids: list[int], seed: int = 0, compile_step: bool = False,
-                 weights=None, device=None, recompute_kv: bool = False):
+                 weights=None, device=None, recompute_kv: bool = False, static: bool | None = None):
         """The engine's copy of `model`, given its weights by a first push. `weights` instead: `model` is a
         skeleton on the meta device and the copy is built in its dtype on `device`, filled from (name,
-        tensor) pairs one at a time (an inference rank's start, from the files: hfdir.tensors)."""
+        tensor) pairs one at a time (an inference rank's start, from the files: hfdir.tensors). `static`: decode
+        into the kept caches of engines/kvcache.py `Slots` at fixed shapes (None: on CUDA)."""
         self.device = torch.device(device) if weights is not None else next(model.parameters()).device
         self.dtype, self.fp8 = DTYPES[dtype], dtype == "fp8"  # what the weights and each matmul's output hold
         self.emulated = self.device.type == "cpu" and self.dtype != torch.float32  # Rounded/Fp8Linear: fp32 arithmetic
@@ -153,12 +157,19 @@ class TorchEngine:
         # an emulated engine's precision is its roundings (x.to(bf16).float()): Inductor as it ships
         # keeps fp32 inside a fused kernel and drops them, so the compiled step would sample from
         # neither the engine's dtype nor fp32; emulate_precision_casts keeps each one where eager has it
-        options = {"emulate_precision_casts": True} if self.emulated else None
-        # a CPU's decode batch shrinks as rows finish and each call's cache is as long as its prompts and
-        # budget: one graph with symbolic sizes serves them all (CUDA's shapes are fixed per call)
-        dynamic = True if self.device.type == "cpu" else None
-        self.step = compiled(self._step, "engine decode step", options, dynamic) if compile_step else self._step
-        self.syncs = self.device.type == "cpu"  # a host sync is free: stop the moment every row has
+        options = {"emulate_precision_casts": True} if self.emulated else {}
+        # static (CUDA): a few fixed shapes (Slots), each a static graph, which CUDA graphs replay
+        # (triton.cudagraphs: what mode="reduce-overhead" sets). A CPU's decode batch shrinks as rows
+        # finish and each call's cache is as long as its prompts and budget: one graph with symbolic
+        # sizes serves them all
+        self.static = self.device.type == "cuda" if static is None else static
+        self.slots = Slots(self.model.args, storage, self.device) if self.static else None
+        self.graphs = compile_step and self.static and self.device.type == "cuda"
+        if self.graphs:
+            options["triton.cudagraphs"] = True
+        self.step = compiled(self._step, "engine decode step", options or None, not self.static) if compile_step \
+            else self._step
+        self.syncs = self.device.type == "cpu" and not self.static  # a host sync is free: stop the moment every row has
         self.reuse = True  # keep the last call's rows for a call that extends them (False: re-prefill every prompt)
 
     def _built(self, model: Transformer, dtype: torch.dtype) -> Transformer:
@@ -254,7 +265,11 @@ class TorchEngine:
         with torch.inference_mode():
             logits, cache, pos = self._prefill(prompts, n, T_new)
             store = cache if self.reuse and keep else None  # every output row's cache, as it leaves the decode batch
-            ids, logq, versions = self._decode(logits, cache, pos, cap, sampling, gen, rec, store, prompts, n)
+            try:
+                ids, logq, versions = self._decode(logits, cache, pos, cap, sampling, gen, rec, store, prompts, n)
+            finally:
+                if self.slots is not None:
+                    self.slots.give(cache)
         if rec is not None:
             rec.finish()
         out = self._completions(ids, logq, versions, rec, cap.tolist())
@@ -281,7 +296,8 @@ class TorchEngine:
         if any(m for _, m in hits):
             kept.copy_into(cache, [i for i, (_, m) in enumerate(hits) if m], [(b, m) for b, m in hits if m])
         h = self.model.forward_cached(tokens, positions, cache)[torch.arange(G, device=dev), lens - start - 1]  # (G, H)
-        return self._logits(h).repeat_interleave(n, 0), cache.repeat(n), (lens - 1).repeat_interleave(n)
+        cache = self.slots.take(cache, n) if self.slots is not None else cache.repeat(n)
+        return self._logits(h).repeat_interleave(n, 0), cache, (lens - 1).repeat_interleave(n)
 
     def _decode(self, logits, cache, pos, cap, sampling: Sampling, gen, rec: SupportRecorder | None,
                 store: KVCache | None, prompts: list[list[int]], n: int) -> tuple[list[list[int]], list[list[float]], list[int]]:
@@ -322,10 +338,23 @@ class TorchEngine:
                 refuse_torn(self)
                 if self.recompute_kv and self.version != versions[-1]:
                     self._refill(cache, rows, out_ids, t, prompts, n)
-            logits = self.step(tok, pos, cache)
+            logits = self._next(tok, pos, cache)
         if store is not None and cache is not store:
             store.put(rows, cache)
         return out_ids[:, : t + 1].tolist(), out_logq[:, : t + 1].tolist(), versions
+
+    def _next(self, tok, pos, cache: KVCache) -> torch.Tensor:
+        """The decode step's logits (B, V). Static: on the whole cache, the batch padded to its rows with
+        token 0 at position 0 (their logits dropped); under CUDA graphs each step begins a new replay,
+        which overwrites the last one's outputs, so the logits are copied out."""
+        if cache.whole is None:
+            return self.step(tok, pos, cache)
+        B, pad = len(tok), cache.whole.batch - len(tok)
+        tok, pos = torch.nn.functional.pad(tok, (0, pad)), torch.nn.functional.pad(pos, (0, pad))
+        if self.graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        logits = self.step(tok, pos, cache.whole)[:B]
+        return logits.clone() if self.graphs else logits
 
     def _refill(self, cache: KVCache, rows: torch.Tensor, out_ids: torch.Tensor, t: int, prompts: list[list[int]],
                 n: int) -> None:
@@ -353,67 +382,3 @@ class TorchEngine:
             support = rec.rows(b, end) if rec is not None else None
             out.append(Completion(row_ids[:end], row_logq[:end], versions[:end], reason, support))
         return out
-
-
-# ----------------------------------------------------------------------------- kept rows
-
-# What the built-in engine keeps between calls: the KV cache rows of its last call, so that a
-# call whose prompts extend them (a multi-turn episode's next turn) prefills only the new tokens.
-#
-# The engine contract stays one stateless `generate` (engines/torch_engine.py `Engine`): a prompt is an
-# episode's whole ids so far, and a call's results do not depend on what was kept except through
-# the order of floating-point sums (a kept key was computed by a decode step, not by a prefill).
-# `TorchEngine` keeps every output row of its last call when the caller says a next call may
-# extend them (`keep`: the episode loop's turns; a single-turn rollout and an eval pass False):
-# its ids (prompt + completion) and its cache row, whose first len(ids) - 1 slots are valid (the
-# last sampled token was never fed through the model). A later prompt that starts with those ids,
-# token for token, gets the row's slots copied and only its suffix prefilled, at the row's own
-# positions (model.forward_cached).
-#
-# Simplifications:
-# 1. Only the last call's rows, and only exact token matches: memory stays one decode cache, and
-#    a match is a list comparison. A multi-turn step's turns are consecutive calls over the same
-#    episodes, which is the case this serves; vLLM's prefix cache (blocks hashed by content, any
-#    earlier request) is the general form.
-# 2. The rows are dropped when the weights change (`load_weights`: keys computed by older
-#    weights are not the new weights' keys; a call a push landed in keeps none) and when the
-#    caller says the rollout is over (`idle`); TorchEngine.reuse = False turns keeping off
-#    (re-prefill every prompt). Within one call a push keeps the cache (a partial rollout).
-# 3. Each prompt takes the one kept row that covers the most of it; prompts with no match
-#    prefill from the start in the same right-padded batch (a batch is as long as its longest
-#    suffix).
-
-
-class KeptRows:
-    """The engine's last call, kept for the next: every output row's ids (prompt + completion)
-    and its KV cache row. Its first len(ids) - 1 slots are valid (the last sampled token was
-    never fed through the model), so a later prompt that starts with those ids, token for
-    token, needs only the rest prefilled: a multi-turn episode's next turn."""
-
-    def __init__(self, cache, ids: list[list[int]]):  # cache: a model.KVCache of len(ids) rows
-        self.cache, self.ids = cache, ids
-        self.valid = [len(x) - 1 for x in ids]
-        self.key = min(self.valid)  # rows are looked up by their first `key` ids, then compared whole
-        self.index: dict[tuple[int, ...], list[int]] = {}
-        for b, x in enumerate(ids):
-            self.index.setdefault(tuple(x[: self.key]), []).append(b)
-
-    def match(self, prompt: list[int]) -> tuple[int, int]:
-        """(row, m): the kept row whose valid ids are the longest start of `prompt` that leaves at
-        least one token to prefill (the last position's logits come from the prefill); (0, 0): none."""
-        best = (0, 0)
-        for b in self.index.get(tuple(prompt[: self.key]), ()):
-            m = self.valid[b]
-            if best[1] < m < len(prompt) and prompt[:m] == self.ids[b][:m]:
-                best = (b, m)
-        return best
-
-    def copy_into(self, cache, dest: list[int], hits: list[tuple[int, int]]) -> None:
-        """Row dest[i] of `cache` gets kept row hits[i][0]'s first slots. Slots past a row's own
-        m come along too: the prefill and decoding overwrite them before any query reaches them."""
-        dst = torch.tensor(dest, device=cache.layers[0][0].device)
-        src = torch.tensor([b for b, _ in hits], device=dst.device)
-        w = max(m for _, m in hits)
-        for (k, v), (kk, kv) in zip(cache.layers, self.cache.layers):
-            k[dst, :, :w] = kk[src, :, :w]
-            v[dst, :, :w] = kv[src, :, :w]

@@ -323,25 +323,33 @@ def test_a_compiler_failure_falls_back_to_eager_with_one_line_per_region(tmp_pat
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("device, dtype", [("cpu", "fp32"), ("cpu", "bf16"), ("cpu", "fp8"),
-                                           pytest.param("cuda", "fp32", marks=[pytest.mark.gpu, gpu])])
-def test_a_push_changes_the_next_draws_of_a_compiled_decode_step(device, dtype):
+@pytest.mark.parametrize("device, dtype, static", [("cpu", "fp32", False), ("cpu", "bf16", False), ("cpu", "fp8", False),
+                                                   ("cpu", "fp32", True),
+                                                   pytest.param("cuda", "fp32", True, marks=[pytest.mark.gpu, gpu])])
+def test_a_push_changes_the_next_draws_of_a_compiled_decode_step(device, dtype, static):
     """A compiled decode step holds the engine's weight tensors: a push must reach it (every weight,
     the fp8 head's e4m3 copy too, is overwritten in place), so the draws after it are those of an
-    eager engine built from the pushed weights, and not the old weights' draws."""
+    eager engine built from the pushed weights, and not the old weights' draws. Static (the CUDA
+    default): the step replays as a CUDA graph there, captured on the weights' addresses, and no
+    graph is skipped (Inductor's cudagraph_skips: an input it cannot keep at one address)."""
+    from torch._dynamo.utils import counters
+
     from test_engines import PROMPTS, STOPS
 
     torch._dynamo.reset()
+    counters.clear()
     old, new = _model(device), M.Transformer(M.ModelArgs(vocab_size=32, **M.TINY))
     M.init_weights(new, std=0.15, seed=1)
     new = new.to(device)
-    engine = TorchEngine(old, dtype, STOPS, compile_step=True)
+    engine = TorchEngine(old, dtype, STOPS, compile_step=True, static=static)
+    assert engine.graphs == (device == "cuda")
     s = Sampling(temperature=1.0, max_new_tokens=8, seed=5)
     before = engine.generate(PROMPTS, 4, s)
     head8 = engine.head8
     engine.load_weights(new, 1)
     after = engine.generate(PROMPTS, 4, s)
-    ref = TorchEngine(new, dtype, STOPS).generate(PROMPTS, 4, s)
+    ref = TorchEngine(new, dtype, STOPS, static=static).generate(PROMPTS, 4, s)
+    assert counters["inductor"]["cudagraph_skips"] == 0
     assert engine.head8 is head8  # fp8: the same e4m3 copy, new values (None otherwise)
     assert [c.ids for c in after] == [c.ids for c in ref] != [c.ids for c in before]
     # fp32 and fp8 (whose roundings absorb the summation order) to 1e-4; bf16's logits are rounded
@@ -351,6 +359,49 @@ def test_a_push_changes_the_next_draws_of_a_compiled_decode_step(device, dtype):
     for a, r in zip(after, ref):
         torch.testing.assert_close(torch.tensor(a.logq), torch.tensor(r.logq), atol=tol, rtol=0)
         assert a.versions == [1] * len(a.ids)
+
+
+def test_a_static_decode_equals_the_per_call_one_and_builds_one_graph_per_cache():
+    """The static decode (the CUDA default; engines/kvcache.py `Slots`), compiled, on a CPU: the same
+    draws as the per-call cache's eager decode with no row leaving the batch (the same random
+    stream), logq to 1e-4 (the padding rows and the longer, masked cache change only summation
+    order); one graph per cache it decodes into, whatever the calls' prompt lengths, group sizes
+    and budgets: a longer call's doubled cache, and a call made inside another's decode (an eval in a
+    partial rollout's `between`), which gets a cache of its own and leaves the waiting rows alone."""
+    from torch._dynamo.utils import counters
+
+    from test_engines import STOPS
+
+    torch._dynamo.reset()
+    counters.clear()
+    m = _model()
+    static = TorchEngine(m, "fp32", STOPS, seed=3, compile_step=True, static=True)
+    ref = TorchEngine(m, "fp32", STOPS, seed=3)
+    ref.syncs = False  # the per-call decode loop a GPU runs without `static`: no row leaves the batch
+    calls = [([[1, 5, 6, 7, 8], [1, 9, 10, 11]], 4, 8), ([[1, 3], [1, 4, 4], [1, 9, 10, 11, 12, 13]], 2, 12),
+             ([[1, 7, 7]], 5, 6), ([[1, 5, 6]], 6, 70)]  # 8, 6, 5, 6 rows: width 8; lengths 64, 64, 64, 128
+    graphs = []
+    for prompts, n, budget in calls:
+        s = Sampling(max_new_tokens=budget)
+        for a, b in zip(static.generate(prompts, n, s), ref.generate(prompts, n, s)):
+            assert a.ids == b.ids
+            torch.testing.assert_close(torch.tensor(a.logq), torch.tensor(b.logq), atol=1e-4, rtol=0)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [1, 1, 1, 2]
+    assert list(static.slots.caches) == [(8, 0)] and static.slots.caches[(8, 0)].max_len == 128  # replaced
+    inner, outer = [], Sampling(max_new_tokens=8, seed=1)
+
+    def eval_inside():  # once, at the first decode step (the inner call's own steps find `inner` set)
+        if not inner:
+            inner.append(True)
+            static.generate([[1, 4], [1, 6]], 4, Sampling(max_new_tokens=4, seed=2))
+
+    static.between = eval_inside
+    nested = static.generate([[1, 5, 6, 7, 8], [1, 9, 10, 11]], 4, outer)
+    static.between = None
+    alone = static.generate([[1, 5, 6, 7, 8], [1, 9, 10, 11]], 4, outer)
+    assert [c.ids for c in nested] == [c.ids for c in alone]  # the eval inside wrote none of the waiting rows
+    assert (8, 1) in static.slots.caches and counters["stats"]["unique_graphs"] == 3 and not static.slots.busy
 
 
 NEW_LOSSES = {  # the 2026 corrections, each with DPPO's directional mask and Kimi K2.5's (log r)^2 term

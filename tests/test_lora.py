@@ -17,6 +17,7 @@ from run import hfdir
 from tasks import task as T
 import rollout
 import train
+from engines.kvcache import KVCache
 from engines.torch_engine import TorchEngine
 from test_model import _family_checkpoint
 
@@ -150,7 +151,7 @@ def test_the_engine_holds_the_merged_weights_after_every_push(dtype):
     if dtype == "fp32":  # the engine's hidden states are the trainer's, to fp32 rounding (merged: one matmul, not two)
         tokens, positions, docs, _ = _packed()
         with torch.no_grad():
-            cache = M.KVCache(ours.args, 1, 15, torch.float32, "cpu")
+            cache = KVCache(ours.args, 1, 15, torch.float32, "cpu")
             h = engine.model.forward_cached(tokens[None, :15], positions[None, :15], cache)[0]
             ref = ours(tokens[:15], positions[:15], docs[:15] * 0)
             assert (h - ref).abs().max() <= 1e-5 * ref.abs().max()

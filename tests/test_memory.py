@@ -19,6 +19,7 @@ import config as C
 import data as D
 from run import hfdir
 from layers import lora
+from engines.kvcache import KVCache
 import model as M
 from tasks import task as T
 import train
@@ -141,7 +142,7 @@ def test_build_maps_large_buffers_for_blocks_on_a_cpu_only(monkeypatch, tmp_path
 def test_decoding_never_recomputes():
     model = tiny()
     model.checkpointing = True
-    cache = M.KVCache(model.args, 2, 16, torch.float32, "cpu")
+    cache = KVCache(model.args, 2, 16, torch.float32, "cpu")
     tokens, positions = torch.randint(0, 32, (2, 5)), torch.arange(5).repeat(2, 1)
     calls = []
     handle = torch.utils.checkpoint.checkpoint

@@ -13,6 +13,7 @@ import model as M
 from run import hfdir
 from loss import group_advantages
 from engines.precision import Fp8Linear, fp8_quantize
+from engines.kvcache import KVCache
 from engines.torch_engine import Sampling, TorchEngine
 
 
@@ -57,7 +58,7 @@ def test_emulated_low_precision_mismatches_like_the_native_dtype(dtype):
     pos = torch.arange(40).expand(8, 40)
 
     def logp(e):
-        cache = M.KVCache(model.args, 8, 40, next(e.model.parameters()).dtype, "cpu")
+        cache = KVCache(model.args, 8, 40, next(e.model.parameters()).dtype, "cpu")
         with torch.no_grad():
             h = e.model.forward_cached(tokens, pos, cache)
             return e._logits(h.to(next(e.model.parameters()).dtype)).log_softmax(-1)
@@ -140,7 +141,7 @@ def test_fp8_engine_mismatch_is_larger_than_bf16s():
 
     def logp(dtype):
         e = TorchEngine(model, dtype, [2], seed=0)
-        cache = M.KVCache(model.args, 8, 40, torch.float32, "cpu")
+        cache = KVCache(model.args, 8, 40, torch.float32, "cpu")
         with torch.no_grad():
             return e._logits(e.model.forward_cached(tokens, pos, cache)).log_softmax(-1)
 
