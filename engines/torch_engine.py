@@ -162,14 +162,13 @@ class TorchEngine:
         # (triton.cudagraphs: what mode="reduce-overhead" sets). A CPU's decode batch shrinks as rows
         # finish and each call's cache is as long as its prompts and budget: one graph with symbolic
         # sizes serves them all
-        self.static = self.device.type == "cuda" if static is None else static
-        self.slots = Slots(self.model.args, storage, self.device) if self.static else None
-        self.graphs = compile_step and self.static and self.device.type == "cuda"
+        static = self.device.type == "cuda" if static is None else static
+        self.slots = Slots(self.model.args, storage, self.device) if static else None
+        self.graphs = compile_step and static and self.device.type == "cuda"  # the decode step is a CUDA graph
         if self.graphs:
             options["triton.cudagraphs"] = True
-        self.step = compiled(self._step, "engine decode step", options or None, not self.static) if compile_step \
-            else self._step
-        self.syncs = self.device.type == "cpu" and not self.static  # a host sync is free: stop the moment every row has
+        self.step = compiled(self._step, "engine decode step", options, not static) if compile_step else self._step
+        self.syncs = self.device.type == "cpu" and not static  # a host sync is free: stop the moment every row has
         self.reuse = True  # keep the last call's rows for a call that extends them (False: re-prefill every prompt)
 
     def _built(self, model: Transformer, dtype: torch.dtype) -> Transformer:
